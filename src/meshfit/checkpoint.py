@@ -1,0 +1,399 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP): atomic commit, resume, safety.
+
+Layout of one checkpoint directory:
+
+    <dir>/.metadata, __*_*.distcp   DCP: model and optimizer, under the model's own names
+    <dir>/meshfit.json               what was saved: model fingerprint, plan, step, ...
+    <dir>/ranks/rank-00000.pt        per-rank state (RNG), tensors only
+
+A checkpoint is written into `<dir>.partial` and renamed into place only when every rank
+has finished, so a crash during a save leaves the previous checkpoint whole. A checkpoint
+root (what `fit` writes) holds `step-00000100/` directories and a `latest` file naming the
+newest committed one, replaced atomically.
+
+Safety: DCP would unpickle its metadata and any non-tensor values with full pickle. We
+read metadata with an allow-listed unpickler and non-tensor values with
+`torch.load(weights_only=True)`, so a checkpoint from elsewhere cannot run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from meshfit.errors import MeshfitError
+
+FORMAT = "meshfit-checkpoint/1"
+META_FILE = "meshfit.json"
+LATEST_FILE = "latest"
+PARTIAL_SUFFIX = ".partial"
+STEP_PREFIX = "step-"
+
+
+# ---- what a model is -------------------------------------------------------------
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, list]:
+    """Name -> [shape, dtype] of every tensor in the model's state dict (global shapes,
+    the user's own names): what a checkpoint must match to load into this model."""
+    return {
+        name: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+        for name, t in model.state_dict().items()
+        if isinstance(t, torch.Tensor)
+    }
+
+
+def fingerprint_digest(fingerprint: dict[str, list]) -> str:
+    text = json.dumps(fingerprint, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def explain_mismatch(saved: dict[str, list], here: dict[str, list]) -> str | None:
+    """None when the two fingerprints match; else what differs, briefly."""
+    missing = [k for k in saved if k not in here]
+    extra = [k for k in here if k not in saved]
+    changed = [k for k in saved if k in here and saved[k][0] != here[k][0]]
+    if not (missing or extra or changed):
+        return None
+    parts = []
+    if changed:
+        k = changed[0]
+        parts.append(
+            f"{len(changed)} tensor(s) have other shapes (e.g. {k!r}: {tuple(saved[k][0])} "
+            f"in the checkpoint, {tuple(here[k][0])} here)"
+        )
+    if missing:
+        parts.append(f"{len(missing)} are missing here (e.g. {missing[0]!r})")
+    if extra:
+        parts.append(f"{len(extra)} are not in the checkpoint (e.g. {extra[0]!r})")
+    return "; ".join(parts)
+
+
+# ---- safe reading ----------------------------------------------------------------
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing anything but its plain data classes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        value = None
+        if module in _DCP_MODULES:
+            candidate = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(candidate, type) and (
+                dataclasses.is_dataclass(candidate) or issubclass(candidate, enum.Enum)
+            ):
+                value = candidate
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            value = getattr(torch, name)
+        elif module == "torch.serialization" and name == "_get_layout":
+            value = torch.serialization._get_layout
+        elif module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+            import pathlib
+
+            value = getattr(pathlib, name)
+        elif module == "collections" and name == "OrderedDict":
+            import collections
+
+            value = collections.OrderedDict
+        if value is None:
+            raise MeshfitError(
+                f"refusing to load checkpoint metadata that references {module}.{name}: "
+                f"it is not a meshfit/DCP checkpoint, or it was tampered with"
+            )
+        return value
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with metadata read by an allow-listed unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        if hasattr(self, "_get_metadata_path"):
+            path = self._get_metadata_path(rank)
+        else:  # older torch
+            path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading non-tensor values with weights_only=True."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            # Same private helper DefaultLoadPlanner.load_bytes uses.
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+# ---- finding checkpoints ---------------------------------------------------------
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META_FILE))
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest committed checkpoint under a root written by `fit`, or None."""
+    pointer = os.path.join(root, LATEST_FILE)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        candidate = os.path.join(root, name)
+        if name and is_checkpoint(candidate):
+            return candidate
+    # No (or a stale) pointer: fall back to the highest committed step directory.
+    steps = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(STEP_PREFIX) and not name.endswith(PARTIAL_SUFFIX):
+                if is_checkpoint(os.path.join(root, name)):
+                    steps.append(name)
+    return os.path.join(root, max(steps)) if steps else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory itself, or the newest one under a checkpoint root."""
+    if is_checkpoint(path):
+        return path
+    found = latest_checkpoint(path)
+    if found:
+        return found
+    if not os.path.exists(path):
+        raise MeshfitError(f"no checkpoint at {path!r}: the path does not exist")
+    raise MeshfitError(
+        f"no checkpoint at {path!r}: it holds no {META_FILE} and no committed "
+        f"{STEP_PREFIX}* directory (an interrupted save leaves only *{PARTIAL_SUFFIX})"
+    )
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+# ---- save ------------------------------------------------------------------------
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def save_checkpoint(
+    engine: Any,
+    path: str,
+    *,
+    extra: dict[str, Any] | None = None,
+    rank_state: dict[str, Any] | None = None,
+) -> str:
+    """Write `engine`'s model, optimizer and progress to the directory `path`.
+
+    extra: JSON-able values stored once (e.g. fit's data position).
+    rank_state: tensors/plain values stored per rank (e.g. RNG state).
+    Every rank must call this (it is collective). Returns `path`.
+    """
+    path = os.path.abspath(path)
+    partial = path + PARTIAL_SUFFIX
+    if os.path.exists(path) and not is_checkpoint(path) and os.listdir(path):
+        raise MeshfitError(
+            f"{path!r} exists and is not a meshfit checkpoint; refusing to overwrite it. "
+            f"Save to a new or empty directory"
+        )
+    extra_json = _json_or_error(extra, "extra")
+    if _is_rank0():
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+        os.makedirs(partial)
+    _barrier()
+
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial)
+    if rank_state is not None:
+        os.makedirs(os.path.join(partial, "ranks"), exist_ok=True)
+        torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{engine.rank:05d}.pt"))
+    _barrier()
+
+    if _is_rank0():
+        meta = {
+            "format": FORMAT,
+            "step": engine.step_count,
+            "plan": str(engine.plan),
+            "world_size": engine.world_size,
+            "model": engine.fingerprint,
+            "model_digest": fingerprint_digest(engine.fingerprint),
+            "optimizer": type(engine.optimizer).__name__,
+            "scaler": engine.scaler.state_dict() if engine.scaler else None,
+            "lr_scheduler": _json_or_error(
+                engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+                "lr_scheduler state",
+            ),
+            "extra": extra_json,
+            "torch": torch.__version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        _write_json_atomic(os.path.join(partial, META_FILE), meta)
+        _commit(partial, path)
+    _barrier()
+    return path
+
+
+def _commit(partial: str, path: str) -> None:
+    """Move the finished checkpoint into place. When replacing an older checkpoint at
+    the same path, the old one is renamed aside first and removed only afterwards."""
+    old = path + ".old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(partial, path)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(os.path.dirname(path))
+
+
+def point_latest(root: str, checkpoint: str) -> None:
+    """Atomically make `root/latest` name `checkpoint` (rank 0 only)."""
+    if not _is_rank0():
+        return
+    tmp = os.path.join(root, LATEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(os.path.basename(checkpoint) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST_FILE))
+
+
+def prune_checkpoints(root: str, keep: int) -> None:
+    """Keep the newest `keep` committed step directories; drop stale partial ones."""
+    if not _is_rank0() or keep < 1 or not os.path.isdir(root):
+        return
+    names = sorted(n for n in os.listdir(root) if n.startswith(STEP_PREFIX))
+    committed = [n for n in names if not n.endswith(PARTIAL_SUFFIX) and is_checkpoint(os.path.join(root, n))]
+    for name in committed[:-keep]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# ---- load ------------------------------------------------------------------------
+
+
+def read_meta(checkpoint: str) -> dict[str, Any]:
+    with open(os.path.join(checkpoint, META_FILE)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise MeshfitError(
+            f"{checkpoint!r} has checkpoint format {meta.get('format')!r}; this meshfit "
+            f"reads {FORMAT!r}"
+        )
+    return meta
+
+
+def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
+    """Load the checkpoint at `path` (or the newest under it) into `engine`.
+
+    Works under any plan of the same model (DCP reshards). Refuses, before touching the
+    engine, a checkpoint of another model or one saved with another optimizer type.
+    Returns the checkpoint's metadata, plus "path" and, where this rank saved one,
+    "rank_state".
+    """
+    checkpoint = resolve_checkpoint(path)
+    meta = read_meta(checkpoint)
+    mismatch = explain_mismatch(meta["model"], engine.fingerprint)
+    if mismatch:
+        raise MeshfitError(
+            f"checkpoint {checkpoint!r} was saved from a different model: {mismatch}. Load "
+            f"it into the model it was saved from, or use a new checkpoint directory"
+        )
+    here = type(engine.optimizer).__name__
+    if meta["optimizer"] != here:
+        raise MeshfitError(
+            f"checkpoint {checkpoint!r} holds {meta['optimizer']} state but this engine "
+            f"uses {here}; use the same optimizer to resume, or a new checkpoint directory"
+        )
+    if (meta["scaler"] is None) != (engine.scaler is None) and engine.scaler is not None:
+        meta["scaler"] = None  # fp32/bf16 -> fp16: start the scaler fresh
+
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(
+        state,
+        storage_reader=SafeFileSystemReader(checkpoint),
+        planner=SafeLoadPlanner(),
+    )
+    set_state_dict(
+        engine.model,
+        engine.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
+    if engine.scaler is not None and meta["scaler"]:
+        engine.scaler.load_state_dict(meta["scaler"])
+    if engine.lr_scheduler is not None and meta["lr_scheduler"]:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    engine.step_count = int(meta["step"])
+
+    meta["path"] = checkpoint
+    rank_file = os.path.join(checkpoint, "ranks", f"rank-{engine.rank:05d}.pt")
+    if meta["world_size"] == engine.world_size and os.path.isfile(rank_file):
+        meta["rank_state"] = torch.load(rank_file, weights_only=True)
+    return meta
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+
+def _json_or_error(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise MeshfitError(f"{what} must be JSON-serialisable to be checkpointed: {exc}") from None
+
+
+def _write_json_atomic(path: str, value: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,348 @@
+"""Engine: one training step for any plan, plus evaluation and checkpoints.
+
+`mf.parallelize(model, plan, optimizer=..., loss_fn=...)` builds an Engine. `step(batch)`
+takes the GLOBAL batch (the same on every rank), keeps this rank's share, cuts it into
+micro-batches, runs forward and backward on each, lets the parallel wrappers synchronise
+gradients, clips, and steps the optimizer. The loss it returns is the mean over the
+global batch, identical on every rank.
+
+Why the numbers match one process: each micro-batch loss is a mean over an equal number
+of samples and is scaled by 1/microbatches; DDP averages gradients over the dp ranks, so
+the gradient is the gradient of the global-batch mean, as in a single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshfit.errors import MeshfitError
+from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
+from meshfit.parallel import apply_plan
+from meshfit.plan import Plan
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW(lr=3e-4): what meshfit uses when no optimizer is given."""
+    return torch.optim.AdamW(params, lr=3e-4)
+
+
+class Engine:
+    """A model parallelized by a Plan, with its optimizer. Build one with `parallelize`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        *,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        grad_clip: float | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+    ) -> None:
+        from meshfit.checkpoint import model_fingerprint
+
+        self.module = model  # the user's model, unwrapped
+        self.loss_fn = loss_fn
+        self.grad_clip = grad_clip
+        self.device = init_distributed()
+        self.plan = plan.resolve(env_world_size())
+        self.world_size = self.plan.world_size or 1
+        self.rank = dist.get_rank() if is_distributed() else 0
+        self.fingerprint = model_fingerprint(model)  # before wrapping: global shapes, user names
+        self.mesh = build_mesh(self.plan, self.device)
+        self.model = apply_plan(model, self.plan, self.mesh, self.device)
+        self.optimizer = _build_optimizer(optimizer, self.model)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        self.step_count = 0  # optimizer steps taken (restored by load)
+        self.last_grad_norm: torch.Tensor | None = None
+        self._autocast_dtype = _AUTOCAST_DTYPES.get(self.plan.precision)
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if self.plan.precision == "fp16" else None
+        )
+        self._dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
+        self._dp_size = self.plan.data_parallel_size
+        self._dp_rank = self.mesh.get_local_rank("dp") if self.mesh is not None else 0
+        self._loss_checked = False
+
+    # ---- training ----------------------------------------------------------------
+    def step(self, batch: tuple[Any, Any]) -> torch.Tensor:
+        """One training step on the GLOBAL batch `(inputs, targets)`; returns the
+        global mean loss as a 0-dim tensor (the same on every rank; `float(loss)`
+        reads it, which waits for the device)."""
+        inputs, targets = self.local_share(batch, self.plan.num_microbatches)
+        return self.step_local(inputs, targets)
+
+    def step_local(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """A training step on this rank's share of the global batch (what `fit` feeds;
+        every dp rank must pass an equal share)."""
+        self.model.train()
+        inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
+        micro = self.plan.num_microbatches
+        size = _batch_size(inputs, "inputs")
+        if size % micro:
+            raise MeshfitError(
+                f"this rank's {size} samples do not split into {micro} micro-batches; "
+                f"make the global batch a multiple of {micro * self._dp_size}"
+            )
+        chunk = size // micro
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for i in range(micro):
+            x = _slice(inputs, i * chunk, (i + 1) * chunk)
+            y = _slice(targets, i * chunk, (i + 1) * chunk)
+            last = i == micro - 1
+            with self._grad_sync(enabled=last), self._autocast():
+                loss = self._loss(x, y)
+                scaled = loss / micro
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += scaled.detach().float()
+        self._optimizer_step()
+        return self._global_mean(total)
+
+    def _optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.grad_clip is not None:
+            # Gradients are already synchronised here, so the local norm is the global norm.
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.grad_clip
+            )
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step_count += 1
+
+    @torch.no_grad()
+    def evaluate(self, batch: tuple[Any, Any]) -> torch.Tensor:
+        """Mean loss over the GLOBAL batch without training; the same on every rank."""
+        inputs, targets = self.local_share(batch, 1)
+        return self.evaluate_local(inputs, targets)
+
+    @torch.no_grad()
+    def evaluate_local(self, inputs: Any, targets: Any) -> torch.Tensor:
+        self.model.eval()
+        inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
+        with self._autocast():
+            loss = self._loss(inputs, targets).detach().float()
+        self.model.train()
+        return self._global_mean(loss)
+
+    # ---- batch handling ----------------------------------------------------------
+    def local_share(self, batch: tuple[Any, Any], microbatches: int) -> tuple[Any, Any]:
+        """This rank's contiguous share of a global batch, after checking it divides."""
+        inputs, targets = unpack_batch(batch)
+        size = _batch_size(inputs, "inputs")
+        target_size = _batch_size(targets, "targets")
+        if target_size != size:
+            raise MeshfitError(
+                f"inputs hold {size} samples but targets hold {target_size}; "
+                f"give one target per input sample"
+            )
+        check_batch_divides(size, self._dp_size, microbatches)
+        share = size // self._dp_size
+        start = self._dp_rank * share
+        return _slice(inputs, start, start + share), _slice(targets, start, start + share)
+
+    # ---- checkpoints -------------------------------------------------------------
+    def save(self, path: str, *, extra: dict[str, Any] | None = None) -> str:
+        """Save model, optimizer and progress to the directory `path` (DCP, written
+        aside then committed, so a crash never leaves a half checkpoint there)."""
+        from meshfit.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, extra=extra)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Load a checkpoint saved by `save` (or the newest one under a checkpoint root
+        written by `fit`); works across plans of the same model. Returns its metadata."""
+        from meshfit.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
+    # ---- internals ---------------------------------------------------------------
+    def _loss(self, inputs: Any, targets: Any) -> torch.Tensor:
+        outputs = self.model(inputs)
+        loss = self.loss_fn(outputs, targets)
+        if not self._loss_checked:
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                raise MeshfitError(
+                    f"loss_fn must return one number, the mean loss over the batch, but it "
+                    f"returned {shape}; use a mean reduction (e.g. reduction='mean')"
+                )
+            self._loss_checked = True
+        return loss
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Skip DDP's all-reduce on all but the last micro-batch (gradient accumulation)."""
+        if enabled or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _global_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
+        if self._dp_group is None or self._dp_size == 1:
+            return local_mean
+        total = local_mean.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._dp_group)
+        return total / self._dp_size
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan | str | None = None,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    grad_clip: float | None = None,
+    lr_scheduler: SchedulerFactory | None = None,
+) -> Engine:
+    """Split `model` over this job's processes as `plan` says and return an Engine.
+
+    plan: a Plan, its text form ("dp=4"), or None for data parallel over every process.
+    optimizer: a function from parameters to an optimizer, e.g.
+        ``lambda params: torch.optim.AdamW(params, lr=3e-4)`` (default: AdamW, lr 3e-4).
+        A function, not an optimizer, because parallel forms may replace the parameters.
+    loss_fn: ``loss_fn(model(inputs), targets)`` -> mean loss over the batch.
+    grad_clip: clip the global gradient norm to this value.
+    lr_scheduler: a function from the optimizer to a torch LR scheduler, stepped once per
+        training step.
+    """
+    if not isinstance(model, nn.Module):
+        raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
+    if loss_fn is None:
+        raise MeshfitError(
+            "parallelize needs a loss function: pass loss_fn=..., e.g. "
+            "loss_fn=torch.nn.functional.cross_entropy"
+        )
+    if not callable(loss_fn):
+        raise MeshfitError(f"loss_fn must be callable, not {type(loss_fn).__name__}")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise MeshfitError(
+            "pass the optimizer as a function of the parameters, e.g. "
+            "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4): parallel forms "
+            "may replace the model's parameters, so meshfit builds the optimizer itself"
+        )
+    if optimizer is not None and not callable(optimizer):
+        raise MeshfitError(f"optimizer must be a function of the parameters, not {optimizer!r}")
+    if grad_clip is not None and not grad_clip > 0:
+        raise MeshfitError(f"grad_clip must be a positive number, not {grad_clip!r}")
+    plan = as_plan(plan)
+    plan.check_implemented()
+    return Engine(
+        model,
+        plan,
+        optimizer=optimizer or default_optimizer,
+        loss_fn=loss_fn,
+        grad_clip=grad_clip,
+        lr_scheduler=lr_scheduler,
+    )
+
+
+def as_plan(plan: Plan | str | None) -> Plan:
+    if plan is None:
+        return Plan()
+    if isinstance(plan, str):
+        return Plan.parse(plan)
+    if isinstance(plan, Plan):
+        return plan
+    raise MeshfitError(f"plan must be a Plan or text such as 'dp=2', not {type(plan).__name__}")
+
+
+def check_batch_divides(batch_size: int, dp_size: int, microbatches: int) -> None:
+    """Refuse a global batch that does not split evenly over ranks and micro-batches."""
+    unit = dp_size * microbatches
+    if batch_size < 1 or batch_size % unit:
+        lower = (batch_size // unit) * unit
+        options = [str(n) for n in (lower, lower + unit) if n > 0]
+        raise MeshfitError(
+            f"a global batch of {batch_size} samples does not split over {dp_size} "
+            f"data-parallel rank(s) x {microbatches} micro-batch(es) (needs a multiple of "
+            f"{unit}); use a batch size of {' or '.join(options)}"
+        )
+
+
+def unpack_batch(batch: Any) -> tuple[Any, Any]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise MeshfitError(
+            f"a batch must be a pair (inputs, targets), not {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+    return batch[0], batch[1]
+
+
+def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = factory(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise MeshfitError(
+            f"the optimizer function returned {type(optimizer).__name__}, not a "
+            f"torch.optim.Optimizer; return e.g. torch.optim.AdamW(params, lr=3e-4)"
+        )
+    return optimizer
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _batch_size(tree: Any, what: str) -> int:
+    tensors = _tensors(tree)
+    if not tensors or tensors[0].ndim == 0:
+        raise MeshfitError(
+            f"{what} must be a tensor (or tuple/dict of tensors) whose first dimension is "
+            f"the batch"
+        )
+    size = tensors[0].shape[0]
+    for t in tensors[1:]:
+        if t.ndim == 0 or t.shape[0] != size:
+            raise MeshfitError(f"the tensors in {what} disagree on the batch size (dim 0)")
+    return size
+
+
+def _slice(tree: Any, start: int, stop: int) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree[start:stop]
+    if isinstance(tree, tuple):
+        return tuple(_slice(t, start, stop) for t in tree)
+    if isinstance(tree, list):
+        return [_slice(t, start, stop) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _slice(v, start, stop) for k, v in tree.items()}
+    return tree
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, non_blocking=True)
+    if isinstance(tree, tuple):
+        return tuple(_to_device(t, device) for t in tree)
+    if isinstance(tree, list):
+        return [_to_device(t, device) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,330 @@
+"""Starting workers: `mf.launch(fn)` from Python and `meshfit run script.py` from a shell.
+
+Both are thin layers over torch.distributed's elastic launcher (the engine of torchrun):
+the elastic agent starts the workers, runs the c10d rendezvous, restarts the group when a
+worker dies (up to max_restarts) and tears every worker down when one fails, so a failure
+never leaves the others hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshfit.devices import cpu_cores, select_devices
+from meshfit.errors import MeshfitError
+
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+
+class WorkerError(RuntimeError):
+    """A worker failed and its exception could not be rebuilt in this process."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """How many workers, on what, with how many threads each."""
+
+    nproc: int
+    env: dict[str, str]
+    device_kind: str  # "cuda" or "cpu"
+    threads: int | None
+
+
+def plan_workers(
+    nproc: int | None, devices: str | Sequence[int] | None, threads: int | None
+) -> WorkerSetup:
+    """Choose the worker count and environment. nproc defaults to the selected GPUs, or
+    to 2 CPU workers (1 when there is one core) with one intra-op thread each."""
+    env = select_devices(devices)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpu_count = len([d for d in visible.split(",") if d])
+    else:
+        gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc is not None and nproc < 1:
+        raise MeshfitError(f"nproc must be at least 1, not {nproc}")
+    if gpu_count:
+        if nproc is None:
+            nproc = gpu_count
+        elif nproc > gpu_count:
+            raise MeshfitError(
+                f"{nproc} workers need {nproc} GPUs but {gpu_count} are selected; use "
+                f"--nproc {gpu_count} or select more devices (meshfit devices lists them)"
+            )
+        kind = "cuda"
+        if threads is None:
+            threads = max(1, cpu_cores() // nproc)
+    else:
+        if nproc is None:
+            nproc = 2 if cpu_cores() >= 2 else 1
+        kind = "cpu"
+        if threads is None:
+            threads = 1
+    if threads < 1:
+        raise MeshfitError(f"threads must be at least 1, not {threads}")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MESHFIT_THREADS"] = str(threads)
+    return WorkerSetup(nproc=nproc, env=env, device_kind=kind, threads=threads)
+
+
+@contextlib.contextmanager
+def _patched_environ(updates: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs(level: int) -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, old in zip(loggers, saved):
+            lg.setLevel(old)
+
+
+# ---- Python entry point ------------------------------------------------------------
+
+
+def launch(
+    fn: Callable[..., Any],
+    nproc: int | None = None,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    devices: str | Sequence[int] | None = None,
+    max_restarts: int = 0,
+    threads: int | None = None,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` in `nproc` local worker processes and return rank 0's
+    result.
+
+    Each worker is a fresh Python process (spawn) with RANK/WORLD_SIZE/... set, so
+    `mf.parallelize` inside `fn` joins the group by itself. `fn` and its arguments must be
+    importable and picklable (define `fn` in a module, not a notebook cell). If a worker
+    raises, the same exception type is raised here with the worker's rank and traceback
+    attached; if a worker dies (signal, exit), a WorkerError says which one.
+    """
+    if not callable(fn):
+        raise MeshfitError(f"launch needs a function to run, not {fn!r}")
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise MeshfitError(
+            f"{fn.__name__} is defined interactively (a notebook cell or the REPL), so the "
+            f"worker processes cannot import it; move it into a .py module and import it"
+        )
+    if max_restarts < 0:
+        raise MeshfitError(f"max_restarts must be >= 0, not {max_restarts}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    setup = plan_workers(nproc, devices, threads)
+    error_dir = tempfile.mkdtemp(prefix="meshfit-launch-")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=setup.nproc,
+        run_id=f"meshfit-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free loopback port, as torchrun --standalone
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        with _patched_environ(setup.env), _quiet_elastic_logs(logging.CRITICAL):
+            results = elastic_launch(config, _worker_main)(
+                fn, tuple(args), dict(kwargs or {}), error_dir
+            )
+    except ChildFailedError as failed:
+        raise _rebuild_worker_exception(error_dir, failed) from None
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
+    return results[0]
+
+
+def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: str) -> Any:
+    threads = int(os.environ.get("MESHFIT_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+        _write_failure(error_dir, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exit at once: atexit handlers could block on peers that are already gone.
+        os._exit(1)
+    _shutdown_process_group()
+    return result
+
+
+def _shutdown_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _write_failure(error_dir: str, exc: BaseException) -> None:
+    record = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "time": time.time(),
+        "module": type(exc).__module__,
+        "qualname": type(exc).__qualname__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    path = os.path.join(error_dir, f"rank-{record['rank']}-{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def _rebuild_worker_exception(error_dir: str, failed: Exception) -> BaseException:
+    """The earliest worker exception (the cause; later ones are usually peers noticing
+    it), rebuilt as its own type when that is possible."""
+    records = []
+    for name in os.listdir(error_dir):
+        if name.endswith(".json"):
+            with open(os.path.join(error_dir, name)) as f:
+                records.append(json.load(f))
+    if not records:
+        return WorkerError(f"a worker died without raising an exception: {failed}")
+    first = min(records, key=lambda r: r["time"])
+    rank, message = first["rank"], first["message"]
+    if first["module"] == MeshfitError.__module__ and first["qualname"] == "MeshfitError":
+        return MeshfitError(message)
+    exc: BaseException
+    try:
+        cls = getattr(importlib.import_module(first["module"]), first["qualname"])
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            raise TypeError(cls)
+        exc = cls(message)
+    except Exception:  # noqa: BLE001 - any exception type we cannot rebuild
+        exc = WorkerError(f"{first['qualname']}: {message}", rank=rank)
+    exc.add_note(f"raised on worker rank {rank}; worker traceback:\n{first['traceback']}")
+    exc.rank = rank  # type: ignore[attr-defined]
+    return exc
+
+
+# ---- command-line entry point ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    target: str  # script path, or module name when module=True
+    target_args: tuple[str, ...] = ()
+    module: bool = False
+    nproc: int | None = None
+    devices: str | None = None
+    nnodes: int = 1
+    node_rank: int | None = None
+    master: str | None = None
+    max_restarts: int = 0
+    threads: int | None = None
+
+
+def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
+    """The torch.distributed.run arguments for these options."""
+    argv = [
+        "--nproc-per-node", str(setup.nproc),
+        "--max-restarts", str(options.max_restarts),
+        "--monitor-interval", "0.5",
+    ]  # fmt: skip
+    if options.nnodes == 1 and options.master is None:
+        argv.append("--standalone")  # c10d rendezvous on a free loopback port
+    else:
+        if options.master is None:
+            raise MeshfitError(
+                f"--nnodes {options.nnodes} needs --master ADDR:PORT, the address of node 0 "
+                f"that every node can reach"
+            )
+        addr, _, port = options.master.rpartition(":")
+        if not addr or not port.isdigit():
+            raise MeshfitError(f"--master must be ADDR:PORT (e.g. 10.0.0.1:29500), not {options.master!r}")
+        argv += ["--nnodes", str(options.nnodes)]
+        if options.node_rank is not None:
+            if not 0 <= options.node_rank < options.nnodes:
+                raise MeshfitError(
+                    f"--node-rank must be between 0 and {options.nnodes - 1}, not {options.node_rank}"
+                )
+            # Fixed node ranks: static rendezvous at node 0's address.
+            argv += ["--node-rank", str(options.node_rank), "--master-addr", addr,
+                     "--master-port", port]  # fmt: skip
+        else:
+            # Elastic rendezvous: node ranks are assigned as nodes join.
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", options.master,
+                     "--rdzv-id", "meshfit"]  # fmt: skip
+    if options.module:
+        argv.append("--module")
+    argv.append(options.target)
+    argv += list(options.target_args)
+    return argv
+
+
+def run(options: RunOptions) -> int:
+    """Run a script on workers the way torchrun would, with meshfit's defaults.
+    Returns the exit status (0 when every worker succeeded)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not options.module and not os.path.isfile(options.target):
+        raise MeshfitError(f"no script at {options.target!r}; give the path of a Python file")
+    if options.nnodes < 1:
+        raise MeshfitError(f"--nnodes must be at least 1, not {options.nnodes}")
+    if options.max_restarts < 0:
+        raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
+    setup = plan_workers(options.nproc, options.devices, options.threads)
+    argv = torchrun_argv(options, setup)
+    where = (
+        f"{setup.nproc} GPU workers" if setup.device_kind == "cuda"
+        else f"{setup.nproc} CPU workers ({setup.threads} thread{'s' if setup.threads != 1 else ''} each)"
+    )  # fmt: skip
+    nodes = f" on each of {options.nnodes} nodes" if options.nnodes > 1 else ""
+    print(f"meshfit: starting {where}{nodes}: {options.target}", file=sys.stderr, flush=True)
+    level = logging.WARNING if options.max_restarts else logging.CRITICAL
+    try:
+        with _patched_environ(setup.env), _quiet_elastic_logs(level):
+            torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as failed:
+        rank, info = failed.get_first_failure()
+        code = info.exitcode if info.exitcode and info.exitcode > 0 else 1
+        how = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {-info.exitcode}"
+        print(
+            f"meshfit: worker rank {rank} failed ({how}); its message is above",
+            file=sys.stderr,
+            flush=True,
+        )
+        return code
+    return 0

@@ -1,0 +1,62 @@
+"""Process-group start-up and Plan -> DeviceMesh."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshfit.devices import worker_device
+from meshfit.plan import MESH_DIMS, Plan
+
+
+def env_world_size() -> int:
+    """World size as the launcher (torchrun / mf.launch) set it; 1 for a plain process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(timeout_s: float | None = None) -> torch.device:
+    """Start the default process group if a launcher asked for one; return this
+    worker's device.
+
+    NCCL drives GPU tensors and gloo CPU tensors (one group serving both, so CPU-side
+    collectives such as checkpoint coordination also work on GPU runs). A plain single
+    process starts no group at all.
+    """
+    device = worker_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if is_distributed() or env_world_size() == 1:
+        return device
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("MESHFIT_TIMEOUT_S", "1800"))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:
+    """A DeviceMesh with the plan's dimensions that are larger than 1 (named "pp", "dp",
+    "fsdp", "tp", outermost first); None for a single process."""
+    if not is_distributed() or plan.world_size == 1:
+        return None
+    sizes = {name: size for name, size in plan.degrees.items() if size and size > 1}
+    names = tuple(name for name in MESH_DIMS if name in sizes)
+    return init_device_mesh(
+        device.type, tuple(sizes[n] for n in names), mesh_dim_names=names
+    )
