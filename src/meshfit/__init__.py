@@ -1,18 +1,24 @@
 """meshfit: train a PyTorch model on many devices through one small API."""
 
+from meshfit import _worker_errors
 from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
 from meshfit.launch import WorkerError, launch
+from meshfit.fit import History, fit
 from meshfit.plan import Plan
 
 __version__ = "0.1.0"
 
+_worker_errors.install()
+
 __all__ = [
     "Engine",
+    "History",
     "MeshfitError",
     "Plan",
     "WorkerError",
     "__version__",
+    "fit",
     "launch",
     "parallelize",
 ]

@@ -341,6 +341,9 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
     if (meta["scaler"] is None) != (engine.scaler is None) and engine.scaler is not None:
         meta["scaler"] = None  # fp32/bf16 -> fp16: start the scaler fresh
 
+    # Read DCP's metadata through the allow-list first: a file that would run code is
+    # refused here with a plain message rather than deep inside dcp.load.
+    SafeFileSystemReader(checkpoint).read_metadata()
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from meshfit._worker_errors import EXIT_USER_ERROR
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
 
@@ -83,6 +84,7 @@ def plan_workers(
         raise MeshfitError(f"threads must be at least 1, not {threads}")
     env["OMP_NUM_THREADS"] = str(threads)
     env["MESHFIT_THREADS"] = str(threads)
+    env["MESHFIT_WORKER"] = "1"
     return WorkerSetup(nproc=nproc, env=env, device_kind=kind, threads=threads)
 
 
@@ -320,6 +322,8 @@ def run(options: RunOptions) -> int:
     except ChildFailedError as failed:
         rank, info = failed.get_first_failure()
         code = info.exitcode if info.exitcode and info.exitcode > 0 else 1
+        if code == EXIT_USER_ERROR:
+            return code  # the worker already printed the one-line reason
         how = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {-info.exitcode}"
         print(
             f"meshfit: worker rank {rank} failed ({how}); its message is above",

@@ -46,8 +46,42 @@ def init_distributed(timeout_s: float | None = None) -> torch.device:
     if timeout_s is None:
         timeout_s = float(os.environ.get("MESHFIT_TIMEOUT_S", "1800"))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend=backend, store=store, rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+        )  # fmt: skip
     return device
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The launcher's store, under a prefix unique to this restart attempt.
+
+    Under torchrun/elastic the agent keeps one TCPStore (same MASTER_PORT) across
+    restarts, so after a worker dies the keys where the previous attempt's ranks
+    published their gloo addresses are still there: a restarted rank can read a dead
+    peer's address and fail with "connection refused" (measured: 3 of 3 restarts failed
+    on torch 2.13 with 2 CPU workers). A per-attempt prefix keeps each attempt's keys
+    apart. Outside an elastic launch this returns None and env:// is used as usual.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    world_size = int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=not agent_hosts_store and int(os.environ["RANK"]) == 0,
+        timeout=timeout,
+        multi_tenant=not agent_hosts_store,
+    )
+    return dist.PrefixStore(f"meshfit/attempt-{attempt}/", store)
 
 
 def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:

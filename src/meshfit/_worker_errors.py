@@ -1,0 +1,45 @@
+"""One-line errors from workers started by `meshfit run`.
+
+A MeshfitError is the user's to fix, so a worker prints it as one line instead of a
+traceback and exits with status 2. When several ranks hit the same error, the first to
+claim a marker file prints it and the others stay silent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+from meshfit.errors import MeshfitError
+
+EXIT_USER_ERROR = 2
+
+
+def _claim_report() -> bool:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    name = f"meshfit-error-{os.getuid() if hasattr(os, 'getuid') else 0}-{run_id}-{attempt}"
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), name), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _hook(exc_type, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signature
+    if issubclass(exc_type, MeshfitError):
+        # The real stderr: torch's own excepthook (installed by init_process_group)
+        # wraps this one and buffers sys.stderr until we return, which we never do.
+        if _claim_report():
+            print(f"meshfit: error: {exc}", file=sys.__stderr__, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_USER_ERROR)
+    sys.__excepthook__(exc_type, exc, tb)
+
+
+def install() -> None:
+    if os.environ.get("MESHFIT_WORKER") == "1":
+        sys.excepthook = _hook

@@ -1,0 +1,99 @@
+"""The main job: train a small GPT on the Python standard library's source, byte by byte.
+
+`meshfit demo` starts this module on the workers (2 CPU processes by default, every GPU
+when there are some); `python -m meshfit.demo` runs it in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import meshfit as mf
+from meshfit.data import ByteTextDataset, python_stdlib_text
+from meshfit.models import GPT, GPTConfig, next_token_loss
+
+PROMPT = "def "
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m meshfit.demo", description=__doc__)
+    add_demo_arguments(parser)
+    return parser
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--plan", default=None, help="e.g. 'dp=2' (default: dp over all workers)")
+    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences (default 32)")
+    parser.add_argument("--block-size", type=int, default=128, help="context length in bytes (default 128)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=128, help="embedding width (default 128)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--data-bytes", type=int, default=4_000_000, help="bytes of stdlib source to use")
+    parser.add_argument("--checkpoint-dir", default=None, help="save here and resume from here")
+    parser.add_argument("--checkpoint-every", type=int, default=None)
+    parser.add_argument("--sample-bytes", type=int, default=300, help="bytes to generate at the end")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def warmup_cosine(total_steps: int, warmup: int):
+    """LR multiplier: linear warm-up, then cosine decay to 10%."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def main(argv: list[str] | None = None) -> mf.fit.History:
+    args = build_parser().parse_args(argv)
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    config = GPTConfig(
+        vocab_size=256, block_size=args.block_size, n_layer=args.layers, n_head=args.heads,
+        n_embd=args.width,
+    )  # fmt: skip
+    model = GPT(config)
+    text = ByteTextDataset(python_stdlib_text(args.data_bytes), args.block_size)
+    train, val = text.split(0.05)
+    warmup = max(1, min(100, args.steps // 10))
+    history = mf.fit(
+        model,
+        train,
+        plan=args.plan,
+        loss_fn=next_token_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, warmup)),
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        eval_dataset=val,
+        eval_every=max(1, args.steps // 4),
+        eval_batches=8,
+        grad_clip=1.0,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        log_every=max(1, min(20, args.steps // 10)),
+        seed=args.seed,
+    )
+    engine = history.engine
+    if engine.rank == 0 and args.sample_bytes > 0:
+        prompt = torch.tensor([list(PROMPT.encode())], device=engine.device)
+        generator = torch.Generator(device=engine.device).manual_seed(args.seed)
+        out = model.generate(prompt, args.sample_bytes, generator=generator)
+        sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        first, last = history.records[0]["loss"], history.records[-1]["loss"]
+        print(f"\nloss {first:.3f} -> {last:.3f} over {len(history)} steps. A sample from the model:")
+        print("-" * 72)
+        print(sample)
+        print("-" * 72, flush=True)
+    return history
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Checkpoints: round trip, atomic commit, refusing the wrong model, safe loading."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from workers import build, make_batch, optimizer_factory
+
+import meshfit as mf
+from meshfit import checkpoint as ckpt
+
+
+def make_engine(kind: str = "mlp", optimizer: str = "adamw", width: int | None = None):
+    model, loss_fn = build(kind)
+    if width is not None:
+        model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 5))
+    return mf.parallelize(model, optimizer=optimizer_factory(optimizer), loss_fn=loss_fn)
+
+
+def train(engine, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        engine.step(make_batch("mlp", 16, step))
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_save_load_continues_the_same_run(tmp_path) -> None:
+    straight = make_engine()
+    train(straight, 6)
+
+    first = make_engine()
+    train(first, 3)
+    first.save(str(tmp_path / "ck"))
+    second = make_engine()
+    meta = second.load(str(tmp_path / "ck"))
+    assert meta["step"] == 3 and second.step_count == 3
+    train(second, 3, start=3)
+    for name, value in weights(straight).items():
+        assert torch.equal(weights(second)[name], value), name
+
+
+def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypatch) -> None:
+    engine = make_engine()
+    train(engine, 2)
+    target = str(tmp_path / "ck")
+    engine.save(target)
+    saved = weights(engine)
+    train(engine, 2, start=2)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (simulated crash in the middle of a save)")
+
+    # The crash hits after DCP wrote its files, just before the commit.
+    monkeypatch.setattr(ckpt, "_commit", crash)
+    with pytest.raises(OSError, match="simulated"):
+        engine.save(target)
+    assert os.path.isdir(target + ckpt.PARTIAL_SUFFIX)  # the half-written one is aside
+
+    fresh = make_engine()
+    fresh.load(target)
+    for name, value in saved.items():
+        assert torch.equal(weights(fresh)[name], value), name
+
+
+def test_crash_inside_dcp_write_keeps_fit_latest(tmp_path, monkeypatch) -> None:
+    root = str(tmp_path / "run")
+    engine = make_engine()
+    train(engine, 1)
+    ckpt.point_latest(root, engine.save(os.path.join(root, ckpt.step_dir_name(1))))
+
+    real_save = torch.distributed.checkpoint.save
+
+    def half_save(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)
+        with open(os.path.join(checkpoint_id, "__0_0.distcp"), "r+b") as f:
+            f.truncate(10)  # torn file
+        raise RuntimeError("killed mid-write (simulated)")
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "save", half_save)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.save(os.path.join(root, ckpt.step_dir_name(2)))
+    assert ckpt.latest_checkpoint(root).endswith(ckpt.step_dir_name(1))
+    assert make_engine().load(root)["step"] == 1
+
+
+def test_checkpoint_of_a_different_model_is_refused(tmp_path) -> None:
+    make_engine(width=16).save(str(tmp_path / "ck"))
+    other = make_engine(width=32)
+    before = weights(other)
+    with pytest.raises(mf.MeshfitError, match="different model: 3 tensor\\(s\\) have other shapes"):
+        other.load(str(tmp_path / "ck"))
+    for name, value in before.items():  # nothing was touched
+        assert torch.equal(weights(other)[name], value)
+
+
+def test_checkpoint_with_another_optimizer_is_refused(tmp_path) -> None:
+    make_engine(optimizer="sgd").save(str(tmp_path / "ck"))
+    with pytest.raises(mf.MeshfitError, match="holds SGD state but this engine uses AdamW"):
+        make_engine(optimizer="adamw").load(str(tmp_path / "ck"))
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(mf.MeshfitError, match="does not exist"):
+        make_engine().load(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(mf.MeshfitError, match="no meshfit.json"):
+        make_engine().load(str(tmp_path / "empty"))
+
+
+def test_refuses_to_overwrite_a_directory_that_is_not_a_checkpoint(tmp_path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "precious.txt").write_text("keep me")
+    with pytest.raises(mf.MeshfitError, match="refusing to overwrite"):
+        make_engine().save(str(tmp_path / "data"))
+    assert (tmp_path / "data" / "precious.txt").read_text() == "keep me"
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path) -> None:
+    engine = make_engine()
+    path = engine.save(str(tmp_path / "ck"))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Exploit(), f)
+    with pytest.raises(mf.MeshfitError, match="refusing to load checkpoint metadata"):
+        make_engine().load(path)
+
+
+def test_loss_fn_is_required_and_checked() -> None:
+    model, _ = build("mlp")
+    with pytest.raises(mf.MeshfitError, match="needs a loss function"):
+        mf.parallelize(model)
+    engine = mf.parallelize(model, loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none"))
+    with pytest.raises(mf.MeshfitError, match="mean loss over the batch"):
+        engine.step(make_batch("mlp", 4, 0))
+
+
+def test_optimizer_instance_is_refused_with_the_fix() -> None:
+    model, loss_fn = build("mlp")
+    with pytest.raises(mf.MeshfitError, match="function of the parameters"):
+        mf.parallelize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)

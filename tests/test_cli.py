@@ -1,0 +1,76 @@
+"""The meshfit command: devices, run (with restarts after a killed worker), demo, and
+bad input that ends in one line and a non-zero exit, never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "scripts")
+
+
+def meshfit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "meshfit.cli", *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
+def test_devices_lists_the_cpu() -> None:
+    result = meshfit("devices")
+    assert result.returncode == 0, result.stderr
+    assert "cpu" in result.stdout and "cores" in result.stdout
+
+
+def test_unknown_device_id_is_one_line_and_exit_2() -> None:
+    result = meshfit("run", "--devices", "5", os.path.join(SCRIPTS, "plan_mismatch.py"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("meshfit: error: no GPU with index 5")
+    assert "Traceback" not in result.stderr
+
+
+def test_plan_that_does_not_match_the_world_is_one_line_no_hang() -> None:
+    result = meshfit("run", "--nproc", "2", os.path.join(SCRIPTS, "plan_mismatch.py"), timeout=90)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("meshfit: error")]
+    assert errors == [
+        "meshfit: error: plan dp=4 uses 4 processes but 2 were started; use dp=2, or start 4 "
+        "processes (meshfit run --nproc 4)"
+    ]
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_script_is_a_clear_error() -> None:
+    result = meshfit("run", "no_such_script.py")
+    assert result.returncode == 2
+    assert "no script at 'no_such_script.py'" in result.stderr
+
+
+def test_killed_worker_restarts_and_finishes_the_same_run(tmp_path) -> None:
+    script = os.path.join(SCRIPTS, "fault_train.py")
+    clean = meshfit("run", "--nproc", "2", script, "--checkpoint-dir", str(tmp_path / "a"),
+                    "--out", str(tmp_path / "a.pt"), timeout=180)  # fmt: skip
+    assert clean.returncode == 0, clean.stderr
+    faulty = meshfit("run", "--nproc", "2", "--max-restarts", "1", script, "--checkpoint-dir",
+                     str(tmp_path / "b"), "--out", str(tmp_path / "b.pt"), "--kill-at", "5",
+                     timeout=180)  # fmt: skip
+    assert faulty.returncode == 0, faulty.stderr
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert a["attempt"] == 0 and b["attempt"] == 1  # the kill really happened
+    assert b["losses"] == a["losses"]
+    for name, value in a["state"].items():
+        assert torch.equal(b["state"][name], value), name
+
+
+def test_demo_runs_and_prints_a_sample() -> None:
+    result = meshfit("demo", "--steps", "4", "--layers", "1", "--width", "32", "--heads", "2",
+                     "--data-bytes", "200000", "--sample-bytes", "20", timeout=180)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "A sample from the model" in result.stdout
+    assert "plan dp=2 on 2 CPU worker(s)" in result.stdout

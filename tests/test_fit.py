@@ -1,0 +1,94 @@
+"""mf.fit: training, history, exact resume, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_same_run
+from workers import build, dataset, fit_run
+
+import meshfit as mf
+
+
+def test_fit_trains_and_writes_history(tmp_path) -> None:
+    result = fit_run({"model": "mlp", "steps": 12, "samples": 64, "plan": "dp=1",
+                      "checkpoint_dir": str(tmp_path), "checkpoint_every": 4})  # fmt: skip
+    assert result["steps"] == list(range(1, 13))
+    assert result["losses"][-1] < result["losses"][0]
+    lines = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 13))
+    assert (tmp_path / "latest").read_text().strip() == "step-00000012"
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    assert kept == ["step-00000008", "step-00000012"]  # keep_checkpoints=2
+
+
+def test_fit_with_dp2_matches_one_process() -> None:
+    spec = {"model": "gpt", "steps": 6, "samples": 48, "batch": 8}
+    ref = fit_run({**spec, "plan": "dp=1"})
+    got = mf.launch(fit_run, nproc=2, args=({**spec, "plan": "dp=2"},))
+    assert_same_run(got, ref)
+
+
+def test_resume_continues_the_exact_run(tmp_path) -> None:
+    """2N steps straight == N steps, stop, resume for N more (dp=2, AdamW, LR schedule,
+    dropout: optimizer state, scheduler, data position and RNG all have to come back)."""
+    spec = {"model": "mlp", "samples": 40, "batch": 8, "plan": "dp=2", "lr_scheduler": True,
+            "dropout": True}  # fmt: skip
+    straight = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 8},))
+    first = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 4, "checkpoint_dir": str(tmp_path)},))
+    resumed = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 8, "checkpoint_dir": str(tmp_path)},))
+    assert first["steps"] == [1, 2, 3, 4]
+    assert resumed["steps"] == list(range(1, 9))  # history includes the earlier half
+    assert resumed["losses"] == straight["losses"]
+    for name, value in straight["state"].items():
+        assert torch.equal(resumed["state"][name], value), name
+
+
+def test_resume_with_other_settings_is_refused(tmp_path) -> None:
+    fit_run({"model": "mlp", "steps": 2, "batch": 8, "plan": "dp=1", "checkpoint_dir": str(tmp_path)})
+    with pytest.raises(mf.MeshfitError, match="batch_size=8 and this run has batch_size=16"):
+        fit_run({"model": "mlp", "steps": 4, "batch": 16, "plan": "dp=1",
+                 "checkpoint_dir": str(tmp_path)})  # fmt: skip
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from ()
+
+
+def _fit(data, **overrides):
+    model, loss_fn = build("mlp")
+    kwargs = dict(loss_fn=loss_fn, batch_size=8, max_steps=2, progress=False)
+    kwargs.update(overrides)
+    return mf.fit(model, data, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "data, overrides, message",
+    [
+        ((torch.zeros(0, 8), torch.zeros(0, dtype=torch.long)), {}, "dataset is empty"),
+        (dataset("mlp", 5), {}, "holds 5 samples, fewer than one global batch of 8"),
+        (dataset("mlp", 16), {"batch_size": 6, "plan": "microbatches=4"},
+         "batch of 6 samples does not split over 1 data-parallel rank\\(s\\) x 4 micro-batch"),
+        (dataset("mlp", 16), {"max_steps": None}, "either max_steps=N or epochs=N"),
+        (dataset("mlp", 16), {"loss_fn": None}, "needs a loss function"),
+        (dataset("mlp", 16), {"checkpoint_every": 2}, "checkpoint_every needs checkpoint_dir"),
+        ("train.csv", {}, "must be a torch Dataset"),
+        (_Stream(), {}, "fit needs a map-style dataset"),
+    ],
+)
+def test_bad_input_is_refused_with_the_fix(data, overrides, message) -> None:
+    with pytest.raises(mf.MeshfitError, match=message):
+        _fit(data, **overrides)
+
+
+def test_epochs_count_full_batches_only() -> None:
+    history = _fit(dataset("mlp", 20), max_steps=None, epochs=3)
+    assert len(history) == 3 * (20 // 8)
+
+
+def test_diverging_loss_stops_with_advice() -> None:
+    with pytest.raises(mf.MeshfitError, match="loss became nan"):
+        _fit(dataset("mlp", 16), loss_fn=lambda out, y: out.sum() * float("nan"), max_steps=6)

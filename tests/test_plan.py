@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from meshfit import MeshfitError, Plan
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(),
+        Plan(dp=2),
+        Plan(dp=2, tp=2),
+        Plan(dp=1, fsdp=2, tp=2, pp=2, microbatches=8, schedule="gpipe"),
+        Plan(dp=4, precision="bf16", checkpointing="full", offload=True),
+    ],
+)
+def test_text_form_round_trips(plan: Plan) -> None:
+    assert Plan.parse(str(plan)) == plan
+
+
+def test_text_form_is_readable() -> None:
+    assert str(Plan(dp=2, tp=2)) == "dp=2,tp=2"
+    assert str(Plan()) == "dp=auto"
+    assert Plan.parse("dp=2, precision=bf16") == Plan(dp=2, precision="bf16")
+
+
+def test_resolve_fills_dp_from_world() -> None:
+    assert Plan().resolve(4).dp == 4
+    assert Plan(tp=2).resolve(8).dp == 4
+    assert Plan(dp=2).resolve(2) == Plan(dp=2)
+
+
+def test_plan_that_does_not_fit_the_world_names_the_fix() -> None:
+    with pytest.raises(MeshfitError, match=r"uses 4 processes but 2 were started; use dp=2"):
+        Plan(dp=4).resolve(2)
+    with pytest.raises(MeshfitError, match="multiple of fsdp\\*tp\\*pp = 2"):
+        Plan(tp=2).resolve(3)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tpp=2", "unknown plan field 'tpp'"),
+        ("dp=two", "whole number"),
+        ("dp=0", ">= 1"),
+        ("schedule=fast", "schedule='fast' is not one of"),
+        ("dp", "key=value"),
+        ("dp=2,dp=4", "given twice"),
+        ("precision=fp8", "precision='fp8'"),
+    ],
+)
+def test_bad_plan_text_is_refused(text: str, message: str) -> None:
+    with pytest.raises(MeshfitError, match=message):
+        Plan.parse(text)
+
+
+def test_forms_not_built_yet_are_refused_not_run_another_way() -> None:
+    for plan in (Plan(tp=2), Plan(pp=2), Plan(fsdp=2), Plan(checkpointing="full"),
+                 Plan(offload=True)):  # fmt: skip
+        with pytest.raises(MeshfitError, match="not implement"):
+            plan.check_implemented()
+    Plan(dp=4, precision="bf16", microbatches=2).check_implemented()

@@ -1,0 +1,119 @@
+"""Functions the multi-process tests run on workers (importable, so spawn can find them).
+
+Every run builds its model and data from fixed seeds, so the same spec gives the same
+training run in one process or in many.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+
+import meshfit as mf
+from meshfit.models import GPT, GPTConfig, next_token_loss
+
+# bias=False: a key-projection bias gets an exactly-zero gradient (softmax ignores it), so
+# Adam would turn float noise in it into full-size updates and no comparison means much.
+TINY_GPT = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, bias=False)
+
+
+def build(kind: str) -> tuple[torch.nn.Module, object]:
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+            torch.nn.Linear(32, 5),
+        )  # fmt: skip
+        return model, F.cross_entropy
+    if kind == "gpt":
+        return GPT(TINY_GPT), next_token_loss
+    raise ValueError(kind)
+
+
+def make_batch(kind: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + step)
+    if kind == "mlp":
+        return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (batch, TINY_GPT.block_size + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def optimizer_factory(name: str):
+    if name == "sgd":
+        # Plain SGD keeps the gradient's scale in the update, so a wrongly averaged
+        # gradient shows up in the weights (Adam would normalise it away).
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def engine_run(spec: dict) -> dict:
+    """Train with engine.step on the global batch; return losses and final weights."""
+    model, loss_fn = build(spec["model"])
+    engine = mf.parallelize(
+        model, spec.get("plan"), optimizer=optimizer_factory(spec.get("optimizer", "sgd")),
+        loss_fn=loss_fn, grad_clip=spec.get("grad_clip"),
+    )  # fmt: skip
+    losses = []
+    for step in range(spec.get("steps", 4)):
+        batch = make_batch(spec["model"], spec.get("batch", 16), step)
+        losses.append(float(engine.step(batch)))
+    eval_loss = float(engine.evaluate(make_batch(spec["model"], spec.get("batch", 16), 999)))
+    state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    return {"losses": losses, "eval": eval_loss, "state": state, "rank": engine.rank}
+
+
+def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(kind, n, step=77)
+
+
+def fit_run(spec: dict) -> dict:
+    """Train with mf.fit; stop_after simulates a run cut short (it checkpoints there)."""
+    model, loss_fn = build(spec["model"])
+    kwargs = dict(
+        plan=spec.get("plan"),
+        loss_fn=loss_fn,
+        optimizer=optimizer_factory(spec.get("optimizer", "adamw")),
+        batch_size=spec.get("batch", 8),
+        max_steps=spec["steps"],
+        checkpoint_dir=spec.get("checkpoint_dir"),
+        checkpoint_every=spec.get("checkpoint_every"),
+        log_every=spec.get("log_every", 2),
+        progress=False,
+        seed=3,
+    )
+    if spec.get("lr_scheduler"):
+        kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    if spec.get("dropout"):
+        model = torch.nn.Sequential(model, torch.nn.Dropout(0.2))
+    data = dataset(spec["model"], spec.get("samples", 64))
+    history = mf.fit(model, data, **kwargs)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {"losses": history.losses, "steps": [r["step"] for r in history], "state": state}
+
+
+def raise_on_rank(rank_to_fail: int) -> int:
+    if int(os.environ["RANK"]) == rank_to_fail:
+        raise KeyError(f"boom on {rank_to_fail}")
+    return int(os.environ["RANK"])
+
+
+def die_on_rank(rank_to_fail: int) -> int:
+    if int(os.environ["RANK"]) == rank_to_fail:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+def world_info() -> dict:
+    return {
+        "rank": int(os.environ["RANK"]),
+        "world": int(os.environ["WORLD_SIZE"]),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def many_engine_runs(specs: list[dict]) -> list[dict]:
+    """Several runs in one set of workers (saves process start-up in the tests)."""
+    return [engine_run(spec) for spec in specs]
