@@ -147,4 +147,19 @@ def test_loss_fn_is_required_and_checked() -> None:
 def test_optimizer_instance_is_refused_with_the_fix() -> None:
     model, loss_fn = build("mlp")
     with pytest.raises(mf.MeshfitError, match="function of the parameters"):
-        mf.parallelize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+        mf.parallelize(
+            model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn
+        )
+
+
+def test_checkpoint_saved_under_dp2_loads_in_one_process(tmp_path) -> None:
+    from workers import save_after_training
+
+    spec = {"model": "gpt", "plan": "dp=2", "batch": 16, "steps": 3}
+    saved = mf.launch(save_after_training, nproc=2, args=(spec, str(tmp_path / "ck")))
+    model, loss_fn = build("gpt")
+    engine = mf.parallelize(model, "dp=1", optimizer=optimizer_factory("sgd"), loss_fn=loss_fn)
+    meta = engine.load(str(tmp_path / "ck"))
+    assert meta["plan"] == "dp=2" and meta["world_size"] == 2 and engine.step_count == 3
+    for name, value in saved["state"].items():
+        assert torch.equal(engine.module.state_dict()[name], value), name

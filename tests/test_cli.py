@@ -74,3 +74,52 @@ def test_demo_runs_and_prints_a_sample() -> None:
     assert result.returncode == 0, result.stderr
     assert "A sample from the model" in result.stdout
     assert "plan dp=2 on 2 CPU worker(s)" in result.stdout
+
+
+def test_two_nodes_on_loopback_train_together(tmp_path) -> None:
+    """--nnodes/--node-rank/--master: two single-worker 'nodes' form one dp=2 job."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(SCRIPTS, "fault_train.py")
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshfit.cli",
+                "run",
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master",
+                f"127.0.0.1:{port}",
+                script,
+                "--checkpoint-dir",
+                str(tmp_path / "ck"),
+                "--out",
+                str(tmp_path / "out.pt"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "on each of 2 nodes" in outputs[0][1]
+    single = meshfit("run", "--nproc", "2", script, "--checkpoint-dir", str(tmp_path / "ck2"),
+                     "--out", str(tmp_path / "ref.pt"))  # fmt: skip
+    assert single.returncode == 0, single.stderr
+    a = torch.load(tmp_path / "out.pt", weights_only=True)
+    b = torch.load(tmp_path / "ref.pt", weights_only=True)
+    for name, value in b["state"].items():
+        assert torch.equal(a["state"][name], value), name

@@ -22,8 +22,14 @@ def _specs(plan: str) -> list[dict]:
         {"model": "mlp", "plan": plan, "batch": BATCH, "steps": STEPS},
         {"model": "gpt", "plan": plan, "batch": BATCH, "steps": STEPS},
         {"model": "gpt", "plan": plan + ",microbatches=2", "batch": BATCH, "steps": STEPS},
-        {"model": "gpt", "plan": plan, "batch": BATCH, "steps": STEPS, "optimizer": "adamw",
-         "grad_clip": 0.05},
+        {
+            "model": "gpt",
+            "plan": plan,
+            "batch": BATCH,
+            "steps": STEPS,
+            "optimizer": "adamw",
+            "grad_clip": 0.05,
+        },
     ]
 
 

@@ -37,8 +37,12 @@ def test_resume_continues_the_exact_run(tmp_path) -> None:
     spec = {"model": "mlp", "samples": 40, "batch": 8, "plan": "dp=2", "lr_scheduler": True,
             "dropout": True}  # fmt: skip
     straight = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 8},))
-    first = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 4, "checkpoint_dir": str(tmp_path)},))
-    resumed = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 8, "checkpoint_dir": str(tmp_path)},))
+    first = mf.launch(
+        fit_run, nproc=2, args=({**spec, "steps": 4, "checkpoint_dir": str(tmp_path)},)
+    )
+    resumed = mf.launch(
+        fit_run, nproc=2, args=({**spec, "steps": 8, "checkpoint_dir": str(tmp_path)},)
+    )
     assert first["steps"] == [1, 2, 3, 4]
     assert resumed["steps"] == list(range(1, 9))  # history includes the earlier half
     assert resumed["losses"] == straight["losses"]
@@ -47,7 +51,9 @@ def test_resume_continues_the_exact_run(tmp_path) -> None:
 
 
 def test_resume_with_other_settings_is_refused(tmp_path) -> None:
-    fit_run({"model": "mlp", "steps": 2, "batch": 8, "plan": "dp=1", "checkpoint_dir": str(tmp_path)})
+    fit_run(
+        {"model": "mlp", "steps": 2, "batch": 8, "plan": "dp=1", "checkpoint_dir": str(tmp_path)}
+    )
     with pytest.raises(mf.MeshfitError, match="batch_size=8 and this run has batch_size=16"):
         fit_run({"model": "mlp", "steps": 4, "batch": 16, "plan": "dp=1",
                  "checkpoint_dir": str(tmp_path)})  # fmt: skip
@@ -70,8 +76,11 @@ def _fit(data, **overrides):
     [
         ((torch.zeros(0, 8), torch.zeros(0, dtype=torch.long)), {}, "dataset is empty"),
         (dataset("mlp", 5), {}, "holds 5 samples, fewer than one global batch of 8"),
-        (dataset("mlp", 16), {"batch_size": 6, "plan": "microbatches=4"},
-         "batch of 6 samples does not split over 1 data-parallel rank\\(s\\) x 4 micro-batch"),
+        (
+            dataset("mlp", 16),
+            {"batch_size": 6, "plan": "microbatches=4"},
+            "batch of 6 samples does not split over 1 data-parallel rank\\(s\\) x 4 micro-batch",
+        ),
         (dataset("mlp", 16), {"max_steps": None}, "either max_steps=N or epochs=N"),
         (dataset("mlp", 16), {"loss_fn": None}, "needs a loss function"),
         (dataset("mlp", 16), {"checkpoint_every": 2}, "checkpoint_every needs checkpoint_dir"),

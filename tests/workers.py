@@ -117,3 +117,15 @@ def world_info() -> dict:
 def many_engine_runs(specs: list[dict]) -> list[dict]:
     """Several runs in one set of workers (saves process start-up in the tests)."""
     return [engine_run(spec) for spec in specs]
+
+
+def save_after_training(spec: dict, path: str) -> dict:
+    """Train with engine.step under spec's plan, save to `path`, return the weights."""
+    model, loss_fn = build(spec["model"])
+    engine = mf.parallelize(
+        model, spec.get("plan"), optimizer=optimizer_factory("sgd"), loss_fn=loss_fn
+    )
+    for step in range(spec.get("steps", 4)):
+        engine.step(make_batch(spec["model"], spec.get("batch", 16), step))
+    engine.save(path)
+    return {"state": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}

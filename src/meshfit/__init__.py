@@ -3,8 +3,8 @@
 from meshfit import _worker_errors
 from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
-from meshfit.launch import WorkerError, launch
 from meshfit.fit import History, fit
+from meshfit.launch import WorkerError, launch
 from meshfit.plan import Plan
 
 __version__ = "0.1.0"

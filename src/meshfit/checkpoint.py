@@ -101,11 +101,19 @@ class _MetadataUnpickler(pickle.Unpickler):
                 dataclasses.is_dataclass(candidate) or issubclass(candidate, enum.Enum)
             ):
                 value = candidate
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+        elif module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             value = getattr(torch, name)
         elif module == "torch.serialization" and name == "_get_layout":
             value = torch.serialization._get_layout
-        elif module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        elif module == "pathlib" and name in (
+            "Path",
+            "PosixPath",
+            "WindowsPath",
+            "PurePosixPath",
+            "PureWindowsPath",
+        ):
             import pathlib
 
             value = getattr(pathlib, name)
@@ -297,7 +305,9 @@ def prune_checkpoints(root: str, keep: int) -> None:
     if not _is_rank0() or keep < 1 or not os.path.isdir(root):
         return
     names = sorted(n for n in os.listdir(root) if n.startswith(STEP_PREFIX))
-    committed = [n for n in names if not n.endswith(PARTIAL_SUFFIX) and is_checkpoint(os.path.join(root, n))]
+    committed = [
+        n for n in names if not n.endswith(PARTIAL_SUFFIX) and is_checkpoint(os.path.join(root, n))
+    ]
     for name in committed[:-keep]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 

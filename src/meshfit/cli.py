@@ -24,10 +24,18 @@ def _devices(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     console.print(table)
     if inv.cuda_visible_devices is not None:
-        console.print(f"CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices!r} (indices above are relative to it)")
+        console.print(
+            f"CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices!r} (indices above are relative to it)"
+        )
     backend = "nccl (GPU) + gloo (CPU)" if inv.gpus else "gloo"
-    default = f"{len(inv.gpus)} GPU workers" if inv.gpus else f"{2 if inv.cpu_cores >= 2 else 1} CPU workers"
-    console.print(f"torch {torch.__version__}; process groups: {backend}; meshfit run starts {default} by default")
+    default = (
+        f"{len(inv.gpus)} GPU workers"
+        if inv.gpus
+        else f"{2 if inv.cpu_cores >= 2 else 1} CPU workers"
+    )
+    console.print(
+        f"torch {torch.__version__}; process groups: {backend}; meshfit run starts {default} by default"
+    )
     return 0
 
 
@@ -35,7 +43,9 @@ def _run(args: argparse.Namespace) -> int:
     from meshfit.launch import RunOptions, run
 
     if not args.script:
-        raise MeshfitError("meshfit run needs a script: meshfit run [options] train.py [script args]")
+        raise MeshfitError(
+            "meshfit run needs a script: meshfit run [options] train.py [script args]"
+        )
     target, *rest = args.script
     return run(
         RunOptions(
@@ -116,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     run.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     run.add_argument("--master", default=None, help="ADDR:PORT of node 0 (multi-node)")
-    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m")
+    run.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"
+    )
     run.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]")
     run.set_defaults(handler=_run)
 

@@ -27,16 +27,24 @@ def build_parser() -> argparse.ArgumentParser:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     parser.add_argument("--plan", default=None, help="e.g. 'dp=2' (default: dp over all workers)")
-    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences (default 32)")
-    parser.add_argument("--block-size", type=int, default=128, help="context length in bytes (default 128)")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="GLOBAL batch in sequences (default 32)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=128, help="context length in bytes (default 128)"
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128, help="embedding width (default 128)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--data-bytes", type=int, default=4_000_000, help="bytes of stdlib source to use")
+    parser.add_argument(
+        "--data-bytes", type=int, default=4_000_000, help="bytes of stdlib source to use"
+    )
     parser.add_argument("--checkpoint-dir", default=None, help="save here and resume from here")
     parser.add_argument("--checkpoint-every", type=int, default=None)
-    parser.add_argument("--sample-bytes", type=int, default=300, help="bytes to generate at the end")
+    parser.add_argument(
+        "--sample-bytes", type=int, default=300, help="bytes to generate at the end"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -68,8 +76,12 @@ def main(argv: list[str] | None = None) -> mf.fit.History:
         train,
         plan=args.plan,
         loss_fn=next_token_loss,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, warmup)),
+        optimizer=lambda params: torch.optim.AdamW(
+            params, lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)
+        ),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, warmup_cosine(args.steps, warmup)
+        ),
         batch_size=args.batch_size,
         max_steps=args.steps,
         eval_dataset=val,
@@ -88,7 +100,9 @@ def main(argv: list[str] | None = None) -> mf.fit.History:
         out = model.generate(prompt, args.sample_bytes, generator=generator)
         sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         first, last = history.records[0]["loss"], history.records[-1]["loss"]
-        print(f"\nloss {first:.3f} -> {last:.3f} over {len(history)} steps. A sample from the model:")
+        print(
+            f"\nloss {first:.3f} -> {last:.3f} over {len(history)} steps. A sample from the model:"
+        )
         print("-" * 72)
         print(sample)
         print("-" * 72, flush=True)

@@ -314,8 +314,7 @@ def _batch_size(tree: Any, what: str) -> int:
     tensors = _tensors(tree)
     if not tensors or tensors[0].ndim == 0:
         raise MeshfitError(
-            f"{what} must be a tensor (or tuple/dict of tensors) whose first dimension is "
-            f"the batch"
+            f"{what} must be a tensor (or tuple/dict of tensors) whose first dimension is the batch"
         )
     size = tensors[0].shape[0]
     for t in tensors[1:]:

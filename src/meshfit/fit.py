@@ -243,8 +243,10 @@ def as_dataset(data: Any, what: str) -> Dataset:
             f"{what} is an IterableDataset; fit needs a map-style dataset (with __len__ "
             f"and __getitem__) so it can give each rank its own samples and resume exactly"
         )
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(
-        isinstance(t, torch.Tensor) for t in data
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and all(isinstance(t, torch.Tensor) for t in data)
     ):
         inputs, targets = data
         if inputs.ndim == 0 or targets.ndim == 0 or len(inputs) != len(targets):
@@ -254,7 +256,9 @@ def as_dataset(data: Any, what: str) -> Dataset:
             )
         return TensorDataset(inputs, targets)
     if isinstance(data, Dataset) or (
-        hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, (str, bytes))
+        hasattr(data, "__getitem__")
+        and hasattr(data, "__len__")
+        and not isinstance(data, (str, bytes))
     ):
         return data
     raise MeshfitError(
@@ -297,7 +301,9 @@ def _tokens_per_sample(inputs: Any) -> int | None:
 
 
 @torch.no_grad()
-def _evaluate(engine: Engine, data: Dataset, batch_size: int, limit: int | None, workers: int) -> float:
+def _evaluate(
+    engine: Engine, data: Dataset, batch_size: int, limit: int | None, workers: int
+) -> float:
     sampler = GlobalBatchSampler(
         len(data), batch_size, dp_size=engine._dp_size, dp_rank=engine._dp_rank, shuffle=False
     )

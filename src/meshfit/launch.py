@@ -29,7 +29,11 @@ from meshfit._worker_errors import EXIT_USER_ERROR
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
 
-_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+_ELASTIC_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.distributed.run",
+)
 
 
 class WorkerError(RuntimeError):
@@ -111,7 +115,7 @@ def _quiet_elastic_logs(level: int) -> Iterator[None]:
     try:
         yield
     finally:
-        for lg, old in zip(loggers, saved):
+        for lg, old in zip(loggers, saved, strict=True):
             lg.setLevel(old)
 
 
@@ -274,7 +278,9 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
             )
         addr, _, port = options.master.rpartition(":")
         if not addr or not port.isdigit():
-            raise MeshfitError(f"--master must be ADDR:PORT (e.g. 10.0.0.1:29500), not {options.master!r}")
+            raise MeshfitError(
+                f"--master must be ADDR:PORT (e.g. 10.0.0.1:29500), not {options.master!r}"
+            )
         argv += ["--nnodes", str(options.nnodes)]
         if options.node_rank is not None:
             if not 0 <= options.node_rank < options.nnodes:

@@ -91,6 +91,4 @@ def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:
         return None
     sizes = {name: size for name, size in plan.degrees.items() if size and size > 1}
     names = tuple(name for name in MESH_DIMS if name in sizes)
-    return init_device_mesh(
-        device.type, tuple(sizes[n] for n in names), mesh_dim_names=names
-    )
+    return init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)

@@ -167,9 +167,7 @@ class Plan:
                     f"commas, e.g. 'dp=2,tp=2'"
                 )
             if key not in known:
-                raise MeshfitError(
-                    f"unknown plan field {key!r}; known fields: {', '.join(known)}"
-                )
+                raise MeshfitError(f"unknown plan field {key!r}; known fields: {', '.join(known)}")
             if key in values:
                 raise MeshfitError(f"plan field {key!r} is given twice in {text!r}")
             values[key] = _parse_value(key, raw.strip())

@@ -47,7 +47,9 @@ class TrainingDisplay:
                 console=self.console,
                 transient=True,
             )
-            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, status="")
+            self._task = self._bar.add_task(
+                "train", total=total_steps, completed=start_step, status=""
+            )
             self._bar.start()
         self._start_time = time.perf_counter()
         self._start_step = start_step
@@ -66,7 +68,9 @@ class TrainingDisplay:
             done = step - self._start_step
             elapsed = time.perf_counter() - self._start_time
             eta = elapsed / done * (self.total - step) if done else 0.0
-            self.console.print(f"step {step:>{len(str(self.total))}}/{self.total} | {status} | eta {format_duration(eta)}")
+            self.console.print(
+                f"step {step:>{len(str(self.total))}}/{self.total} | {status} | eta {format_duration(eta)}"
+            )
 
     def close(self) -> None:
         if self._bar is not None:

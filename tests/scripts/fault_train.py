@@ -34,4 +34,6 @@ history = mf.fit(
     progress=False, callbacks=[kill_once],
 )  # fmt: skip
 if history.engine.rank == 0:
-    torch.save({"state": model.state_dict(), "attempt": attempt, "losses": history.losses}, args.out)
+    torch.save(
+        {"state": model.state_dict(), "attempt": attempt, "losses": history.losses}, args.out
+    )

@@ -16,7 +16,11 @@ def python_stdlib_text(max_bytes: int = 4_000_000) -> bytes:
     root = sysconfig.get_paths()["stdlib"]
     chunks, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__", "idlelib"))
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if d not in ("site-packages", "test", "tests", "__pycache__", "idlelib")
+        )
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue

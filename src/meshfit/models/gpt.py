@@ -101,7 +101,9 @@ class GPT(nn.Module):
         """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
         seq = idx.shape[1]
         if seq > self.config.block_size:
-            raise ValueError(f"sequence of {seq} tokens is longer than block_size={self.config.block_size}")
+            raise ValueError(
+                f"sequence of {seq} tokens is longer than block_size={self.config.block_size}"
+            )
         pos = torch.arange(seq, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
