@@ -123,3 +123,10 @@ def test_two_nodes_on_loopback_train_together(tmp_path) -> None:
     b = torch.load(tmp_path / "ref.pt", weights_only=True)
     for name, value in b["state"].items():
         assert torch.equal(a["state"][name], value), name
+
+
+def test_example_runs_under_meshfit_run() -> None:
+    example = os.path.join(os.path.dirname(HERE), "examples", "train_dp.py")
+    result = meshfit("run", "--nproc", "2", example, "--steps", "20")
+    assert result.returncode == 0, result.stderr
+    assert "fit: loss" in result.stdout

@@ -35,7 +35,7 @@ class TrainingDisplay:
     def __init__(self, total_steps: int, start_step: int, *, enabled: bool) -> None:
         self.enabled = enabled
         self.total = total_steps
-        self.console = Console(file=sys.stdout, highlight=False)
+        self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self._bar: Progress | None = None
         self._task = None
         if enabled and self.console.is_terminal:
