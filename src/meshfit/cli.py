@@ -74,6 +74,9 @@ def _demo(args: argparse.Namespace) -> int:
         "--seed", str(args.seed),
     ]  # fmt: skip
     if args.plan:
+        from meshfit.plan import Plan
+
+        Plan.parse(args.plan).check_implemented()  # refuse a bad plan before starting workers
         demo_args += ["--plan", args.plan]
     if args.checkpoint_dir:
         demo_args += ["--checkpoint-dir", args.checkpoint_dir]
