@@ -1,0 +1,22 @@
+"""The benchmark scripts run (tiny sizes). Checks that they work, never a speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_overhead_benchmark_quick(tmp_path) -> None:
+    out = tmp_path / "overhead.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["runner"] for r in rows] == ["hand-written", "meshfit engine", "meshfit fit"]
+    assert "vs hand" in result.stdout.splitlines()[-4]
