@@ -76,8 +76,8 @@ def test_crash_inside_dcp_write_keeps_fit_latest(tmp_path, monkeypatch) -> None:
 
     real_save = torch.distributed.checkpoint.save
 
-    def half_save(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)
+    def half_save(state, checkpoint_id, **kwargs):
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)
         with open(os.path.join(checkpoint_id, "__0_0.distcp"), "r+b") as f:
             f.truncate(10)  # torn file
         raise RuntimeError("killed mid-write (simulated)")

@@ -18,6 +18,7 @@ read metadata with an allow-listed unpickler and non-tensor values with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -27,6 +28,8 @@ import os
 import pickle
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -210,13 +213,27 @@ def step_dir_name(step: int) -> str:
 # ---- save ------------------------------------------------------------------------
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save/load without a process group that it 'assumes a single
+    process', which is exactly what no_dist=True asks for."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
 
 
 def _is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not _distributed() or dist.get_rank() == 0
 
 
 def save_checkpoint(
@@ -246,7 +263,12 @@ def save_checkpoint(
     _barrier()
 
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial)
+    with _single_process_quiet():
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=partial,
+            no_dist=not _distributed(),
+        )
     if rank_state is not None:
         os.makedirs(os.path.join(partial, "ranks"), exist_ok=True)
         torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{engine.rank:05d}.pt"))
@@ -356,11 +378,13 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
     SafeFileSystemReader(checkpoint).read_metadata()
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(
-        state,
-        storage_reader=SafeFileSystemReader(checkpoint),
-        planner=SafeLoadPlanner(),
-    )
+    with _single_process_quiet():
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(checkpoint),
+            planner=SafeLoadPlanner(),
+            no_dist=not _distributed(),
+        )
     set_state_dict(
         engine.model,
         engine.optimizer,
