@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshfit.errors import MeshfitError
+from meshfit.mesh import is_distributed
 
 FORMAT = "meshfit-checkpoint/1"
 META_FILE = "meshfit.json"
@@ -213,27 +214,23 @@ def step_dir_name(step: int) -> str:
 # ---- save ------------------------------------------------------------------------
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns on every save/load without a process group that it 'assumes a single
     process', which is exactly what no_dist=True asks for."""
     with warnings.catch_warnings():
-        if not _distributed():
+        if not is_distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
 def _barrier() -> None:
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 
 def _is_rank0() -> bool:
-    return not _distributed() or dist.get_rank() == 0
+    return not is_distributed() or dist.get_rank() == 0
 
 
 def save_checkpoint(
@@ -267,7 +264,7 @@ def save_checkpoint(
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
             checkpoint_id=partial,
-            no_dist=not _distributed(),
+            no_dist=not is_distributed(),
         )
     if rank_state is not None:
         os.makedirs(os.path.join(partial, "ranks"), exist_ok=True)
@@ -370,9 +367,6 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
             f"checkpoint {checkpoint!r} holds {meta['optimizer']} state but this engine "
             f"uses {here}; use the same optimizer to resume, or a new checkpoint directory"
         )
-    if (meta["scaler"] is None) != (engine.scaler is None) and engine.scaler is not None:
-        meta["scaler"] = None  # fp32/bf16 -> fp16: start the scaler fresh
-
     # Read DCP's metadata through the allow-list first: a file that would run code is
     # refused here with a plain message rather than deep inside dcp.load.
     SafeFileSystemReader(checkpoint).read_metadata()
@@ -383,7 +377,7 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
             state,
             storage_reader=SafeFileSystemReader(checkpoint),
             planner=SafeLoadPlanner(),
-            no_dist=not _distributed(),
+            no_dist=not is_distributed(),
         )
     set_state_dict(
         engine.model,
@@ -391,7 +385,7 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
     )
-    if engine.scaler is not None and meta["scaler"]:
+    if engine.scaler is not None and meta["scaler"]:  # fp32/bf16 -> fp16 starts it fresh
         engine.scaler.load_state_dict(meta["scaler"])
     if engine.lr_scheduler is not None and meta["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])

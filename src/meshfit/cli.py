@@ -66,22 +66,15 @@ def _run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from meshfit.launch import RunOptions, run
 
-    demo_args = [
-        "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-        "--block-size", str(args.block_size), "--layers", str(args.layers),
-        "--width", str(args.width), "--heads", str(args.heads), "--lr", str(args.lr),
-        "--data-bytes", str(args.data_bytes), "--sample-bytes", str(args.sample_bytes),
-        "--seed", str(args.seed),
-    ]  # fmt: skip
+    demo_args: list[str] = []
+    for action in args.demo_actions:
+        value = getattr(args, action.dest)
+        if value is not None:
+            demo_args += [action.option_strings[0], str(value)]
     if args.plan:
         from meshfit.plan import Plan
 
         Plan.parse(args.plan).check_implemented()  # refuse a bad plan before starting workers
-        demo_args += ["--plan", args.plan]
-    if args.checkpoint_dir:
-        demo_args += ["--checkpoint-dir", args.checkpoint_dir]
-    if args.checkpoint_every:
-        demo_args += ["--checkpoint-every", str(args.checkpoint_every)]
     return run(
         RunOptions(
             target="meshfit.demo",
@@ -141,8 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a byte-level GPT on the standard library's source, then sample from it.",
     )
     _add_worker_options(demo)
-    add_demo_arguments(demo)
-    demo.set_defaults(handler=_demo)
+    demo.set_defaults(handler=_demo, demo_actions=add_demo_arguments(demo))
     return parser
 
 

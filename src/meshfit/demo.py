@@ -24,28 +24,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--plan", default=None, help="e.g. 'dp=2' (default: dp over all workers)")
-    parser.add_argument(
-        "--batch-size", type=int, default=32, help="GLOBAL batch in sequences (default 32)"
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=128, help="context length in bytes (default 128)"
-    )
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128, help="embedding width (default 128)")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument(
-        "--data-bytes", type=int, default=4_000_000, help="bytes of stdlib source to use"
-    )
-    parser.add_argument("--checkpoint-dir", default=None, help="save here and resume from here")
-    parser.add_argument("--checkpoint-every", type=int, default=None)
-    parser.add_argument(
-        "--sample-bytes", type=int, default=300, help="bytes to generate at the end"
-    )
-    parser.add_argument("--seed", type=int, default=0)
+def add_demo_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add the demo's options to `parser`; returns them so `meshfit demo` can pass each
+    one on to the workers without listing them a second time."""
+    actions: list[argparse.Action] = []
+
+    def option(*names: str, **kwargs) -> None:
+        actions.append(parser.add_argument(*names, **kwargs))
+
+    option("--steps", type=int, default=200, help="training steps (default 200)")
+    option("--plan", default=None, help="e.g. 'dp=2' (default: dp over all workers)")
+    option("--batch-size", type=int, default=32, help="GLOBAL batch in sequences (default 32)")
+    option("--block-size", type=int, default=128, help="context length in bytes (default 128)")
+    option("--layers", type=int, default=4)
+    option("--width", type=int, default=128, help="embedding width (default 128)")
+    option("--heads", type=int, default=4)
+    option("--lr", type=float, default=2e-3)
+    option("--data-bytes", type=int, default=4_000_000, help="bytes of stdlib source to use")
+    option("--checkpoint-dir", default=None, help="save here and resume from here")
+    option("--checkpoint-every", type=int, default=None)
+    option("--sample-bytes", type=int, default=300, help="bytes to generate at the end")
+    option("--seed", type=int, default=0)
+    return actions
 
 
 def warmup_cosine(total_steps: int, warmup: int):

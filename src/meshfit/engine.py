@@ -72,8 +72,8 @@ class Engine:
             torch.amp.GradScaler(self.device.type) if self.plan.precision == "fp16" else None
         )
         self._dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
-        self._dp_size = self.plan.data_parallel_size
-        self._dp_rank = self.mesh.get_local_rank("dp") if self.mesh is not None else 0
+        self.dp_size = self.plan.data_parallel_size
+        self.dp_rank = self.mesh.get_local_rank("dp") if self.mesh is not None else 0
         self._loss_checked = False
 
     # ---- training ----------------------------------------------------------------
@@ -94,7 +94,7 @@ class Engine:
         if size % micro:
             raise MeshfitError(
                 f"this rank's {size} samples do not split into {micro} micro-batches; "
-                f"make the global batch a multiple of {micro * self._dp_size}"
+                f"make the global batch a multiple of {micro * self.dp_size}"
             )
         chunk = size // micro
         total = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -154,9 +154,9 @@ class Engine:
                 f"inputs hold {size} samples but targets hold {target_size}; "
                 f"give one target per input sample"
             )
-        check_batch_divides(size, self._dp_size, microbatches)
-        share = size // self._dp_size
-        start = self._dp_rank * share
+        check_batch_divides(size, self.dp_size, microbatches)
+        share = size // self.dp_size
+        start = self.dp_rank * share
         return _slice(inputs, start, start + share), _slice(targets, start, start + share)
 
     # ---- checkpoints -------------------------------------------------------------
@@ -200,11 +200,11 @@ class Engine:
         return self.model.no_sync()
 
     def _global_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
-        if self._dp_group is None or self._dp_size == 1:
+        if self._dp_group is None or self.dp_size == 1:
             return local_mean
         total = local_mean.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._dp_group)
-        return total / self._dp_size
+        return total / self.dp_size
 
 
 def parallelize(
@@ -323,25 +323,20 @@ def _batch_size(tree: Any, what: str) -> int:
     return size
 
 
-def _slice(tree: Any, start: int, stop: int) -> Any:
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply `fn` to every tensor in a tensor / tuple / list / dict tree, keeping its shape."""
     if isinstance(tree, torch.Tensor):
-        return tree[start:stop]
-    if isinstance(tree, tuple):
-        return tuple(_slice(t, start, stop) for t in tree)
-    if isinstance(tree, list):
-        return [_slice(t, start, stop) for t in tree]
+        return fn(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_tensors(t, fn) for t in tree)
     if isinstance(tree, dict):
-        return {k: _slice(v, start, stop) for k, v in tree.items()}
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
     return tree
+
+
+def _slice(tree: Any, start: int, stop: int) -> Any:
+    return _map_tensors(tree, lambda t: t[start:stop])
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device, non_blocking=True)
-    if isinstance(tree, tuple):
-        return tuple(_to_device(t, device) for t in tree)
-    if isinstance(tree, list):
-        return [_to_device(t, device) for t in tree]
-    if isinstance(tree, dict):
-        return {k: _to_device(v, device) for k, v in tree.items()}
-    return tree
+    return _map_tensors(tree, lambda t: t.to(device, non_blocking=True))

@@ -24,7 +24,14 @@ from meshfit.checkpoint import (
     step_dir_name,
 )
 from meshfit.data.sampling import GlobalBatchSampler
-from meshfit.engine import Engine, LossFn, OptimizerFactory, SchedulerFactory, parallelize
+from meshfit.engine import (
+    Engine,
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    check_batch_divides,
+    parallelize,
+)
 from meshfit.errors import MeshfitError
 from meshfit.progress import TrainingDisplay, format_duration, format_rate
 
@@ -37,6 +44,7 @@ class History:
     "eval_loss" / "samples_per_s" / "tokens_per_s" on the steps where they were measured)."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
+    engine: Engine | None = None  # the engine that trained (its model, rank, device)
 
     @property
     def losses(self) -> list[float]:
@@ -109,10 +117,8 @@ def fit(
         model, plan, optimizer=optimizer, loss_fn=loss_fn, grad_clip=grad_clip,
         lr_scheduler=lr_scheduler,
     )  # fmt: skip
-    dp_size, dp_rank = engine._dp_size, engine._dp_rank
+    dp_size, dp_rank = engine.dp_size, engine.dp_rank
     micro = engine.plan.num_microbatches
-    from meshfit.engine import check_batch_divides
-
     check_batch_divides(batch_size, dp_size, micro)
     num_samples = _check_size(train_data, batch_size, "dataset")
     if eval_data is not None:
@@ -228,9 +234,7 @@ def fit(
         if "eval_loss" in records[-1]:
             summary += f", eval loss {records[-1]['eval_loss']:.4f}"
         display.print(summary)
-    history = History(records)
-    history.engine = engine  # type: ignore[attr-defined]  # for callers that want the model
-    return history
+    return History(records, engine=engine)
 
 
 # ---- pieces ----------------------------------------------------------------------
@@ -305,7 +309,7 @@ def _evaluate(
     engine: Engine, data: Dataset, batch_size: int, limit: int | None, workers: int
 ) -> float:
     sampler = GlobalBatchSampler(
-        len(data), batch_size, dp_size=engine._dp_size, dp_rank=engine._dp_rank, shuffle=False
+        len(data), batch_size, dp_size=engine.dp_size, dp_rank=engine.dp_rank, shuffle=False
     )
     if limit is not None:
         sampler.stop_step = min(sampler.stop_step, limit)
@@ -391,9 +395,9 @@ def _append_history(path: str, records: list[dict]) -> None:
 def _announce(display, engine, model, batch_size, steps_per_epoch, total_steps, resumed_from):
     params = sum(p.numel() for p in model.parameters())
     where = f"{engine.world_size} {'GPU' if engine.device.type == 'cuda' else 'CPU'} worker(s)"
-    per_rank = batch_size // engine._dp_size
+    per_rank = batch_size // engine.dp_size
     micro = engine.plan.num_microbatches
-    split = f"{engine._dp_size} rank(s) x {per_rank}"
+    split = f"{engine.dp_size} rank(s) x {per_rank}"
     if micro > 1:
         split += f" ({micro} micro-batches of {per_rank // micro})"
     display.print(

@@ -20,12 +20,6 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
