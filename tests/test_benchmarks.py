@@ -20,3 +20,15 @@ def test_overhead_benchmark_quick(tmp_path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["runner"] for r in rows] == ["hand-written", "meshfit engine", "meshfit fit"]
     assert "vs hand" in result.stdout.splitlines()[-4]
+
+
+def test_gpu_throughput_benchmark_quick(tmp_path) -> None:
+    out = tmp_path / "gpu.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_throughput.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["runner"] for r in rows] == ["hand-written", "meshfit engine"]
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows)

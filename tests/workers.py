@@ -18,6 +18,8 @@ from meshfit.models import GPT, GPTConfig, next_token_loss
 # bias=False: a key-projection bias gets an exactly-zero gradient (softmax ignores it), so
 # Adam would turn float noise in it into full-size updates and no comparison means much.
 TINY_GPT = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, bias=False)
+# Enough blocks and heads for pp=4, interleaved pp=2 (4 stages) and tp=4.
+GPT4 = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=4, n_embd=16, bias=False)
 
 
 def build(kind: str) -> tuple[torch.nn.Module, object]:
@@ -28,14 +30,21 @@ def build(kind: str) -> tuple[torch.nn.Module, object]:
             torch.nn.Linear(32, 5),
         )  # fmt: skip
         return model, F.cross_entropy
+    if kind == "deep_mlp":  # enough Linears for every one of 4 pipeline stages
+        layers = [torch.nn.Linear(8, 32), torch.nn.Tanh()]
+        for _ in range(3):
+            layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(32, 5)), F.cross_entropy
     if kind == "gpt":
         return GPT(TINY_GPT), next_token_loss
+    if kind == "gpt4":
+        return GPT(GPT4), next_token_loss
     raise ValueError(kind)
 
 
 def make_batch(kind: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 + step)
-    if kind == "mlp":
+    if kind in ("mlp", "deep_mlp"):
         return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)
     tokens = torch.randint(0, TINY_GPT.vocab_size, (batch, TINY_GPT.block_size + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
@@ -54,15 +63,15 @@ def engine_run(spec: dict) -> dict:
     model, loss_fn = build(spec["model"])
     engine = mf.parallelize(
         model, spec.get("plan"), optimizer=optimizer_factory(spec.get("optimizer", "sgd")),
-        loss_fn=loss_fn, grad_clip=spec.get("grad_clip"),
+        loss_fn=loss_fn, grad_clip=spec.get("grad_clip"), **spec.get("options", {}),
     )  # fmt: skip
     losses = []
     for step in range(spec.get("steps", 4)):
         batch = make_batch(spec["model"], spec.get("batch", 16), step)
         losses.append(float(engine.step(batch)))
     eval_loss = float(engine.evaluate(make_batch(spec["model"], spec.get("batch", 16), 999)))
-    state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-    return {"losses": losses, "eval": eval_loss, "state": state, "rank": engine.rank}
+    return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict(),
+            "rank": engine.rank}  # fmt: skip
 
 
 def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +99,7 @@ def fit_run(spec: dict) -> dict:
         model = torch.nn.Sequential(model, torch.nn.Dropout(0.2))
     data = dataset(spec["model"], spec.get("samples", 64))
     history = mf.fit(model, data, **kwargs)
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state = history.engine.full_state_dict()
     return {"losses": history.losses, "steps": [r["step"] for r in history], "state": state}
 
 
@@ -128,4 +137,32 @@ def save_after_training(spec: dict, path: str) -> dict:
     for step in range(spec.get("steps", 4)):
         engine.step(make_batch(spec["model"], spec.get("batch", 16), step))
     engine.save(path)
-    return {"state": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
+    return {"state": engine.full_state_dict()}
+
+
+def save_runs(specs: list[dict], paths: list[str]) -> list[dict]:
+    return [save_after_training(spec, path) for spec, path in zip(specs, paths, strict=True)]
+
+
+def skewed_sequential() -> torch.nn.Sequential:
+    """Six blocks, the first several times as costly as each of the others."""
+    torch.manual_seed(0)
+    heavy = [torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(),
+                                 torch.nn.Linear(1024, 64))]  # fmt: skip
+    light = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                 torch.nn.Linear(64, 64)) for _ in range(5)]  # fmt: skip
+    return torch.nn.Sequential(*heavy, *light)
+
+
+def balance_run(measured: bool) -> dict:
+    """Cut the skewed model over pp=2; report cut points and stage costs."""
+    model = skewed_sequential()
+    x = torch.randn(256, 64)
+    engine = mf.parallelize(
+        model, "pp=2", loss_fn=F.mse_loss,
+        example_inputs=x[:64] if measured else None,
+    )  # fmt: skip
+    losses = [float(engine.step((x, torch.zeros(256, 64)))) for _ in range(2)]
+    pipe = engine.pipeline
+    return {"starts": pipe.starts, "costs": pipe.costs, "describe": pipe.describe(),
+            "losses": losses}  # fmt: skip

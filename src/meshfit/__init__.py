@@ -5,6 +5,7 @@ from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
 from meshfit.fit import History, fit
 from meshfit.launch import WorkerError, launch
+from meshfit.placement import place
 from meshfit.plan import Plan
 
 __version__ = "0.1.0"
@@ -21,4 +22,5 @@ __all__ = [
     "fit",
     "launch",
     "parallelize",
+    "place",
 ]

@@ -23,7 +23,9 @@ from torch import nn
 
 from meshfit.errors import MeshfitError
 from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
-from meshfit.parallel import apply_plan
+from meshfit.parallel.compose import ParallelOptions, apply_plan
+from meshfit.parallel.grad_norm import clip_grad_norm
+from meshfit.parallel.tensor import TPPlan
 from meshfit.plan import Plan
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -34,8 +36,12 @@ _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW(lr=3e-4): what meshfit uses when no optimizer is given."""
-    return torch.optim.AdamW(params, lr=3e-4)
+    """AdamW(lr=3e-4): what meshfit uses when no optimizer is given; the fused CUDA
+    kernel when every parameter is on a GPU (one launch per step instead of several per
+    tensor)."""
+    params = list(params)
+    on_gpu = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=3e-4, fused=on_gpu or None)
 
 
 class Engine:
@@ -50,6 +56,10 @@ class Engine:
         loss_fn: LossFn,
         grad_clip: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
+        compile: bool = False,
+        tp_plan: TPPlan | None = None,
+        pp_split: list[int] | None = None,
+        example_inputs: Any = None,
     ) -> None:
         from meshfit.checkpoint import model_fingerprint
 
@@ -58,23 +68,34 @@ class Engine:
         self.grad_clip = grad_clip
         self.device = init_distributed()
         self.plan = plan.resolve(env_world_size())
+        self.plan.check_implemented()  # again: dp is known only now
         self.world_size = self.plan.world_size or 1
         self.rank = dist.get_rank() if is_distributed() else 0
         self.fingerprint = model_fingerprint(model)  # before wrapping: global shapes, user names
+        self.num_parameters = sum(p.numel() for p in model.parameters())  # whole model
         self.mesh = build_mesh(self.plan, self.device)
-        self.model = apply_plan(model, self.plan, self.mesh, self.device)
+        self._autocast_dtype = _AUTOCAST_DTYPES.get(self.plan.precision)
+        options = ParallelOptions(loss_fn=loss_fn, autocast=self._autocast, tp_plan=tp_plan,
+                                  pp_split=pp_split, example_inputs=example_inputs)  # fmt: skip
+        self.model, self.pipeline = apply_plan(model, self.plan, self.mesh, self.device, options)
         self.optimizer = _build_optimizer(optimizer, self.model)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
-        self._autocast_dtype = _AUTOCAST_DTYPES.get(self.plan.precision)
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.plan.precision == "fp16" else None
         )
-        self._dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
+        dims = self.mesh.mesh_dim_names if self.mesh is not None else ()
+        self._dp_group = self.mesh.get_group("dp") if "dp" in dims else None
         self.dp_size = self.plan.data_parallel_size
-        self.dp_rank = self.mesh.get_local_rank("dp") if self.mesh is not None else 0
+        self.dp_rank = self.mesh.get_local_rank("dp") if "dp" in dims else 0
+        # Ranks that hold disjoint parameters: their gradient norms add up.
+        self._norm_groups = [self.mesh.get_group("pp")] if "pp" in dims else []
+        self._sharded = self.plan.tp > 1 or self.plan.pp > 1
         self._loss_checked = False
+        # torch.compile over forward + loss together, so the loss (often a large
+        # cross-entropy over the vocabulary) fuses with the last layers.
+        self._forward_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
 
     # ---- training ----------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> torch.Tensor:
@@ -96,6 +117,16 @@ class Engine:
                 f"this rank's {size} samples do not split into {micro} micro-batches; "
                 f"make the global batch a multiple of {micro * self.dp_size}"
             )
+        if self.pipeline is not None:  # the schedule runs every micro-batch
+            loss = self.pipeline.run(inputs, targets, train=True)
+            self._optimizer_step()
+            return self._global_mean(loss)
+        if micro == 1:  # the common case, without the accumulation's extra kernels
+            with self._autocast():
+                loss = self._loss(inputs, targets)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            self._optimizer_step()
+            return self._global_mean(loss.detach().float())
         chunk = size // micro
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for i in range(micro):
@@ -113,7 +144,11 @@ class Engine:
     def _optimizer_step(self) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self.grad_clip is not None:
+        if self.grad_clip is not None and self._sharded:
+            self.last_grad_norm = clip_grad_norm(
+                self.model.parameters(), self.grad_clip, self._norm_groups
+            )
+        elif self.grad_clip is not None:
             # Gradients are already synchronised here, so the local norm is the global norm.
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.grad_clip
@@ -131,13 +166,18 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch: tuple[Any, Any]) -> torch.Tensor:
         """Mean loss over the GLOBAL batch without training; the same on every rank."""
-        inputs, targets = self.local_share(batch, 1)
+        micro = self.plan.num_microbatches if self.pipeline is not None else 1
+        inputs, targets = self.local_share(batch, micro)
         return self.evaluate_local(inputs, targets)
 
     @torch.no_grad()
     def evaluate_local(self, inputs: Any, targets: Any) -> torch.Tensor:
         self.model.eval()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
+        if self.pipeline is not None:
+            loss = self.pipeline.run(inputs, targets, train=False)
+            self.model.train()
+            return self._global_mean(loss)
         with self._autocast():
             loss = self._loss(inputs, targets).detach().float()
         self.model.train()
@@ -174,10 +214,37 @@ class Engine:
 
         return load_checkpoint(self, path)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state under its own names, as full CPU tensors, on every
+        rank: tensor-parallel shards are gathered and pipeline stages merged. For
+        exporting or comparing weights (it holds the whole model in CPU memory)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        if self.mesh is None:
+            local = self.model.state_dict()
+        else:
+            local = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        local = {k: v.detach().cpu().clone() for k, v in local.items()}
+        if self.pipeline is None:
+            return local
+        parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(
+            self.pipeline.group
+        )
+        dist.all_gather_object(parts, local, group=self.pipeline.group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part or {})
+        return merged
+
     # ---- internals ---------------------------------------------------------------
+    def _forward_loss(self, inputs: Any, targets: Any) -> torch.Tensor:
+        return self.loss_fn(self.model(inputs), targets)
+
     def _loss(self, inputs: Any, targets: Any) -> torch.Tensor:
-        outputs = self.model(inputs)
-        loss = self.loss_fn(outputs, targets)
+        loss = self._forward_loss(inputs, targets)
         if not self._loss_checked:
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
@@ -215,6 +282,10 @@ def parallelize(
     loss_fn: LossFn | None = None,
     grad_clip: float | None = None,
     lr_scheduler: SchedulerFactory | None = None,
+    compile: bool = False,
+    tp_plan: TPPlan | None = None,
+    pp_split: list[int] | None = None,
+    example_inputs: Any = None,
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
@@ -226,6 +297,14 @@ def parallelize(
     grad_clip: clip the global gradient norm to this value.
     lr_scheduler: a function from the optimizer to a torch LR scheduler, stepped once per
         training step.
+    compile: run forward and loss through ``torch.compile`` (off by default: the first
+        steps then take longer while it compiles; on a GPU the rest are faster).
+    tp_plan: for tp > 1, ``{module name or pattern: "colwise" | "rowwise"}`` instead of
+        the plan meshfit derives from the blocks.
+    pp_split: for pp > 1, the block indices where stages 2, 3, ... begin, instead of
+        the balanced cut meshfit chooses.
+    example_inputs: one micro-batch of inputs; with pp > 1 meshfit times each block
+        on it and balances the stages by measured time (else by parameter count).
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
@@ -255,6 +334,10 @@ def parallelize(
         loss_fn=loss_fn,
         grad_clip=grad_clip,
         lr_scheduler=lr_scheduler,
+        compile=compile,
+        tp_plan=tp_plan,
+        pp_split=pp_split,
+        example_inputs=example_inputs,
     )
 
 

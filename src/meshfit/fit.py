@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from meshfit.checkpoint import (
     latest_checkpoint,
@@ -29,10 +29,13 @@ from meshfit.engine import (
     LossFn,
     OptimizerFactory,
     SchedulerFactory,
+    as_plan,
     check_batch_divides,
     parallelize,
+    unpack_batch,
 )
 from meshfit.errors import MeshfitError
+from meshfit.mesh import env_world_size
 from meshfit.progress import TrainingDisplay, format_duration, format_rate
 
 Callback = Callable[[int, Engine], None]
@@ -80,6 +83,7 @@ def fit(
     eval_batches: int | None = None,
     grad_clip: float | None = None,
     lr_scheduler: SchedulerFactory | None = None,
+    compile: bool = False,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     keep_checkpoints: int = 2,
@@ -103,6 +107,7 @@ def fit(
     checkpoint_dir, checkpoint_every: save every N steps and at the end; with
         resume=True a run finds the newest checkpoint there and continues the exact same
         run (weights, optimizer, data position, RNG state).
+    compile: run forward and loss through torch.compile (see `parallelize`).
     history_file: JSONL written by rank 0 (default: <checkpoint_dir>/history.jsonl).
     callbacks: functions called as cb(step, engine) on every rank after each step (and
         after that step's checkpoint, if any).
@@ -115,7 +120,8 @@ def fit(
 
     engine = parallelize(
         model, plan, optimizer=optimizer, loss_fn=loss_fn, grad_clip=grad_clip,
-        lr_scheduler=lr_scheduler,
+        lr_scheduler=lr_scheduler, compile=compile,
+        example_inputs=_pipeline_example(plan, train_data, batch_size),
     )  # fmt: skip
     dp_size, dp_rank = engine.dp_size, engine.dp_rank
     micro = engine.plan.num_microbatches
@@ -282,6 +288,19 @@ def _check_args(batch_size, max_steps, epochs, log_every, checkpoint_every, eval
             raise MeshfitError(f"{name} must be a positive whole number, not {value!r}")
 
 
+def _pipeline_example(plan: Any, data: Dataset, batch_size: int) -> Any:
+    """One micro-batch of inputs for a pipeline plan to time its blocks on (so its
+    stages are balanced by measured cost); None for other plans."""
+    plan = as_plan(plan)
+    if plan.pp == 1 or len(data) == 0:
+        return None
+    resolved = plan.with_dp_for(env_world_size()) if plan.dp is None else plan
+    dp = resolved.data_parallel_size if resolved is not None else 1
+    size = max(1, min(len(data), batch_size // (dp * plan.num_microbatches)))
+    inputs, _ = unpack_batch(default_collate([data[i] for i in range(size)]))
+    return inputs
+
+
 def _check_size(data: Dataset, batch_size: int, what: str) -> int:
     try:
         size = len(data)
@@ -393,7 +412,7 @@ def _append_history(path: str, records: list[dict]) -> None:
 
 
 def _announce(display, engine, model, batch_size, steps_per_epoch, total_steps, resumed_from):
-    params = sum(p.numel() for p in model.parameters())
+    params = engine.num_parameters
     where = f"{engine.world_size} {'GPU' if engine.device.type == 'cuda' else 'CPU'} worker(s)"
     per_rank = batch_size // engine.dp_size
     micro = engine.plan.num_microbatches
@@ -405,5 +424,7 @@ def _announce(display, engine, model, batch_size, steps_per_epoch, total_steps, 
         f"global batch {batch_size} = {split} | {steps_per_epoch} steps/epoch, "
         f"training {total_steps} steps"
     )
+    if engine.pipeline is not None:
+        display.print(f"meshfit: {engine.pipeline.describe()}")
     if resumed_from:
         display.print(f"meshfit: resumed from {resumed_from} (step {engine.step_count})")

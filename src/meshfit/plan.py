@@ -22,7 +22,7 @@ MESH_DIMS = ("pp", "dp", "fsdp", "tp")
 
 # Forms that this version of meshfit implements. Anything else is refused up front so a
 # plan is never silently run another way.
-IMPLEMENTED_DEGREES = {"dp"}
+IMPLEMENTED_DEGREES = {"dp", "tp", "pp"}
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,20 @@ class Plan:
         if missing:
             raise MeshfitError(
                 f"plan {self} asks for {', '.join(missing)}, which this version of meshfit "
-                f"does not implement yet (only dp is built); use a data-parallel plan such "
-                f"as Plan(dp=N)"
+                f"does not implement yet (dp, tp and pp are built); use a plan such as "
+                f"Plan(dp=N), Plan(tp=N) or Plan(pp=N)"
+            )
+        combined = [f"{n}={v}" for n, v in self.degrees.items() if v is not None and v > 1]
+        if len(combined) > 1:
+            raise MeshfitError(
+                f"plan {self} combines {' and '.join(combined)}; this version of meshfit "
+                f"builds one parallel form at a time; use one of "
+                f"{', '.join('Plan(' + c + ')' for c in combined)}"
+            )
+        if self.pp > 1 and self.precision == "fp16":
+            raise MeshfitError(
+                "precision='fp16' (gradient scaling) is not supported with pp > 1; use "
+                "precision='bf16', which needs no scaler"
             )
         if self.checkpointing != "none":
             raise MeshfitError(

@@ -2,27 +2,72 @@
 
 The order is the one that composes in PyTorch (as in torchtitan's parallelize):
 tensor parallel, then activation checkpointing, then sharded/replicated data parallel,
-then pipeline stages. This version builds dp; the other forms are refused by
-Plan.check_implemented before we get here.
+then pipeline stages. This version builds dp, tp and pp, one at a time; combinations
+are refused by Plan.check_implemented before we get here.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshfit.errors import MeshfitError
 from meshfit.parallel.data import apply_data_parallel
+from meshfit.parallel.pipeline import Pipeline, build_pipeline
+from meshfit.parallel.tensor import TPPlan, apply_tensor_parallel
+from meshfit.placement import is_placed
 from meshfit.plan import Plan
 
 
+@dataclass
+class ParallelOptions:
+    """What a Plan leaves to the call: the loss (pipeline stages compute it), autocast,
+    user-given tp plan / pipeline cut points, and an example batch to measure."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    tp_plan: TPPlan | None = None
+    pp_split: list[int] | None = None
+    example_inputs: Any = None
+
+
 def apply_plan(
-    model: nn.Module, plan: Plan, mesh: DeviceMesh | None, device: torch.device
-) -> nn.Module:
-    """Return the model, moved to `device` and parallelized as `plan` says."""
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    options: ParallelOptions,
+) -> tuple[nn.Module, Pipeline | None]:
+    """Return the model, moved to `device` and parallelized as `plan` says, and the
+    pipeline that runs it when the plan has pp > 1."""
+    if is_placed(model):  # the user spread it over this process's devices: keep that
+        if mesh is not None:
+            raise MeshfitError(
+                "a model spread over devices with mf.place runs in one process; for "
+                "several processes use a Plan (pp=N is the scalable form of placement)"
+            )
+        return model, None
     model = model.to(device)
     if mesh is None:  # one process: nothing to split
-        return model
+        return model, None
+    if plan.tp > 1:
+        model = apply_tensor_parallel(model, mesh["tp"], options.tp_plan)
     if plan.dp and plan.dp > 1:
         model = apply_data_parallel(model, mesh, device)
-    return model
+    if plan.pp > 1:
+        example = options.example_inputs
+        if example is not None:
+            example = example.to(device) if isinstance(example, torch.Tensor) else example
+        pipeline = build_pipeline(
+            model, mesh["pp"], schedule=plan.schedule, microbatches=plan.num_microbatches,
+            loss_fn=options.loss_fn, device=device, autocast=options.autocast,
+            split=options.pp_split, example_inputs=example,
+        )  # fmt: skip
+        return pipeline.model, pipeline
+    return model, None

@@ -1,0 +1,38 @@
+"""Gradient-norm clipping when parameters are sharded (DTensor) or split over pipeline
+stages, where `torch.nn.utils.clip_grad_norm_` sees only this rank's part."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm(
+    params: Iterable[nn.Parameter], max_norm: float, groups: Iterable[dist.ProcessGroup] = ()
+) -> torch.Tensor:
+    """Clip to the norm of the WHOLE model's gradient and return that norm.
+
+    A DTensor gradient's norm is reduced over its own mesh; `groups` are the process
+    groups whose ranks hold disjoint parameters (pipeline stages), summed over.
+    Matches torch.nn.utils.clip_grad_norm_ (same 1e-6 guard, factor capped at 1).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = []
+    for g in grads:
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm * norm)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    for group in groups:
+        dist.all_reduce(total_sq, group=group)
+    total = total_sq.sqrt()
+    factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(factor.to(g.dtype))
+    return total

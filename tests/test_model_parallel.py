@@ -1,0 +1,168 @@
+"""Pipeline and tensor parallel reproduce the single-process run, and refuse what they
+cannot split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same_run, relative_error
+from workers import GPT4, balance_run, build, engine_run, many_engine_runs, skewed_sequential
+
+import meshfit as mf
+from meshfit.models import GPT, GPTConfig
+from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.pipeline import balanced_starts, measure_costs, stage_costs_of
+from meshfit.parallel.tensor import check_tp_plan, derive_tp_plan
+
+BATCH = 16
+STEPS = 4
+
+
+def _check(specs: list[dict], results: list[dict]) -> None:
+    for spec, got in zip(specs, results, strict=True):
+        ref = engine_run({**spec, "plan": None})
+        assert_same_run(got, ref)
+        assert abs(got["eval"] - ref["eval"]) <= 1e-5 * abs(ref["eval"]), spec
+        initial = build(spec["model"])[0].state_dict()  # the run really trained
+        assert max(relative_error(ref["state"][k], initial[k]) for k in initial) > 1e-2
+
+
+def _spec(model: str, plan: str, **extra) -> dict:
+    return {"model": model, "plan": plan, "batch": BATCH, "steps": STEPS, **extra}
+
+
+CLIPPED = {"optimizer": "adamw", "grad_clip": 0.05}
+
+
+def test_two_way_model_parallel_matches_one_process() -> None:
+    specs = [
+        _spec("mlp", "tp=2"),
+        _spec("gpt", "tp=2"),
+        _spec("gpt", "tp=2", **CLIPPED),
+        _spec("mlp", "pp=2"),
+        _spec("gpt", "pp=2"),
+        _spec("gpt", "pp=2", **CLIPPED),
+        _spec("mlp", "pp=2,schedule=gpipe"),
+        _spec("gpt", "pp=2,schedule=gpipe,microbatches=8"),
+        _spec("gpt4", "pp=2,schedule=interleaved-1f1b"),
+        _spec("gpt4", "pp=2,schedule=zero-bubble"),
+        _spec("gpt", "pp=2", options={"pp_split": [1]}),
+    ]
+    _check(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+
+
+def test_four_way_model_parallel_matches_one_process() -> None:
+    specs = [
+        _spec("gpt4", "pp=4"),
+        _spec("deep_mlp", "pp=4"),
+        _spec("gpt4", "pp=4,schedule=gpipe"),
+        _spec("deep_mlp", "pp=4,schedule=gpipe"),
+        _spec("gpt4", "tp=4"),
+        _spec("gpt4", "tp=4", **CLIPPED),
+        _spec("deep_mlp", "tp=4"),
+    ]
+    _check(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
+
+
+def test_pipeline_cuts_balance_measured_time() -> None:
+    """One heavy block then five light ones: cutting by count (3+3) puts the heavy
+    block and two more on stage 0; cutting by measured time must even the stages out."""
+    model = skewed_sequential()
+    stack = find_blocks(model)
+    costs = measure_costs(model, stack, torch.randn(64, 64))
+    assert costs.blocks[0] > 3 * costs.blocks[2]  # the model really is skewed
+    starts = balanced_starts(costs, 2)
+    by_count = stage_costs_of(costs, [0, 3])
+    balanced = stage_costs_of(costs, starts)
+    assert max(balanced) < 0.85 * max(by_count), (balanced, by_count)
+    # Through parallelize on 2 workers: rank 0's measurement sets the cut, and the run
+    # still trains like one process (losses equal whatever the cut).
+    got = mf.launch(balance_run, nproc=2, args=(True,))
+    assert got["costs"].unit == "s" and got["starts"] == [0, 1], got["describe"]
+    by_params = mf.launch(balance_run, nproc=2, args=(False,))
+    assert by_params["costs"].unit == "params" and by_params["starts"] == [0, 1]
+    assert got["losses"] == pytest.approx(by_params["losses"], rel=1e-5)
+
+
+def test_balanced_starts_is_optimal_on_known_costs() -> None:
+    from meshfit.parallel.pipeline import StageCosts
+
+    costs = StageCosts(unit="s", blocks=[8, 1, 1, 1, 1, 1, 1, 1, 1], head=0, tail=0)
+    assert balanced_starts(costs, 2) == [0, 1]
+    assert balanced_starts(costs, 3) == [0, 1, 5]
+    uniform = StageCosts(unit="s", blocks=[1] * 8, head=2, tail=2)
+    assert stage_costs_of(uniform, balanced_starts(uniform, 4)) == [3, 3, 3, 3]
+
+
+def test_tp_plan_is_derived_for_the_gpt_and_a_sequential() -> None:
+    plan = derive_tp_plan(GPT(GPT4))
+    assert plan["blocks.0.attn.q_proj"] == "colwise"
+    assert plan["blocks.3.attn.out_proj"] == "rowwise"
+    assert plan["blocks.1.mlp.up"] == "colwise" and plan["blocks.1.mlp.down"] == "rowwise"
+    assert "lm_head" not in plan and len(plan) == 6 * GPT4.n_layer
+    seq = derive_tp_plan(build("mlp")[0])
+    assert seq == {"0": "colwise", "2": "rowwise"}
+
+
+def test_tp_refuses_heads_or_sizes_it_does_not_divide() -> None:
+    model = GPT(GPTConfig(n_layer=2, n_head=3, n_embd=24, vocab_size=32, block_size=8))
+    with pytest.raises(
+        mf.MeshfitError, match=r"does not divide the 3 attention heads of blocks\.0\.attn"
+    ):
+        check_tp_plan(model, derive_tp_plan(model), 2)
+    with pytest.raises(
+        mf.MeshfitError, match=r"tp=5 does not divide blocks\.0\.attn\.q_proj's output size 24"
+    ):
+        check_tp_plan(model, derive_tp_plan(model), 5)
+
+
+def test_model_without_repeated_blocks_is_refused_with_the_way_out() -> None:
+    class TwoHeads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Linear(4, 8)
+            self.decoder = torch.nn.Conv1d(8, 4, 1)
+
+    with pytest.raises(mf.MeshfitError, match="cannot find repeated blocks.*pp_split.*tp_plan"):
+        find_blocks(TwoHeads())
+
+
+def test_pipeline_refuses_more_stages_than_blocks() -> None:
+    spec = _spec("gpt", "pp=2,schedule=interleaved-1f1b")  # 4 stages, 2 blocks
+    with pytest.raises(mf.MeshfitError, match="needs 4 stages but GPT has only 2 blocks"):
+        mf.launch(many_engine_runs, nproc=2, args=([spec],))
+
+
+def test_combined_forms_and_fp16_pipelines_are_refused_up_front() -> None:
+    with pytest.raises(mf.MeshfitError, match="one parallel form at a time"):
+        mf.Plan(dp=2, tp=2).check_implemented()
+    with pytest.raises(mf.MeshfitError, match="bf16"):
+        mf.Plan(pp=2, precision="fp16").check_implemented()
+
+
+def test_tp_and_pp_checkpoints_load_in_one_process(tmp_path) -> None:
+    from workers import optimizer_factory, save_runs
+
+    specs = [_spec("gpt", "tp=2", steps=3), _spec("gpt", "pp=2", steps=3)]
+    paths = [str(tmp_path / "tp"), str(tmp_path / "pp")]
+    saved = mf.launch(save_runs, nproc=2, args=(specs, paths))
+    for spec, path, got in zip(specs, paths, saved, strict=True):
+        model, loss_fn = build("gpt")
+        engine = mf.parallelize(model, "dp=1", optimizer=optimizer_factory("sgd"), loss_fn=loss_fn)
+        meta = engine.load(path)
+        assert meta["plan"] == f"dp=1,{spec['plan']}" and engine.step_count == 3
+        loaded = engine.module.state_dict()
+        assert loaded.keys() == got["state"].keys()
+        for name, value in got["state"].items():
+            assert torch.equal(loaded[name], value), (spec["plan"], name)
+        # The optimizer state came too: SGD momentum for every parameter.
+        assert len(engine.optimizer.state) == len(list(model.parameters()))
+
+
+def test_fit_with_a_pipeline_matches_one_process() -> None:
+    from workers import fit_run
+
+    spec = {"model": "gpt", "steps": 4, "batch": 8, "samples": 32, "optimizer": "sgd"}
+    ref = fit_run({**spec, "plan": "dp=1"})
+    got = mf.launch(fit_run, nproc=2, args=({**spec, "plan": "pp=2,microbatches=2"},))
+    assert_same_run(got, ref)
