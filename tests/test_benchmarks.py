@@ -32,3 +32,16 @@ def test_gpu_throughput_benchmark_quick(tmp_path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["runner"] for r in rows] == ["hand-written", "meshfit engine"]
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows)
+
+
+def test_data_parallel_benchmark_quick(tmp_path) -> None:
+    out = tmp_path / "dp.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "data_parallel.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["runner"] for r in rows] == ["hand-written DDP", "meshfit dp=N"]
+    # The wire counter saw at least the gradient's ring all-reduce (else it read nothing).
+    assert all(r["vs_ring_minimum"] >= 0.99 for r in rows)

@@ -56,8 +56,11 @@ def test_bad_plan_text_is_refused(text: str, message: str) -> None:
 
 
 def test_forms_not_built_yet_are_refused_not_run_another_way() -> None:
-    for plan in (Plan(tp=2), Plan(pp=2), Plan(fsdp=2), Plan(checkpointing="full"),
-                 Plan(offload=True)):  # fmt: skip
+    for plan in (Plan(fsdp=2), Plan(checkpointing="full"), Plan(offload=True)):
         with pytest.raises(MeshfitError, match="not implement"):
             plan.check_implemented()
-    Plan(dp=4, precision="bf16", microbatches=2).check_implemented()
+    for plan in (Plan(dp=2, tp=2), Plan(tp=2, pp=2), Plan(dp=2, pp=2)):
+        with pytest.raises(MeshfitError, match="one parallel form at a time"):
+            plan.check_implemented()
+    for plan in (Plan(dp=4, precision="bf16", microbatches=2), Plan(tp=4), Plan(pp=2)):
+        plan.check_implemented()

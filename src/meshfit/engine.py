@@ -108,7 +108,8 @@ class Engine:
     def step_local(self, inputs: Any, targets: Any) -> torch.Tensor:
         """A training step on this rank's share of the global batch (what `fit` feeds;
         every dp rank must pass an equal share)."""
-        self.model.train()
+        if not self.model.training:  # train() walks every module: only when it changes
+            self.model.train()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
         micro = self.plan.num_microbatches
         size = _batch_size(inputs, "inputs")
@@ -195,6 +196,8 @@ class Engine:
                 f"give one target per input sample"
             )
         check_batch_divides(size, self.dp_size, microbatches)
+        if self.dp_size == 1:
+            return inputs, targets
         share = size // self.dp_size
         start = self.dp_rank * share
         return _slice(inputs, start, start + share), _slice(targets, start, start + share)

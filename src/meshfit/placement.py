@@ -6,6 +6,9 @@ it lives on, so `forward` needs no `.to(...)` calls: the classic "model parallel
 GPUs" of the tutorials, without touching the model's code. The model's output comes back
 on the device its input came from, so the loss and targets need no care either.
 
+A module's own code must not mix tensors from two devices: put modules whose outputs
+are combined (e.g. token and position embeddings that are added) on one device.
+
 This is the simple option: the devices take turns (one computes while the others wait).
 `Plan(pp=N)` is the scalable one: it keeps every device busy with micro-batches.
 """
@@ -51,13 +54,23 @@ def place(
     # Parents first, so a more specific name moves its part after its parent did.
     for name in sorted(devices, key=lambda n: n.count(".") + (n != "")):
         modules[name].to(devices[name])
-        if name:
-            modules[name].register_forward_pre_hook(_move_inputs(devices[name]), with_kwargs=True)
-    if "" not in devices:
-        model.register_forward_pre_hook(_remember_input_device, with_kwargs=True)
-        model.register_forward_hook(_return_to_input_device)
+    model.register_forward_pre_hook(_remember_input_device, with_kwargs=True)
+    _hook_single_device_parts(model)
+    model.register_forward_hook(_return_to_input_device)
     setattr(model, PLACEMENT_ATTR, {n: str(d) for n, d in devices.items()})
     return model
+
+
+def _hook_single_device_parts(module: nn.Module) -> None:
+    """Give every largest submodule whose weights all sit on one device a hook that moves
+    its inputs there, so its own code (residual adds included) sees one device."""
+    found = {t.device for t in (*module.parameters(), *module.buffers())}
+    # A ModuleList/ModuleDict is iterated, never called: its hooks would not run.
+    if len(found) == 1 and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        module.register_forward_pre_hook(_move_inputs(found.pop()), with_kwargs=True)
+        return
+    for child in module.children():
+        _hook_single_device_parts(child)
 
 
 def _device(name: str, device: str | torch.device) -> torch.device:

@@ -378,9 +378,9 @@ def build_pipeline(
         costs = parameter_costs(model, stack)
     else:
         if example_inputs is not None:
-            costs = measure_costs(model, stack, example_inputs)
-            # Every rank must cut at the same place: use rank 0's measurement.
-            shared = [costs]
+            # Every rank must cut at the same place, so rank 0 measures (alone, so that
+            # workers sharing its cores do not disturb the timing) and tells the others.
+            shared = [measure_costs(model, stack, example_inputs) if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(shared, src=0)
             costs = shared[0]
         else:

@@ -1,0 +1,150 @@
+"""Data parallel on N CPU workers (gloo): hand-written DDP loop vs meshfit dp=N, and the
+bytes each rank sends per step against the ring all-reduce minimum 2(N-1)/N x gradient.
+
+Bytes are read from the loopback interface's counter (/proc/net/dev, "lo"), so they are
+what really crossed the wire (TCP/IP headers included), not what was asked for. All
+workers run on this machine, so every byte on "lo" is one rank sending to another.
+
+    python benchmarks/data_parallel.py              # 2 workers, demo GPT (a few minutes)
+    python benchmarks/data_parallel.py --quick      # smoke test: checks the script works
+
+Prints a table last and writes JSON to benchmarks/results/data-parallel-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned workers import us
+
+import meshfit as mf  # noqa: E402
+from meshfit.mesh import init_distributed  # noqa: E402
+from meshfit.models import GPT, GPTConfig, next_token_loss  # noqa: E402
+
+
+def loopback_tx_bytes() -> int:
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, data = line.partition(":")
+            if name.strip() == "lo":
+                return int(data.split()[8])  # transmit bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def _model(config: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    return GPT(config)
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def run_hand(config, batches, rank, world):
+    """What a user writes with DDP by hand: shard the batch, forward, backward, step."""
+    model = DistributedDataParallel(_model(config))
+    optimizer = _optimizer(model.parameters())
+    share = len(batches[0][0]) // world
+
+    def step(x, y):
+        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+        loss = next_token_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_meshfit(config, batches, rank, world):
+    engine = mf.parallelize(_model(config), f"dp={world}", optimizer=_optimizer,
+                            loss_fn=next_token_loss)  # fmt: skip
+    return lambda x, y: engine.step((x, y))
+
+
+RUNNERS = {"hand-written DDP": run_hand, "meshfit dp=N": run_meshfit}
+
+
+def worker(config: GPTConfig, steps: int, rounds: int, batch_size: int) -> dict:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_distributed()  # the process group the hand-written DDP uses too
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (steps, batch_size, config.block_size + 1),
+                           generator=g)  # fmt: skip
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    steppers = {name: build(config, batches, rank, world) for name, build in RUNNERS.items()}
+    for step in steppers.values():  # warm-up
+        step(*batches[0])
+    times = {name: [] for name in steppers}
+    sent = {name: [] for name in steppers}
+    names = list(steppers)
+    for r in range(rounds):
+        for name in names[r % 2 :] + names[: r % 2]:
+            dist.barrier()
+            before = loopback_tx_bytes()
+            start = time.perf_counter()
+            for x, y in batches:
+                steppers[name](x, y)
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+            # Both barriers add a few hundred bytes; negligible against the gradients.
+            sent[name].append((loopback_tx_bytes() - before) / world / steps)
+    grad_bytes = sum(p.numel() * p.element_size() for p in _model(config).parameters())
+    return {"times": times, "bytes_per_rank_per_step": sent, "gradient_bytes": grad_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    config = GPTConfig()
+    if args.quick:
+        config = GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)
+        args.steps, args.rounds, args.batch_size = 2, 1, 4
+    result = mf.launch(worker, nproc=args.nproc,
+                       args=(config, args.steps, args.rounds, args.batch_size))  # fmt: skip
+    n = args.nproc
+    ring_min = 2 * (n - 1) / n * result["gradient_bytes"]
+    hand = statistics.median(result["times"]["hand-written DDP"])
+    rows = []
+    for name in RUNNERS:
+        median = statistics.median(result["times"][name])
+        sent = statistics.median(result["bytes_per_rank_per_step"][name])
+        rows.append({"runner": name, "median_s": median, "samples_per_s": args.steps * args.batch_size / median,
+                     "vs_hand": hand / median, "bytes_per_rank_per_step": sent,
+                     "vs_ring_minimum": sent / ring_min, "all_s": result["times"][name]})  # fmt: skip
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"data-parallel-cpu{'-quick' if args.quick else ''}.json")  # fmt: skip
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"benchmark": "data-parallel", "nproc": n, "torch": torch.__version__,
+                   "date": time.strftime("%Y-%m-%d"), "config": vars(config),
+                   "gradient_bytes": result["gradient_bytes"], "ring_minimum_bytes": ring_min,
+                   "steps": args.steps, "rounds": args.rounds, "batch_size": args.batch_size,
+                   "rows": rows}, f, indent=1)  # fmt: skip
+    print(f"dp={n} on CPU (gloo), gradient {result['gradient_bytes'] / 1e6:.2f} MB, ring minimum "
+          f"{ring_min / 1e6:.2f} MB/rank/step; results in {out}")  # fmt: skip
+    print(
+        f"{'runner':<17} {'median s':>9} {'samples/s':>10} {'vs hand':>8} {'MB/rank/step':>13} {'vs ring min':>12}"
+    )
+    for r in rows:
+        print(f"{r['runner']:<17} {r['median_s']:>9.3f} {r['samples_per_s']:>10.1f} {r['vs_hand']:>8.3f} "
+              f"{r['bytes_per_rank_per_step'] / 1e6:>13.3f} {r['vs_ring_minimum']:>12.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
