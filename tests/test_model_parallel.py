@@ -166,3 +166,11 @@ def test_fit_with_a_pipeline_matches_one_process() -> None:
     ref = fit_run({**spec, "plan": "dp=1"})
     got = mf.launch(fit_run, nproc=2, args=({**spec, "plan": "pp=2,microbatches=2"},))
     assert_same_run(got, ref)
+
+
+def test_hugging_face_llama_splits_without_changes() -> None:
+    """A transformers LlamaForCausalLM (grouped-query attention, rotary positions,
+    blocks called with masks and position tables) under pp=2 and tp=2."""
+    pytest.importorskip("transformers")
+    specs = [_spec("llama", "pp=2"), _spec("llama", "tp=2")]
+    _check(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))

@@ -39,6 +39,8 @@ def build(kind: str) -> tuple[torch.nn.Module, object]:
         return GPT(TINY_GPT), next_token_loss
     if kind == "gpt4":
         return GPT(GPT4), next_token_loss
+    if kind == "llama":
+        return hf_llama(), next_token_loss
     raise ValueError(kind)
 
 
@@ -166,3 +168,26 @@ def balance_run(measured: bool) -> dict:
     pipe = engine.pipeline
     return {"starts": pipe.starts, "costs": pipe.costs, "describe": pipe.describe(),
             "losses": losses}  # fmt: skip
+
+
+def hf_llama():
+    """A tiny Hugging Face Llama built from a config (no download), returning logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         tie_word_embeddings=False)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    return HFLogits(LlamaForCausalLM(config))
+
+
+class HFLogits(torch.nn.Module):
+    """model(input_ids) -> logits, the call shape meshfit uses (HF returns an output object)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
