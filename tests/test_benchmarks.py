@@ -45,3 +45,15 @@ def test_data_parallel_benchmark_quick(tmp_path) -> None:
     assert [r["runner"] for r in rows] == ["hand-written DDP", "meshfit dp=N"]
     # The wire counter saw at least the gradient's ring all-reduce (else it read nothing).
     assert all(r["vs_ring_minimum"] >= 0.99 for r in rows)
+
+
+def test_pipeline_benchmark_quick(tmp_path) -> None:
+    out = tmp_path / "pp.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "pipeline.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("1f1b", 2)]
+    assert all(r["step_s"] > 0 and r["theory_s"] > r["ideal_s"] for r in rows)

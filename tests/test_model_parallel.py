@@ -46,6 +46,7 @@ def test_two_way_model_parallel_matches_one_process() -> None:
         _spec("gpt", "pp=2,schedule=gpipe,microbatches=8"),
         _spec("gpt4", "pp=2,schedule=interleaved-1f1b"),
         _spec("gpt4", "pp=2,schedule=zero-bubble"),
+        _spec("deep_mlp", "pp=2,schedule=interleaved-1f1b"),
         _spec("gpt", "pp=2", options={"pp_split": [1]}),
     ]
     _check(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))

@@ -68,6 +68,9 @@ class StageCosts:
     head: float = 0.0  # before the first block (goes to the first stage)
     tail: float = 0.0  # after the last block (goes to the last stage)
     activation_bytes: list[int] = field(default_factory=list)
+    # Which blocks hold parameters: every stage needs one (an optimizer needs something to
+    # step). Empty means all do.
+    trainable: list[bool] = field(default_factory=list)
 
 
 def balanced_starts(costs: StageCosts, num_stages: int) -> list[int]:
@@ -82,6 +85,8 @@ def balanced_starts(costs: StageCosts, num_stages: int) -> list[int]:
         extra = (costs.head if stage == 0 else 0.0) + (
             costs.tail if stage == num_stages - 1 else 0.0
         )
+        if costs.trainable and not any(costs.trainable[lo:hi]):
+            return float("inf")  # a stage of parameter-free blocks (e.g. only a Tanh)
         return prefix[hi] - prefix[lo] + extra
 
     # best[s][i]: the best split of blocks[:i] into s+1 stages, scored by (costliest
@@ -99,6 +104,11 @@ def balanced_starts(costs: StageCosts, num_stages: int) -> list[int]:
                 value = (max(best[s - 1][j][0], c), best[s - 1][j][1] + c * c)
                 if value < best[s][i]:
                     best[s][i], choice[s][i] = value, j
+    if best[num_stages - 1][n][0] == float("inf"):
+        raise MeshfitError(
+            f"cannot give each of {num_stages} pipeline stages a block with parameters: only "
+            f"{sum(costs.trainable)} of the {n} blocks have any; use fewer stages"
+        )
     starts, i = [], n
     for s in range(num_stages - 1, 0, -1):
         i = choice[s][i]
@@ -118,6 +128,7 @@ def parameter_costs(model: nn.Module, stack: BlockStack) -> StageCosts:
     head, tail = _head_tail_parameters(model, stack)
     return StageCosts(
         unit="params",
+        trainable=_trainable(stack),
         blocks=[float(sum(p.numel() for p in b.parameters())) for b in stack.blocks],
         head=float(sum(p.numel() for _, _, p in head)),
         tail=float(sum(p.numel() for _, _, p in tail)),
@@ -189,7 +200,12 @@ def measure_costs(
         head=statistics.median(r[1] for r in runs),
         tail=statistics.median(r[2] for r in runs),
         activation_bytes=[saved[k] // repeats for k in stack.keys],
+        trainable=_trainable(stack),
     )
+
+
+def _trainable(stack: BlockStack) -> list[bool]:
+    return [any(p.requires_grad for p in b.parameters()) for b in stack.blocks]
 
 
 def _head_tail_parameters(
