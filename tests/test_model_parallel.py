@@ -135,7 +135,7 @@ def test_pipeline_refuses_more_stages_than_blocks() -> None:
 
 
 def test_combined_forms_and_fp16_pipelines_are_refused_up_front() -> None:
-    with pytest.raises(mf.MeshfitError, match="one parallel form at a time"):
+    with pytest.raises(mf.MeshfitError, match="one form at a time"):
         mf.Plan(dp=2, tp=2).check_implemented()
     with pytest.raises(mf.MeshfitError, match="bf16"):
         mf.Plan(pp=2, precision="fp16").check_implemented()

@@ -191,3 +191,55 @@ class HFLogits(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def memory_run(plan: str) -> dict:
+    """Model-state bytes on this rank after two AdamW steps of the GPT under `plan`."""
+    model, loss_fn = build("gpt4")
+    engine = mf.parallelize(model, plan, optimizer=optimizer_factory("adamw"), loss_fn=loss_fn)
+    engine.memory_report()  # start measuring gradients at the optimizer step
+    for step in range(2):
+        engine.step(make_batch("gpt4", 16, step))
+    return engine.memory_report()
+
+
+def continue_run(spec: dict, path: str, first_step: int) -> dict:
+    """Load the checkpoint at `path` under spec's plan, train on from `first_step`."""
+    model, loss_fn = build(spec["model"])
+    engine = mf.parallelize(model, spec.get("plan"), optimizer=optimizer_factory("sgd"),
+                            loss_fn=loss_fn)  # fmt: skip
+    engine.load(path)
+    losses = [float(engine.step(make_batch(spec["model"], spec.get("batch", 16), step)))
+              for step in range(first_step, first_step + spec.get("steps", 4))]  # fmt: skip
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def activation_costs(plan: str) -> tuple[int, int]:
+    """For one step of the gpt4 model under `plan`: bytes autograd keeps outside the
+    recomputed regions, and matrix products run during backward (recomputation adds the
+    forward's again; selective recomputation must not)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                        torch.ops.aten.bmm.default):  # fmt: skip
+                CountMatmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model, loss_fn = build("gpt4")
+    engine = mf.parallelize(model, plan, optimizer=optimizer_factory("sgd"), loss_fn=loss_fn)
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    x, y = make_batch("gpt4", 16, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(engine.model(x), y)
+    with CountMatmuls():
+        loss.backward()
+    return total[0], CountMatmuls.count

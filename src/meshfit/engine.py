@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
 from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
@@ -86,13 +87,21 @@ class Engine:
             torch.amp.GradScaler(self.device.type) if self.plan.precision == "fp16" else None
         )
         dims = self.mesh.mesh_dim_names if self.mesh is not None else ()
-        self._dp_group = self.mesh.get_group("dp") if "dp" in dims else None
+        # The batch is split over replicated (dp) and sharded (fsdp) data parallel ranks.
+        self._data_groups = [self.mesh.get_group(d) for d in ("dp", "fsdp") if d in dims]
         self.dp_size = self.plan.data_parallel_size
-        self.dp_rank = self.mesh.get_local_rank("dp") if "dp" in dims else 0
+        self.dp_rank = 0
+        for d in ("dp", "fsdp"):
+            if d in dims:
+                self.dp_rank = self.dp_rank * self.mesh.size(
+                    dims.index(d)
+                ) + self.mesh.get_local_rank(d)
         # Ranks that hold disjoint parameters: their gradient norms add up.
         self._norm_groups = [self.mesh.get_group("pp")] if "pp" in dims else []
-        self._sharded = self.plan.tp > 1 or self.plan.pp > 1
+        self._sharded = self.plan.tp > 1 or self.plan.pp > 1 or self.plan.fsdp > 1
         self._loss_checked = False
+        self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
+        self._measure_gradients = False
         # torch.compile over forward + loss together, so the loss (often a large
         # cross-entropy over the vocabulary) fuses with the last layers.
         self._forward_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
@@ -143,6 +152,9 @@ class Engine:
         return self._global_mean(total)
 
     def _optimizer_step(self) -> None:
+        if self._measure_gradients:
+            self._gradient_bytes = sum(_local_bytes(p.grad) for p in self.model.parameters()
+                                       if p.grad is not None)  # fmt: skip
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.grad_clip is not None and self._sharded:
@@ -217,6 +229,23 @@ class Engine:
 
         return load_checkpoint(self, path)
 
+    def memory_report(self) -> dict[str, int | None]:
+        """This rank's memory, in bytes: its share of the parameters, of the gradients
+        (as they were at the last optimizer step; None until a step after the first
+        call), of the optimizer state, and the device's peak allocation on a GPU (None
+        on the CPU, where the first three are the model state)."""
+        self._measure_gradients = True
+        params = sum(_local_bytes(p) for p in self.model.parameters())
+        optim = sum(
+            _local_bytes(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.ndim > 0  # not Adam's step counter
+        )
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return {"parameters": params, "gradients": self._gradient_bytes, "optimizer": optim,
+                "peak_device": peak}  # fmt: skip
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its own names, as full CPU tensors, on every
         rank: tensor-parallel shards are gathered and pipeline stages merged. For
@@ -264,16 +293,21 @@ class Engine:
         return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
 
     def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """Skip DDP's all-reduce on all but the last micro-batch (gradient accumulation)."""
+        """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch
+        (gradient accumulation): DDP's no_sync, FSDP2's set_requires_gradient_sync."""
+        if hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
         if enabled or not hasattr(self.model, "no_sync"):
             return contextlib.nullcontext()
         return self.model.no_sync()
 
     def _global_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
-        if self._dp_group is None or self.dp_size == 1:
+        if self.dp_size == 1:
             return local_mean
         total = local_mean.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._dp_group)
+        for group in self._data_groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total / self.dp_size
 
 
@@ -384,6 +418,12 @@ def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim
             f"torch.optim.Optimizer; return e.g. torch.optim.AdamW(params, lr=3e-4)"
         )
     return optimizer
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of `t` (its shard, for a DTensor)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -84,6 +84,7 @@ def fit(
     grad_clip: float | None = None,
     lr_scheduler: SchedulerFactory | None = None,
     compile: bool = False,
+    report_memory: bool = False,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     keep_checkpoints: int = 2,
@@ -108,6 +109,9 @@ def fit(
         resume=True a run finds the newest checkpoint there and continues the exact same
         run (weights, optimizer, data position, RNG state).
     compile: run forward and loss through torch.compile (see `parallelize`).
+    report_memory: add rank 0's model-state bytes (parameters + gradients + optimizer
+        state, this rank's share) and, on a GPU, peak memory to the log lines and the
+        history (Engine.memory_report).
     history_file: JSONL written by rank 0 (default: <checkpoint_dir>/history.jsonl).
     callbacks: functions called as cb(step, engine) on every rank after each step (and
         after that step's checkpoint, if any).
@@ -123,6 +127,8 @@ def fit(
         lr_scheduler=lr_scheduler, compile=compile,
         example_inputs=_pipeline_example(plan, train_data, batch_size),
     )  # fmt: skip
+    if report_memory:
+        engine.memory_report()  # measure gradients from the first step on
     dp_size, dp_rank = engine.dp_size, engine.dp_rank
     micro = engine.plan.num_microbatches
     check_batch_divides(batch_size, dp_size, micro)
@@ -200,6 +206,13 @@ def fit(
         if tokens_per_sample:
             last["tokens_per_s"] = round(rate * tokens_per_sample, 1)
             status += f" | {format_rate(rate * tokens_per_sample)} tok/s"
+        if report_memory:
+            memory = engine.memory_report()
+            last["memory"] = memory
+            state = sum(v for k, v in memory.items() if k != "peak_device" and v)
+            status += f" | model state {state / 2**20:.1f} MiB/rank"
+            if memory["peak_device"] is not None:
+                status += f", peak {memory['peak_device'] / 2**30:.2f} GiB"
         display.update(step, status, log_line=log_line)
         return last
 

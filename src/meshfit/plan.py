@@ -22,7 +22,11 @@ MESH_DIMS = ("pp", "dp", "fsdp", "tp")
 
 # Forms that this version of meshfit implements. Anything else is refused up front so a
 # plan is never silently run another way.
-IMPLEMENTED_DEGREES = {"dp", "tp", "pp"}
+IMPLEMENTED_DEGREES = {"dp", "fsdp", "tp", "pp"}
+# Combinations built and tested so far (others are refused, never run another way).
+# dp x tp needs data parallel over DTensor parameters (DDP cannot); dp/fsdp x pp needs
+# the stages split before they are wrapped.
+COMBINATIONS = ({"fsdp", "tp"}, {"tp", "pp"})
 
 
 @dataclass(frozen=True)
@@ -131,25 +135,22 @@ class Plan:
         if missing:
             raise MeshfitError(
                 f"plan {self} asks for {', '.join(missing)}, which this version of meshfit "
-                f"does not implement yet (dp, tp and pp are built); use a plan such as "
-                f"Plan(dp=N), Plan(tp=N) or Plan(pp=N)"
+                f"does not implement yet (dp, fsdp, tp and pp are built); use a plan "
+                f"such as Plan(dp=N), Plan(fsdp=N), Plan(tp=N) or Plan(pp=N)"
             )
         combined = [f"{n}={v}" for n, v in self.degrees.items() if v is not None and v > 1]
-        if len(combined) > 1:
+        names = {c.split("=")[0] for c in combined}
+        if len(combined) > 1 and names not in COMBINATIONS:
+            built = " and ".join(" x ".join(sorted(c)) for c in COMBINATIONS)
             raise MeshfitError(
                 f"plan {self} combines {' and '.join(combined)}; this version of meshfit "
-                f"builds one parallel form at a time; use one of "
+                f"builds one form at a time, or {built}; use one of "
                 f"{', '.join('Plan(' + c + ')' for c in combined)}"
             )
-        if self.pp > 1 and self.precision == "fp16":
+        if (self.pp > 1 or self.fsdp > 1) and self.precision == "fp16":
             raise MeshfitError(
-                "precision='fp16' (gradient scaling) is not supported with pp > 1; use "
+                "precision='fp16' (gradient scaling) is not supported with pp or fsdp; use "
                 "precision='bf16', which needs no scaler"
-            )
-        if self.checkpointing != "none":
-            raise MeshfitError(
-                f"checkpointing={self.checkpointing!r} is not implemented yet; "
-                f"use checkpointing='none'"
             )
         if self.offload:
             raise MeshfitError("offload=True is not implemented yet; use offload=False")

@@ -2,8 +2,8 @@
 
 The order is the one that composes in PyTorch (as in torchtitan's parallelize):
 tensor parallel, then activation checkpointing, then sharded/replicated data parallel,
-then pipeline stages. This version builds dp, tp and pp, one at a time; combinations
-are refused by Plan.check_implemented before we get here.
+then pipeline stages. This version builds dp, fsdp, tp and pp, one at a time;
+combinations are refused by Plan.check_implemented before we get here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfit.errors import MeshfitError
+from meshfit.parallel.checkpointing import apply_checkpointing
 from meshfit.parallel.data import apply_data_parallel
+from meshfit.parallel.fsdp import apply_fsdp
 from meshfit.parallel.pipeline import Pipeline, build_pipeline
 from meshfit.parallel.tensor import TPPlan, apply_tensor_parallel
 from meshfit.placement import is_placed
@@ -54,10 +56,14 @@ def apply_plan(
             )
         return model, None
     model = model.to(device)
-    if mesh is None:  # one process: nothing to split
-        return model, None
     if plan.tp > 1:
         model = apply_tensor_parallel(model, mesh["tp"], options.tp_plan)
+    if plan.checkpointing != "none":
+        model = apply_checkpointing(model, plan.checkpointing)
+    if mesh is None:  # one process: nothing to split
+        return model, None
+    if plan.fsdp > 1:
+        model = apply_fsdp(model, mesh["fsdp"], precision=plan.precision)
     if plan.dp and plan.dp > 1:
         model = apply_data_parallel(model, mesh, device)
     if plan.pp > 1:
