@@ -1,8 +1,10 @@
-"""Model parallel: the demo GPT split over 4 workers by pipeline or tensor parallel.
+"""Model parallel and hybrid plans: the demo GPT split by pipeline, tensor and sharded
+data parallel.
 
     meshfit run --nproc 4 examples/train_model_parallel.py --plan pp=4
     meshfit run --nproc 4 examples/train_model_parallel.py --plan "pp=2,schedule=interleaved-1f1b"
     meshfit run --nproc 4 examples/train_model_parallel.py --plan tp=4
+    meshfit run --nproc 8 examples/train_model_parallel.py --plan fsdp=2,tp=2,pp=2   # 3-D
     python examples/train_model_parallel.py --plan dp=1      # one process, the same numbers
 
 The model's code does not change: meshfit finds its blocks (`model.blocks`), cuts them

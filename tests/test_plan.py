@@ -58,10 +58,11 @@ def test_bad_plan_text_is_refused(text: str, message: str) -> None:
 def test_forms_not_built_yet_are_refused_not_run_another_way() -> None:
     with pytest.raises(MeshfitError, match="not implement"):
         Plan(offload=True).check_implemented()
-    for plan in (Plan(dp=2, tp=2), Plan(fsdp=2, pp=2), Plan(dp=2, pp=2), Plan(dp=2, fsdp=2)):
+    for plan in (Plan(dp=2, tp=2), Plan(dp=2, fsdp=2), Plan(dp=2, tp=2, pp=2)):
         with pytest.raises(MeshfitError, match="one form at a time, or fsdp x tp and pp x tp"):
             plan.check_implemented()
     for plan in (Plan(dp=4, precision="bf16", microbatches=2), Plan(tp=4), Plan(pp=2),
                  Plan(fsdp=2), Plan(fsdp=2, tp=2), Plan(tp=2, pp=2),
-                 Plan(checkpointing="selective")):  # fmt: skip
+                 Plan(checkpointing="selective"), Plan(dp=2, pp=2), Plan(fsdp=2, pp=2),
+                 Plan(fsdp=2, tp=2, pp=2)):  # fmt: skip
         plan.check_implemented()

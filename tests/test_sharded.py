@@ -101,5 +101,21 @@ def test_two_dimensional_plans_match_one_process() -> None:
         _spec("gpt4", "fsdp=2,tp=2", optimizer="adamw", grad_clip=0.05),
         _spec("gpt4", "tp=2,pp=2"),
         _spec("gpt4", "tp=2,pp=2", optimizer="adamw", grad_clip=0.05),
+        _spec("gpt4", "dp=2,pp=2"),
+        _spec("gpt4", "fsdp=2,pp=2,schedule=gpipe", optimizer="adamw", grad_clip=0.05),
     ]
     _check(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
+
+
+def test_three_dimensional_plan_on_eight_workers_matches_one_process() -> None:
+    specs = [_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05)]
+    _check(specs, mf.launch(many_engine_runs, nproc=8, args=(specs,)))
+
+
+def test_checkpoint_saved_under_dp4_continues_under_tp2_pp2(tmp_path) -> None:
+    path = str(tmp_path / "ck")
+    mf.launch(save_after_training, nproc=4, args=(_spec("gpt4", "dp=4", steps=3), path))
+    got = mf.launch(continue_run, nproc=4, args=(_spec("gpt4", "tp=2,pp=2", steps=3), path, 3))
+    straight = engine_run(_spec("gpt4", "dp=1", steps=6))
+    assert_same_run({"losses": got["losses"], "state": got["state"]},
+                    {"losses": straight["losses"][3:], "state": straight["state"]})  # fmt: skip

@@ -26,7 +26,7 @@ IMPLEMENTED_DEGREES = {"dp", "fsdp", "tp", "pp"}
 # Combinations built and tested so far (others are refused, never run another way).
 # dp x tp needs data parallel over DTensor parameters (DDP cannot); dp/fsdp x pp needs
 # the stages split before they are wrapped.
-COMBINATIONS = ({"fsdp", "tp"}, {"tp", "pp"})
+COMBINATIONS = ({"fsdp", "tp"}, {"tp", "pp"}, {"dp", "pp"}, {"fsdp", "pp"}, {"fsdp", "tp", "pp"})
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The order is the one that composes in PyTorch (as in torchtitan's parallelize):
 tensor parallel, then activation checkpointing, then sharded/replicated data parallel,
-then pipeline stages. This version builds dp, fsdp, tp and pp, one at a time;
-combinations are refused by Plan.check_implemented before we get here.
+then pipeline stages — except that with pipeline stages the model is cut right after
+recomputation, and each rank shards / replicates only what it keeps. Combinations
+that are not built are refused by Plan.check_implemented before we get here.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfit.errors import MeshfitError
 from meshfit.parallel.checkpointing import apply_checkpointing
 from meshfit.parallel.data import apply_data_parallel
-from meshfit.parallel.fsdp import apply_fsdp
-from meshfit.parallel.pipeline import Pipeline, build_pipeline
+from meshfit.parallel.fsdp import apply_fsdp, shard_modules
+from meshfit.parallel.pipeline import Pipeline, build_pipeline, split_model
 from meshfit.parallel.tensor import TPPlan, apply_tensor_parallel
 from meshfit.placement import is_placed
 from meshfit.plan import Plan
@@ -62,18 +63,23 @@ def apply_plan(
         model = apply_checkpointing(model, plan.checkpointing)
     if mesh is None:  # one process: nothing to split
         return model, None
+    if plan.pp > 1:
+        # Cut first, then shard / replicate what this rank keeps (as torchtitan does).
+        example = options.example_inputs
+        if isinstance(example, torch.Tensor):
+            example = example.to(device)
+        split = split_model(model, mesh["pp"], schedule=plan.schedule, split=options.pp_split,
+                            example_inputs=example)  # fmt: skip
+        if plan.fsdp > 1:
+            shard_modules(split.trained_modules(), mesh["fsdp"], precision=plan.precision)
+        wrap = (lambda stage: apply_data_parallel(stage, mesh, device)) if plan.dp > 1 else None
+        pipeline = build_pipeline(
+            model, split, microbatches=plan.num_microbatches, loss_fn=options.loss_fn,
+            device=device, autocast=options.autocast, wrap_stage=wrap,
+        )  # fmt: skip
+        return pipeline.model, pipeline
     if plan.fsdp > 1:
         model = apply_fsdp(model, mesh["fsdp"], precision=plan.precision)
     if plan.dp and plan.dp > 1:
         model = apply_data_parallel(model, mesh, device)
-    if plan.pp > 1:
-        example = options.example_inputs
-        if example is not None:
-            example = example.to(device) if isinstance(example, torch.Tensor) else example
-        pipeline = build_pipeline(
-            model, mesh["pp"], schedule=plan.schedule, microbatches=plan.num_microbatches,
-            loss_fn=options.loss_fn, device=device, autocast=options.autocast,
-            split=options.pp_split, example_inputs=example,
-        )  # fmt: skip
-        return pipeline.model, pipeline
     return model, None

@@ -19,20 +19,33 @@ from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
 
 
+def _policy(precision: str) -> MixedPrecisionPolicy:
+    if precision == "fp16":
+        raise MeshfitError(
+            "precision='fp16' (gradient scaling) is not supported with fsdp; use 'bf16'"
+        )
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision == "bf16" else None,
+        reduce_dtype=torch.float32,
+    )
+
+
+def shard_modules(modules: list[nn.Module], mesh: DeviceMesh, *, precision: str) -> None:
+    """Make each module its own FSDP unit, with no unit around them all: for a pipeline
+    stage, whose forward is left early, so a root unit's after-forward step would not run."""
+    policy = _policy(precision)
+    for module in modules:
+        if any(True for _ in module.parameters()):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+
+
 def apply_fsdp(
     model: nn.Module, mesh: DeviceMesh, *, precision: str, reshard_after_forward: bool = True
 ) -> nn.Module:
     """Shard `model` over `mesh` (its "fsdp" dimension). reshard_after_forward=False
     keeps each block's parameters gathered from forward to backward (ZeRO-2-like: less
     communication, more memory)."""
-    if precision == "fp16":
-        raise MeshfitError(
-            "precision='fp16' (gradient scaling) is not supported with fsdp; use 'bf16'"
-        )
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if precision == "bf16" else None,
-        reduce_dtype=torch.float32,
-    )
+    policy = _policy(precision)
     try:
         stack = find_blocks(model)
         blocks = stack.blocks

@@ -361,22 +361,67 @@ class Pipeline:
         return loss
 
 
-def build_pipeline(
+@dataclass
+class PipelineSplit:
+    """Where the model was cut and what this rank keeps (see `split_model`)."""
+
+    stack: BlockStack
+    stage_keys: list[list[str]]  # block keys of every stage
+    mine: list[int]  # the stages this rank runs
+    head: list[tuple[nn.Module, str, nn.Parameter]]
+    tail: list[tuple[nn.Module, str, nn.Parameter]]
+    starts: list[int]
+    costs: StageCosts
+    schedule: str
+    group: dist.ProcessGroup
+    pp: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_keys)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.mine
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.mine
+
+    def trained_modules(self) -> list[nn.Module]:
+        """This rank's modules with trained parameters: its blocks, and the modules
+        before / after them when it runs the first / last stage (units for FSDP)."""
+        modules = [self.stack.container._modules[k] for s in self.mine for k in self.stage_keys[s]]
+        if self.has_first:
+            modules += [m for m, _, _ in self.head]
+        if self.has_last:
+            modules += [m for m, _, _ in self.tail]
+        return list({id(m): m for m in modules}.values())
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """Looked up now, not at the split: sharding replaces parameter objects."""
+        blocks = self.stack.container._modules
+        params = [p for k in self.stage_keys[stage] for p in blocks[k].parameters()]
+        if stage == 0:
+            params = [getattr(m, leaf) for m, leaf, _ in self.head] + params
+        if stage == self.num_stages - 1:
+            params += [getattr(m, leaf) for m, leaf, _ in self.tail]
+        return _unique(params)
+
+
+def split_model(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
     schedule: str,
-    microbatches: int,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    device: torch.device,
-    autocast: Callable[[], contextlib.AbstractContextManager],
     split: list[int] | None = None,
     example_inputs: Any = None,
-) -> Pipeline:
-    """Cut `model` into stages over `mesh` (a 1-D pp mesh) and build the schedule."""
+) -> PipelineSplit:
+    """Choose the cut points over `mesh` (a 1-D pp mesh) and prune `model` in place to
+    this rank's stages (blocks kept under their original names; head/tail parameters
+    that another rank trains become frozen, non-persistent buffers)."""
     pp = mesh.size()
     rank = mesh.get_local_rank()
-    group = mesh.get_group()
     virtual = VIRTUAL_STAGES[schedule]
     num_stages = pp * virtual
     stack = find_blocks(model)
@@ -405,43 +450,57 @@ def build_pipeline(
     bounds = [*starts, n]
     stage_keys = [stack.keys[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     mine = list(range(rank, num_stages, pp))  # looped assignment: rank r holds r, r+pp, ...
-    has_first, has_last = 0 in mine, num_stages - 1 in mine
+    result = PipelineSplit(stack=stack, stage_keys=stage_keys, mine=mine, head=head, tail=tail,
+                           starts=starts, costs=costs, schedule=schedule, group=mesh.get_group(),
+                           pp=pp)  # fmt: skip
 
-    # Keep only this rank's blocks (under their original names) and freeze the copies of
-    # head/tail parameters that another rank trains.
     owned = {k for s in mine for k in stage_keys[s]}
     for key in list(stack.keys):
         if key not in owned:
             del stack.container._modules[key]
-    for part, keep in ((head, has_first), (tail, has_last)):
+    for part, keep in ((head, result.has_first), (tail, result.has_last)):
         if not keep:
             for module, leaf, param in part:
                 if leaf in module._parameters:
                     del module._parameters[leaf]
                     module.register_buffer(leaf, param.detach(), persistent=False)
     model.register_forward_pre_hook(_refuse_direct_call)
-
-    stages = []
     for s in mine:
-        params = [p for k in stage_keys[s] for p in stack.container._modules[k].parameters()]
-        if s == 0:
-            params = [p for _, _, p in head] + params
-        if s == num_stages - 1:
-            params = params + [p for _, _, p in tail]
-        if not params:
+        if not result.stage_parameters(s):
             raise MeshfitError(
                 f"pipeline stage {s} ({', '.join(stack.qualified(k) for k in stage_keys[s])}) "
                 f"would hold no parameters; give cut points that put a layer with weights "
                 f"on every stage (pp_split=[...]) or use a smaller pp"
             )
-        module = StageModule(
-            model, stack, stage_keys[s], is_first=s == 0, is_last=s == num_stages - 1,
-            params=_unique(params), autocast=autocast,
+    return result
+
+
+def build_pipeline(
+    model: nn.Module,
+    split: PipelineSplit,
+    *,
+    microbatches: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    wrap_stage: Callable[[nn.Module], nn.Module] | None = None,
+) -> Pipeline:
+    """The PipelineStages of this rank and the schedule that runs them. `wrap_stage`
+    wraps each stage's module (e.g. in DDP for data parallel over pipelines)."""
+    stages = []
+    for s in split.mine:
+        module: nn.Module = StageModule(
+            model, split.stack, split.stage_keys[s], is_first=s == 0,
+            is_last=s == split.num_stages - 1, params=split.stage_parameters(s),
+            autocast=autocast,
         )  # fmt: skip
-        stages.append(PipelineStage(module, s, num_stages, device, group=group))
+        if wrap_stage is not None:
+            module = wrap_stage(module)
+        stages.append(PipelineStage(module, s, split.num_stages, device, group=split.group))
 
     checked_loss = _scalar_loss(loss_fn)
-    if virtual == 1:
+    schedule, pp = split.schedule, split.pp
+    if VIRTUAL_STAGES[schedule] == 1:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = cls(stages[0], microbatches, loss_fn=checked_loss)
     else:
@@ -457,10 +516,15 @@ def build_pipeline(
         )
         sched = cls(stages, microbatches, loss_fn=checked_loss)
     return Pipeline(
-        model=model, stages=stages, schedule=sched, group=group, has_first=has_first,
-        has_last=has_last, starts=starts, costs=costs,
-        block_names=[stack.qualified(k) for k in stack.keys],
+        model=model, stages=stages, schedule=sched, group=split.group,
+        has_first=split.has_first, has_last=split.has_last, starts=split.starts,
+        costs=split.costs,
+        block_names=[split.stack.qualified(k) for k in _all_keys(split)],
     )  # fmt: skip
+
+
+def _all_keys(split: PipelineSplit) -> list[str]:
+    return [k for keys in split.stage_keys for k in keys]
 
 
 def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
