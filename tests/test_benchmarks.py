@@ -57,3 +57,15 @@ def test_pipeline_benchmark_quick(tmp_path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("1f1b", 2)]
     assert all(r["step_s"] > 0 and r["theory_s"] > r["ideal_s"] for r in rows)
+
+
+def test_grad_clip_benchmark_quick(tmp_path) -> None:
+    out = tmp_path / "clip.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "grad_clip.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    norms = [row["norm"] for row in rows.values() if "norm" in row]
+    assert len(norms) >= 2 and max(norms) - min(norms) <= 1e-5 * max(norms), rows

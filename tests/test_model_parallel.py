@@ -134,13 +134,6 @@ def test_pipeline_refuses_more_stages_than_blocks() -> None:
         mf.launch(many_engine_runs, nproc=2, args=([spec],))
 
 
-def test_combined_forms_and_fp16_pipelines_are_refused_up_front() -> None:
-    with pytest.raises(mf.MeshfitError, match="one form at a time"):
-        mf.Plan(dp=2, tp=2).check_implemented()
-    with pytest.raises(mf.MeshfitError, match="bf16"):
-        mf.Plan(pp=2, precision="fp16").check_implemented()
-
-
 def test_tp_and_pp_checkpoints_load_in_one_process(tmp_path) -> None:
     from workers import optimizer_factory, save_runs
 

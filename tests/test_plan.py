@@ -13,6 +13,7 @@ from meshfit import MeshfitError, Plan
         Plan(dp=2, tp=2),
         Plan(dp=1, fsdp=2, tp=2, pp=2, microbatches=8, schedule="gpipe"),
         Plan(dp=4, precision="bf16", checkpointing="full", offload=True),
+        Plan(fsdp=4, reshard_after_forward=False),
     ],
 )
 def test_text_form_round_trips(plan: Plan) -> None:
@@ -55,14 +56,37 @@ def test_bad_plan_text_is_refused(text: str, message: str) -> None:
         Plan.parse(text)
 
 
-def test_forms_not_built_yet_are_refused_not_run_another_way() -> None:
-    with pytest.raises(MeshfitError, match="not implement"):
-        Plan(offload=True).check_implemented()
-    for plan in (Plan(dp=2, tp=2), Plan(dp=2, fsdp=2), Plan(dp=2, tp=2, pp=2)):
-        with pytest.raises(MeshfitError, match="one form at a time, or fsdp x tp and pp x tp"):
-            plan.check_implemented()
+def test_every_product_of_degrees_is_built_and_clashing_options_are_refused() -> None:
+    for plan in (
+        Plan(dp=4, precision="bf16", microbatches=2),
+        Plan(tp=4),
+        Plan(pp=2),
+        Plan(fsdp=2),
+        Plan(dp=2, tp=2),
+        Plan(dp=2, fsdp=2),
+        Plan(dp=2, tp=2, pp=2),
+        Plan(fsdp=2, tp=2, pp=2, dp=2),
+        Plan(checkpointing="selective"),
+        Plan(dp=2, offload=True),
+        Plan(fsdp=2, reshard_after_forward=False),
+        Plan(tp=2, reshard_after_forward=False),
+    ):  # dp unresolved: checked later
+        plan.validate()
+    refused = {
+        Plan(dp=1, offload=True): "2 or more processes",
+        Plan(dp=2, reshard_after_forward=False): "add fsdp=N",
+        Plan(dp=1, tp=2, reshard_after_forward=False): "add fsdp=N",
+        Plan(pp=2, precision="fp16"): "bf16",
+        Plan(fsdp=2, precision="fp16"): "bf16",
+        Plan(dp=2, tp=2, precision="fp16"): "FSDP2",
+    }
+    for plan, message in refused.items():
+        with pytest.raises(MeshfitError, match=message):
+            plan.validate()
+    assert Plan(dp=2, tp=2).uses_fsdp and Plan(dp=2, offload=True).uses_fsdp
+    assert not Plan(dp=2, pp=2).uses_fsdp and not Plan(dp=1, tp=2).uses_fsdp
     for plan in (Plan(dp=4, precision="bf16", microbatches=2), Plan(tp=4), Plan(pp=2),
                  Plan(fsdp=2), Plan(fsdp=2, tp=2), Plan(tp=2, pp=2),
                  Plan(checkpointing="selective"), Plan(dp=2, pp=2), Plan(fsdp=2, pp=2),
                  Plan(fsdp=2, tp=2, pp=2)):  # fmt: skip
-        plan.check_implemented()
+        plan.validate()

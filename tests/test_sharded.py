@@ -9,6 +9,7 @@ from workers import (
     build,
     continue_run,
     engine_run,
+    fsdp_checks,
     many_engine_runs,
     memory_run,
     save_after_training,
@@ -34,7 +35,7 @@ def _check(specs: list[dict], results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_fsdp_matches_one_process(nproc: int) -> None:
+def test_fsdp_matches_one_process_with_a_zero3_share_of_the_state(nproc: int) -> None:
     plan = f"fsdp={nproc}"
     specs = [
         _spec("mlp", plan),
@@ -42,16 +43,18 @@ def test_fsdp_matches_one_process(nproc: int) -> None:
         _spec("gpt4", plan + ",microbatches=2"),
         _spec("gpt4", plan, optimizer="adamw", grad_clip=0.05),
     ]
-    _check(specs, mf.launch(many_engine_runs, nproc=nproc, args=(specs,)))
-
-
-def test_fsdp_keeps_a_zero3_share_of_the_model_state() -> None:
-    """params, gradients and AdamW state per rank = the whole / N (ZeRO-3), within 5%."""
+    if nproc == 2:  # the options, and replicas on FSDP2 (offload on CPU workers is a no-op)
+        specs += [_spec("gpt4", "fsdp=2,reshard_after_forward=false,microbatches=2"),
+                  _spec("gpt4", "dp=2,offload=true", optimizer="adamw")]  # fmt: skip
+    got = mf.launch(fsdp_checks, nproc=nproc, args=(specs, plan))
+    _check(specs, got["runs"])
+    # params, gradients and AdamW state per rank = the whole / N (ZeRO-3), within 5%
     whole = memory_run("dp=1")
-    for n in (2, 4):
-        share = mf.launch(memory_run, nproc=n, args=(f"fsdp={n}",))
-        for kind in ("parameters", "gradients", "optimizer"):
-            assert abs(share[kind] - whole[kind] / n) <= 0.05 * whole[kind] / n, (n, kind, share)
+    for kind in ("parameters", "gradients", "optimizer"):
+        share = got["memory"][kind]
+        assert abs(share - whole[kind] / nproc) <= 0.05 * whole[kind] / nproc, (kind, share)
+    # reshard_after_forward=False keeps a block's parameters gathered until its backward
+    assert got["gathered"] == {True: False, False: True}
 
 
 def test_activation_checkpointing_recomputes_the_same_run_with_less_memory() -> None:
@@ -99,6 +102,8 @@ def test_two_dimensional_plans_match_one_process() -> None:
     specs = [
         _spec("gpt4", "fsdp=2,tp=2"),
         _spec("gpt4", "fsdp=2,tp=2", optimizer="adamw", grad_clip=0.05),
+        _spec("gpt4", "dp=2,tp=2", optimizer="adamw", grad_clip=0.05),
+        _spec("gpt4", "dp=2,fsdp=2", optimizer="adamw", grad_clip=0.05),
         _spec("gpt4", "tp=2,pp=2"),
         _spec("gpt4", "tp=2,pp=2", optimizer="adamw", grad_clip=0.05),
         _spec("gpt4", "dp=2,pp=2"),
@@ -108,7 +113,8 @@ def test_two_dimensional_plans_match_one_process() -> None:
 
 
 def test_three_dimensional_plan_on_eight_workers_matches_one_process() -> None:
-    specs = [_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05)]
+    specs = [_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05),
+             _spec("gpt4", "dp=2,tp=2,pp=2")]  # fmt: skip
     _check(specs, mf.launch(many_engine_runs, nproc=8, args=(specs,)))
 
 

@@ -203,6 +203,31 @@ def memory_run(plan: str) -> dict:
     return engine.memory_report()
 
 
+def gathered_after_forward(plan: str) -> bool:
+    """After a forward under `plan` (FSDP), are the first block's parameters still the
+    gathered, whole tensors (ZeRO-2-like) rather than this rank's DTensor shards?"""
+    from torch.distributed.tensor import DTensor
+
+    model, loss_fn = build("gpt4")
+    engine = mf.parallelize(model, plan, optimizer=optimizer_factory("sgd"), loss_fn=loss_fn)
+    inputs, targets = make_batch("gpt4", 16, 0)
+    loss_fn(engine.model(inputs), targets).backward()  # a first step sets FSDP up
+    engine.model(inputs)
+    return not isinstance(next(model.blocks[0].parameters()), DTensor)
+
+
+def fsdp_checks(specs: list[dict], plan: str) -> dict:
+    """Equivalence runs, the model-state bytes and the resharding behaviour, in one set
+    of workers (process start-up is most of a small test's time)."""
+    return {
+        "runs": many_engine_runs(specs),
+        "memory": memory_run(plan),
+        "gathered": {
+            r: gathered_after_forward(f"{plan},reshard_after_forward={r}") for r in (True, False)
+        },  # fmt: skip
+    }
+
+
 def continue_run(spec: dict, path: str, first_step: int) -> dict:
     """Load the checkpoint at `path` under spec's plan, train on from `first_step`."""
     model, loss_fn = build(spec["model"])

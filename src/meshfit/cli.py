@@ -74,7 +74,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.plan:
         from meshfit.plan import Plan
 
-        Plan.parse(args.plan).check_implemented()  # refuse a bad plan before starting workers
+        Plan.parse(args.plan).validate()  # refuse a bad plan before starting workers
     return run(
         RunOptions(
             target="meshfit.demo",

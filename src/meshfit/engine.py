@@ -69,7 +69,7 @@ class Engine:
         self.grad_clip = grad_clip
         self.device = init_distributed()
         self.plan = plan.resolve(env_world_size())
-        self.plan.check_implemented()  # again: dp is known only now
+        self.plan.validate()  # again: dp is known only now
         self.world_size = self.plan.world_size or 1
         self.rank = dist.get_rank() if is_distributed() else 0
         self.fingerprint = model_fingerprint(model)  # before wrapping: global shapes, user names
@@ -88,7 +88,9 @@ class Engine:
         )
         dims = self.mesh.mesh_dim_names if self.mesh is not None else ()
         # The batch is split over replicated (dp) and sharded (fsdp) data parallel ranks.
-        self._data_groups = [self.mesh.get_group(d) for d in ("dp", "fsdp") if d in dims]
+        self._data_groups = [
+            self.mesh.get_group(d) for d in ("dp", "fsdp") if d in dims and self.mesh[d].size() > 1
+        ]
         self.dp_size = self.plan.data_parallel_size
         self.dp_rank = 0
         for d in ("dp", "fsdp"):
@@ -98,7 +100,7 @@ class Engine:
                 ) + self.mesh.get_local_rank(d)
         # Ranks that hold disjoint parameters: their gradient norms add up.
         self._norm_groups = [self.mesh.get_group("pp")] if "pp" in dims else []
-        self._sharded = self.plan.tp > 1 or self.plan.pp > 1 or self.plan.fsdp > 1
+        self._sharded = self.plan.tp > 1 or self.plan.pp > 1 or self.plan.uses_fsdp
         self._loss_checked = False
         self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
         self._measure_gradients = False
@@ -363,7 +365,7 @@ def parallelize(
     if grad_clip is not None and not grad_clip > 0:
         raise MeshfitError(f"grad_clip must be a positive number, not {grad_clip!r}")
     plan = as_plan(plan)
-    plan.check_implemented()
+    plan.validate()
     return Engine(
         model,
         plan,

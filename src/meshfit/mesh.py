@@ -80,9 +80,15 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
 
 def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:
     """A DeviceMesh with the plan's dimensions that are larger than 1 (named "pp", "dp",
-    "fsdp", "tp", outermost first); None for a single process."""
+    "fsdp", "tp", outermost first); None for a single process.
+
+    When data parallelism runs on FSDP2 (Plan.uses_fsdp) the mesh always has an "fsdp"
+    dimension, of size 1 if need be: FSDP2 given ("dp", "fsdp") replicates over the
+    first and shards over the second (HSDP), so dp replicas stay replicas."""
     if not is_distributed() or plan.world_size == 1:
         return None
     sizes = {name: size for name, size in plan.degrees.items() if size and size > 1}
+    if plan.uses_fsdp:
+        sizes["fsdp"] = plan.fsdp
     names = tuple(name for name in MESH_DIMS if name in sizes)
     return init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)

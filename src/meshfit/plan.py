@@ -20,13 +20,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # parallel most often, so tp ranks are adjacent (same node / NVLink domain).
 MESH_DIMS = ("pp", "dp", "fsdp", "tp")
 
-# Forms that this version of meshfit implements. Anything else is refused up front so a
-# plan is never silently run another way.
-IMPLEMENTED_DEGREES = {"dp", "fsdp", "tp", "pp"}
-# Combinations built and tested so far (others are refused, never run another way).
-# dp x tp needs data parallel over DTensor parameters (DDP cannot); dp/fsdp x pp needs
-# the stages split before they are wrapped.
-COMBINATIONS = ({"fsdp", "tp"}, {"tp", "pp"}, {"dp", "pp"}, {"fsdp", "pp"}, {"fsdp", "tp", "pp"})
+BOOLEAN_FIELDS = ("offload", "reshard_after_forward")
 
 
 @dataclass(frozen=True)
@@ -43,7 +37,11 @@ class Plan:
         (or 2*pp with pipelining).
     schedule: pipeline schedule, one of SCHEDULES.
     checkpointing: activation recomputation, one of CHECKPOINTING.
-    offload: keep parameters, gradients and optimizer state on the CPU.
+    offload: keep parameters, gradients and optimizer state in CPU memory between uses
+        (FSDP2's CPU offload; the optimizer step runs on the CPU). Needs 2+ processes.
+    reshard_after_forward: with FSDP, free each block's gathered parameters after its
+        forward (ZeRO-3, the default) or keep them until its backward (False:
+        ZeRO-2-like, one all-gather fewer per block and step, more memory).
     precision: "fp32", "bf16" (autocast, fp32 master weights) or "fp16" (autocast plus
         a gradient scaler).
     """
@@ -57,6 +55,7 @@ class Plan:
     checkpointing: str = "none"
     offload: bool = False
     precision: str = "fp32"
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "tp", "pp"):
@@ -68,8 +67,11 @@ class Plan:
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice("precision", self.precision, PRECISIONS)
-        if not isinstance(self.offload, bool):
-            raise MeshfitError(f"Plan offload must be True or False, not {self.offload!r}")
+        for name in BOOLEAN_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise MeshfitError(
+                    f"Plan {name} must be True or False, not {getattr(self, name)!r}"
+                )
 
     # ---- sizes -------------------------------------------------------------------
     @property
@@ -96,6 +98,14 @@ class Plan:
         if self.dp is None:
             raise MeshfitError("call Plan.resolve(world_size) before asking for sizes")
         return self.dp * self.fsdp
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether data parallelism runs on FSDP2 rather than DDP: always for fsdp > 1,
+        and for dp replicas too where DDP cannot serve them — tensor-parallel (DTensor)
+        parameters, or offload (FSDP2's). FSDP2 replicates over "dp" (HSDP) and shards
+        over "fsdp", so the numbers are those of the plan as written."""
+        return self.fsdp > 1 or self.offload or (self.dp or 1) > 1 and self.tp > 1
 
     def resolve(self, world_size: int) -> Plan:
         """Fill in ``dp=None`` from the world size and check the plan fits it."""
@@ -125,35 +135,26 @@ class Plan:
             return None
         return dataclasses.replace(self, dp=world_size // others)
 
-    def check_implemented(self) -> None:
-        """Refuse a plan that asks for a form this version does not build."""
-        missing = [
-            f"{name}={value}"
-            for name, value in self.degrees.items()
-            if name not in IMPLEMENTED_DEGREES and value not in (None, 1)
-        ]
-        if missing:
+    def validate(self) -> None:
+        """Refuse a plan whose options do not go together, saying what would.
+
+        Every product of dp x fsdp x tp x pp is built; what is refused here are the
+        options that PyTorch's pieces do not combine."""
+        if self.precision == "fp16" and (self.pp > 1 or self.uses_fsdp):
             raise MeshfitError(
-                f"plan {self} asks for {', '.join(missing)}, which this version of meshfit "
-                f"does not implement yet (dp, fsdp, tp and pp are built); use a plan "
-                f"such as Plan(dp=N), Plan(fsdp=N), Plan(tp=N) or Plan(pp=N)"
+                f"precision='fp16' (gradient scaling) is not supported with plan {self} "
+                f"(pipeline stages or FSDP2); use precision='bf16', which needs no scaler"
             )
-        combined = [f"{n}={v}" for n, v in self.degrees.items() if v is not None and v > 1]
-        names = {c.split("=")[0] for c in combined}
-        if len(combined) > 1 and names not in COMBINATIONS:
-            built = " and ".join(" x ".join(sorted(c)) for c in COMBINATIONS)
+        if self.offload and self.world_size == 1:
             raise MeshfitError(
-                f"plan {self} combines {' and '.join(combined)}; this version of meshfit "
-                f"builds one form at a time, or {built}; use one of "
-                f"{', '.join('Plan(' + c + ')' for c in combined)}"
+                "offload=True is built on FSDP2, which needs 2 or more processes; start "
+                "them with `meshfit run --nproc N` and use e.g. Plan(fsdp=N, offload=True)"
             )
-        if (self.pp > 1 or self.fsdp > 1) and self.precision == "fp16":
+        if not self.reshard_after_forward and self.dp is not None and not self.uses_fsdp:
             raise MeshfitError(
-                "precision='fp16' (gradient scaling) is not supported with pp or fsdp; use "
-                "precision='bf16', which needs no scaler"
+                f"reshard_after_forward=False applies to sharded data parallel, but plan "
+                f"{self} has none; add fsdp=N or drop the option"
             )
-        if self.offload:
-            raise MeshfitError("offload=True is not implemented yet; use offload=False")
 
     # ---- text form ---------------------------------------------------------------
     def __str__(self) -> str:
@@ -197,13 +198,13 @@ def _parse_value(key: str, raw: str) -> object:
             return int(raw)
         except ValueError:
             raise MeshfitError(f"plan field {key} needs a whole number, not {raw!r}") from None
-    if key == "offload":
+    if key in BOOLEAN_FIELDS:
         lowered = raw.lower()
         if lowered in ("true", "1", "yes"):
             return True
         if lowered in ("false", "0", "no"):
             return False
-        raise MeshfitError(f"plan field offload needs true or false, not {raw!r}")
+        raise MeshfitError(f"plan field {key} needs true or false, not {raw!r}")
     return raw
 
 

@@ -1,10 +1,10 @@
 """Apply a Plan to a model, every form in one fixed order.
 
 The order is the one that composes in PyTorch (as in torchtitan's parallelize):
-tensor parallel, then activation checkpointing, then sharded/replicated data parallel,
-then pipeline stages — except that with pipeline stages the model is cut right after
+tensor parallel, then activation checkpointing, then sharded/replicated data parallel
+(FSDP2 when Plan.uses_fsdp, else DDP), then pipeline stages — except that with pipeline stages the model is cut right after
 recomputation, and each rank shards / replicates only what it keeps. Combinations
-that are not built are refused by Plan.check_implemented before we get here.
+that do not go together are refused by Plan.validate before we get here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfit.errors import MeshfitError
 from meshfit.parallel.checkpointing import apply_checkpointing
 from meshfit.parallel.data import apply_data_parallel
-from meshfit.parallel.fsdp import apply_fsdp, shard_modules
+from meshfit.parallel.fsdp import apply_fsdp, data_mesh, shard_modules
 from meshfit.parallel.pipeline import Pipeline, build_pipeline, split_model
 from meshfit.parallel.tensor import TPPlan, apply_tensor_parallel
 from meshfit.placement import is_placed
@@ -70,16 +70,18 @@ def apply_plan(
             example = example.to(device)
         split = split_model(model, mesh["pp"], schedule=plan.schedule, split=options.pp_split,
                             example_inputs=example)  # fmt: skip
-        if plan.fsdp > 1:
-            shard_modules(split.trained_modules(), mesh["fsdp"], precision=plan.precision)
-        wrap = (lambda stage: apply_data_parallel(stage, mesh, device)) if plan.dp > 1 else None
+        if plan.uses_fsdp:
+            shard_modules(split.trained_modules(), data_mesh(mesh), plan, device)
+        wrap = None
+        if plan.dp > 1 and not plan.uses_fsdp:
+            wrap = lambda stage: apply_data_parallel(stage, mesh, device)  # noqa: E731
         pipeline = build_pipeline(
             model, split, microbatches=plan.num_microbatches, loss_fn=options.loss_fn,
             device=device, autocast=options.autocast, wrap_stage=wrap,
         )  # fmt: skip
         return pipeline.model, pipeline
-    if plan.fsdp > 1:
-        model = apply_fsdp(model, mesh["fsdp"], precision=plan.precision)
-    if plan.dp and plan.dp > 1:
+    if plan.uses_fsdp:  # sharded (and, over "dp", replicated) on FSDP2
+        model = apply_fsdp(model, data_mesh(mesh), plan, device)
+    elif plan.dp > 1:  # replicas only: DDP, whose bucketed all-reduce overlaps backward
         model = apply_data_parallel(model, mesh, device)
     return model, None

@@ -6,52 +6,83 @@ reduce-scattered and averaged over the fsdp ranks, so each rank keeps 1/N of the
 parameters, gradients and optimizer state: ZeRO-3. With bf16 precision, compute runs in
 bf16 on gathered bf16 copies while the sharded master weights, gradient reduction and
 optimizer stay fp32.
+
+The same units serve replicated data parallel where DDP cannot (tensor-parallel DTensor
+parameters, offload): given a ("dp", "fsdp") mesh FSDP2 replicates over "dp" and shards
+over "fsdp" (HSDP), with "fsdp" of size 1 for plain replicas.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
+from meshfit.plan import Plan
 
 
-def _policy(precision: str) -> MixedPrecisionPolicy:
-    if precision == "fp16":
-        raise MeshfitError(
-            "precision='fp16' (gradient scaling) is not supported with fsdp; use 'bf16'"
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 works over: ("dp", "fsdp") when there are replicas, else "fsdp"."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["dp", "fsdp"] if "dp" in names else mesh["fsdp"]
+
+
+def _options(plan: Plan, device: torch.device) -> dict:
+    """fully_shard's keyword arguments for `plan`: precision, resharding, offload."""
+    return {
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if plan.precision == "bf16" else None,
+            reduce_dtype=torch.float32,
+        ),
+        "reshard_after_forward": plan.reshard_after_forward,
+        "offload_policy": _offload_policy(plan.offload, device),
+    }
+
+
+def _offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
+    if not offload:
+        return OffloadPolicy()
+    if device.type == "cpu":
+        # Nothing to move: CPU workers keep everything in host memory already (and
+        # FSDP2's CPUOffloadPolicy needs an accelerator to copy to and from).
+        warnings.warn(
+            "offload=True changes nothing on CPU workers: parameters, gradients and "
+            "optimizer state are in CPU memory already",
+            stacklevel=3,
         )
-    return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if precision == "bf16" else None,
-        reduce_dtype=torch.float32,
-    )
+        return OffloadPolicy()
+    return CPUOffloadPolicy()
 
 
-def shard_modules(modules: list[nn.Module], mesh: DeviceMesh, *, precision: str) -> None:
+def shard_modules(
+    modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, device: torch.device
+) -> None:
     """Make each module its own FSDP unit, with no unit around them all: for a pipeline
     stage, whose forward is left early, so a root unit's after-forward step would not run."""
-    policy = _policy(precision)
+    options = _options(plan, device)
     for module in modules:
         if any(True for _ in module.parameters()):
-            fully_shard(module, mesh=mesh, mp_policy=policy)
+            fully_shard(module, mesh=mesh, **options)
 
 
-def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, *, precision: str, reshard_after_forward: bool = True
-) -> nn.Module:
-    """Shard `model` over `mesh` (its "fsdp" dimension). reshard_after_forward=False
-    keeps each block's parameters gathered from forward to backward (ZeRO-2-like: less
-    communication, more memory)."""
-    policy = _policy(precision)
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, device: torch.device) -> nn.Module:
+    """Shard `model` over `mesh`: one FSDP unit per repeated block, one root unit."""
+    options = _options(plan, device)
     try:
-        stack = find_blocks(model)
-        blocks = stack.blocks
+        blocks = find_blocks(model).blocks
     except MeshfitError:
         blocks = []  # no repeated unit: one FSDP unit for the whole model
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model
