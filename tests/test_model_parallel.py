@@ -168,3 +168,13 @@ def test_hugging_face_llama_splits_without_changes() -> None:
     pytest.importorskip("transformers")
     specs = [_spec("llama", "pp=2"), _spec("llama", "tp=2")]
     _check(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+
+
+def test_a_one_layer_model_still_has_its_layer_stack() -> None:
+    from meshfit.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    model.extra = torch.nn.ModuleList([torch.nn.Dropout()])  # one block, no parameters
+    stack = find_blocks(model)
+    assert stack.name == "blocks" and stack.keys == ["0"]
+    assert set(derive_tp_plan(model)) >= {"blocks.0.attn.q_proj", "blocks.0.mlp.down"}

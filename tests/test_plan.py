@@ -73,7 +73,6 @@ def test_every_product_of_degrees_is_built_and_clashing_options_are_refused() ->
     ):  # dp unresolved: checked later
         plan.validate()
     refused = {
-        Plan(dp=1, offload=True): "2 or more processes",
         Plan(dp=2, reshard_after_forward=False): "add fsdp=N",
         Plan(dp=1, tp=2, reshard_after_forward=False): "add fsdp=N",
         Plan(pp=2, precision="fp16"): "bf16",

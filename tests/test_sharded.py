@@ -57,6 +57,15 @@ def test_fsdp_matches_one_process_with_a_zero3_share_of_the_state(nproc: int) ->
     assert got["gathered"] == {True: False, False: True}
 
 
+def test_offload_in_one_process_runs_on_fsdp2() -> None:
+    """One worker: a process group of one, the model sharded 1 way (what puts a GPU run's
+    state in CPU memory; on CPU workers the offload itself is a no-op)."""
+    specs = [_spec("gpt4", "offload=true", optimizer="adamw", grad_clip=0.05)]
+    got = mf.launch(many_engine_runs, nproc=1, args=(specs,))
+    _check(specs, got)
+    assert got[0]["fsdp_units"] == 1 + len(build("gpt4")[0].blocks)  # each block + root
+
+
 def test_activation_checkpointing_recomputes_the_same_run_with_less_memory() -> None:
     ref = engine_run(_spec("gpt4", "dp=1"))
     for mode in ("full", "selective"):

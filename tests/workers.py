@@ -11,6 +11,7 @@ import signal
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig, next_token_loss
@@ -72,8 +73,9 @@ def engine_run(spec: dict) -> dict:
         batch = make_batch(spec["model"], spec.get("batch", 16), step)
         losses.append(float(engine.step(batch)))
     eval_loss = float(engine.evaluate(make_batch(spec["model"], spec.get("batch", 16), 999)))
+    fsdp_units = sum(isinstance(m, FSDPModule) for m in model.modules())
     return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict(),
-            "rank": engine.rank}  # fmt: skip
+            "rank": engine.rank, "fsdp_units": fsdp_units}  # fmt: skip
 
 
 def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +216,27 @@ def gathered_after_forward(plan: str) -> bool:
     loss_fn(engine.model(inputs), targets).backward()  # a first step sets FSDP up
     engine.model(inputs)
     return not isinstance(next(model.blocks[0].parameters()), DTensor)
+
+
+def offload_memory_run(spec: dict) -> dict:
+    """engine_run under an offload plan, plus where the model state lives between steps:
+    the devices of parameters, gradients and optimizer state, and the GPU bytes in use."""
+    model, loss_fn = build(spec["model"])
+    engine = mf.parallelize(model, spec["plan"], loss_fn=loss_fn, grad_clip=spec.get("grad_clip"),
+                            optimizer=optimizer_factory(spec.get("optimizer", "sgd")))  # fmt: skip
+    engine.memory_report()  # measure gradients at the optimizer step
+    losses = [float(engine.step(make_batch(spec["model"], spec.get("batch", 16), step)))
+              for step in range(spec.get("steps", 4))]  # fmt: skip
+    torch.cuda.synchronize()
+    tensors = [p.data.to_local() if hasattr(p.data, "to_local") else p.data
+               for p in engine.model.parameters()]  # fmt: skip
+    tensors += [v for s in engine.optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.ndim > 0]  # fmt: skip
+    report = engine.memory_report()
+    return {"losses": losses, "state": engine.full_state_dict(),
+            "state_devices": sorted({t.device.type for t in tensors}),
+            "state_bytes": report["parameters"] + report["optimizer"],
+            "gpu_bytes_between_steps": torch.cuda.memory_allocated()}  # fmt: skip
 
 
 def fsdp_checks(specs: list[dict], plan: str) -> dict:

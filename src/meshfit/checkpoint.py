@@ -13,19 +13,16 @@ newest committed one, replaced atomically.
 
 Safety: DCP would unpickle its metadata and any non-tensor values with full pickle. We
 read metadata with an allow-listed unpickler and non-tensor values with
-`torch.load(weights_only=True)`, so a checkpoint from elsewhere cannot run code.
+`torch.load(weights_only=True)` (meshfit/_safe_dcp.py), so a checkpoint from elsewhere
+cannot run code. DCP itself is imported only when a checkpoint is written or read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import hashlib
-import io
 import json
 import os
-import pickle
 import shutil
 import time
 import warnings
@@ -34,11 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshfit.errors import MeshfitError
 from meshfit.mesh import is_distributed
@@ -87,83 +80,6 @@ def explain_mismatch(saved: dict[str, list], here: dict[str, list]) -> str | Non
     if extra:
         parts.append(f"{len(extra)} are not in the checkpoint (e.g. {extra[0]!r})")
     return "; ".join(parts)
-
-
-# ---- safe reading ----------------------------------------------------------------
-
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing anything but its plain data classes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        value = None
-        if module in _DCP_MODULES:
-            candidate = getattr(__import__(module, fromlist=[name]), name, None)
-            if isinstance(candidate, type) and (
-                dataclasses.is_dataclass(candidate) or issubclass(candidate, enum.Enum)
-            ):
-                value = candidate
-        elif module == "torch" and (
-            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            value = getattr(torch, name)
-        elif module == "torch.serialization" and name == "_get_layout":
-            value = torch.serialization._get_layout
-        elif module == "pathlib" and name in (
-            "Path",
-            "PosixPath",
-            "WindowsPath",
-            "PurePosixPath",
-            "PureWindowsPath",
-        ):
-            import pathlib
-
-            value = getattr(pathlib, name)
-        elif module == "collections" and name == "OrderedDict":
-            import collections
-
-            value = collections.OrderedDict
-        if value is None:
-            raise MeshfitError(
-                f"refusing to load checkpoint metadata that references {module}.{name}: "
-                f"it is not a meshfit/DCP checkpoint, or it was tampered with"
-            )
-        return value
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, with metadata read by an allow-listed unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        rank = kwargs.get("rank")
-        if hasattr(self, "_get_metadata_path"):
-            path = self._get_metadata_path(rank)
-        else:  # older torch
-            path = self.fs.concat_path(self.path, ".metadata")
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading non-tensor values with weights_only=True."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            # Same private helper DefaultLoadPlanner.load_bytes uses.
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 # ---- finding checkpoints ---------------------------------------------------------
@@ -258,6 +174,9 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         os.makedirs(partial)
     _barrier()
+
+    import torch.distributed.checkpoint as dcp  # here: importing DCP costs ~1.5 s
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     with _single_process_quiet():
@@ -367,6 +286,11 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
             f"checkpoint {checkpoint!r} holds {meta['optimizer']} state but this engine "
             f"uses {here}; use the same optimizer to resume, or a new checkpoint directory"
         )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
     # Read DCP's metadata through the allow-list first: a file that would run code is
     # refused here with a plain message rather than deep inside dcp.load.
     SafeFileSystemReader(checkpoint).read_metadata()

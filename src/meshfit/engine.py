@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
 from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
 from meshfit.parallel.compose import ParallelOptions, apply_plan
-from meshfit.parallel.grad_norm import clip_grad_norm
-from meshfit.parallel.tensor import TPPlan
 from meshfit.plan import Plan
+
+if TYPE_CHECKING:
+    from meshfit.parallel.tensor import TPPlan
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -67,7 +67,7 @@ class Engine:
         self.module = model  # the user's model, unwrapped
         self.loss_fn = loss_fn
         self.grad_clip = grad_clip
-        self.device = init_distributed()
+        self.device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
         self.plan = plan.resolve(env_world_size())
         self.plan.validate()  # again: dp is known only now
         self.world_size = self.plan.world_size or 1
@@ -160,6 +160,8 @@ class Engine:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.grad_clip is not None and self._sharded:
+            from meshfit.parallel.grad_norm import clip_grad_norm
+
             self.last_grad_norm = clip_grad_norm(
                 self.model.parameters(), self.grad_clip, self._norm_groups
             )
@@ -424,7 +426,7 @@ def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim
 
 def _local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank holds of `t` (its shard, for a DTensor)."""
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor, without importing it
     return local.numel() * local.element_size()
 
 

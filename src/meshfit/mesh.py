@@ -24,22 +24,27 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_distributed(timeout_s: float | None = None) -> torch.device:
+def init_distributed(timeout_s: float | None = None, *, alone: bool = False) -> torch.device:
     """Start the default process group if a launcher asked for one; return this
     worker's device.
 
     NCCL drives GPU tensors and gloo CPU tensors (one group serving both, so CPU-side
     collectives such as checkpoint coordination also work on GPU runs). A plain single
-    process starts no group at all.
+    process starts no group, unless `alone`: then a group of one (FSDP2, which offload
+    is built on, runs only in a process group), kept in memory, no ports opened.
     """
     device = worker_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if is_distributed() or env_world_size() == 1:
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if is_distributed():
+        return device
+    if env_world_size() == 1:
+        if alone:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         return device
     if timeout_s is None:
         timeout_s = float(os.environ.get("MESHFIT_TIMEOUT_S", "1800"))
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     store = _attempt_store(timeout)
     if store is None:
@@ -85,7 +90,7 @@ def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:
     When data parallelism runs on FSDP2 (Plan.uses_fsdp) the mesh always has an "fsdp"
     dimension, of size 1 if need be: FSDP2 given ("dp", "fsdp") replicates over the
     first and shards over the second (HSDP), so dp replicas stay replicas."""
-    if not is_distributed() or plan.world_size == 1:
+    if not is_distributed() or (plan.world_size == 1 and not plan.uses_fsdp):
         return None
     sizes = {name: size for name, size in plan.degrees.items() if size and size > 1}
     if plan.uses_fsdp:

@@ -38,7 +38,7 @@ class Plan:
     schedule: pipeline schedule, one of SCHEDULES.
     checkpointing: activation recomputation, one of CHECKPOINTING.
     offload: keep parameters, gradients and optimizer state in CPU memory between uses
-        (FSDP2's CPU offload; the optimizer step runs on the CPU). Needs 2+ processes.
+        (FSDP2's CPU offload; the optimizer step runs on the CPU), in one process too.
     reshard_after_forward: with FSDP, free each block's gathered parameters after its
         forward (ZeRO-3, the default) or keep them until its backward (False:
         ZeRO-2-like, one all-gather fewer per block and step, more memory).
@@ -144,11 +144,6 @@ class Plan:
             raise MeshfitError(
                 f"precision='fp16' (gradient scaling) is not supported with plan {self} "
                 f"(pipeline stages or FSDP2); use precision='bf16', which needs no scaler"
-            )
-        if self.offload and self.world_size == 1:
-            raise MeshfitError(
-                "offload=True is built on FSDP2, which needs 2 or more processes; start "
-                "them with `meshfit run --nproc N` and use e.g. Plan(fsdp=N, offload=True)"
             )
         if not self.reshard_after_forward and self.dp is not None and not self.uses_fsdp:
             raise MeshfitError(

@@ -31,12 +31,15 @@ class BlockStack:
 def find_blocks(model: nn.Module) -> BlockStack:
     """The model's stack of repeated blocks: the model itself when it is an
     `nn.Sequential`, else the largest ModuleList/Sequential whose children all have one
-    type (ties go to the first registered)."""
+    type (ties go to the first registered). A container of one block counts (a 1-layer
+    model still has its layer stack) when that block has parameters."""
     if type(model) is nn.Sequential and len(model) > 0:
         return BlockStack("", model, list(model._modules))
     best: BlockStack | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+            continue
+        if len(module) == 1 and not any(True for _ in module.parameters()):
             continue
         types = {type(child) for child in module.children()}
         if len(types) != 1:
