@@ -10,6 +10,7 @@ from workers import (
     continue_run,
     engine_run,
     fsdp_checks,
+    make_batch,
     many_engine_runs,
     memory_run,
     save_after_training,
@@ -109,12 +110,12 @@ def test_fit_reports_memory_per_rank_when_asked() -> None:
 
 def test_two_dimensional_plans_match_one_process() -> None:
     specs = [
-        _spec("gpt4", "fsdp=2,tp=2"),
         _spec("gpt4", "fsdp=2,tp=2", optimizer="adamw", grad_clip=0.05),
         _spec("gpt4", "dp=2,tp=2", optimizer="adamw", grad_clip=0.05),
         _spec("gpt4", "dp=2,fsdp=2", optimizer="adamw", grad_clip=0.05),
-        _spec("gpt4", "tp=2,pp=2"),
         _spec("gpt4", "tp=2,pp=2", optimizer="adamw", grad_clip=0.05),
+        # an example batch: the cut is timed by rank 0's tp group together (as fit does)
+        _spec("gpt4", "tp=2,pp=2", options={"example_inputs": make_batch("gpt4", 4, 0)[0]}),
         _spec("gpt4", "dp=2,pp=2"),
         _spec("gpt4", "fsdp=2,pp=2,schedule=gpipe", optimizer="adamw", grad_clip=0.05),
     ]
@@ -122,15 +123,16 @@ def test_two_dimensional_plans_match_one_process() -> None:
 
 
 def test_three_dimensional_plan_on_eight_workers_matches_one_process() -> None:
-    specs = [_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05),
-             _spec("gpt4", "dp=2,tp=2,pp=2")]  # fmt: skip
+    # 3 steps, not 4: 8 processes on the 2-core CI machine make each step slow
+    specs = [_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05, steps=3),
+             _spec("gpt4", "dp=2,tp=2,pp=2", steps=3)]  # fmt: skip
     _check(specs, mf.launch(many_engine_runs, nproc=8, args=(specs,)))
 
 
 def test_checkpoint_saved_under_dp4_continues_under_tp2_pp2(tmp_path) -> None:
     path = str(tmp_path / "ck")
-    mf.launch(save_after_training, nproc=4, args=(_spec("gpt4", "dp=4", steps=3), path))
-    got = mf.launch(continue_run, nproc=4, args=(_spec("gpt4", "tp=2,pp=2", steps=3), path, 3))
-    straight = engine_run(_spec("gpt4", "dp=1", steps=6))
+    mf.launch(save_after_training, nproc=4, args=(_spec("gpt4", "dp=4", steps=2), path))
+    got = mf.launch(continue_run, nproc=4, args=(_spec("gpt4", "tp=2,pp=2", steps=2), path, 2))
+    straight = engine_run(_spec("gpt4", "dp=1", steps=4))
     assert_same_run({"losses": got["losses"], "state": got["state"]},
-                    {"losses": straight["losses"][3:], "state": straight["state"]})  # fmt: skip
+                    {"losses": straight["losses"][2:], "state": straight["state"]})  # fmt: skip

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig, next_token_loss
@@ -73,7 +73,8 @@ def engine_run(spec: dict) -> dict:
         batch = make_batch(spec["model"], spec.get("batch", 16), step)
         losses.append(float(engine.step(batch)))
     eval_loss = float(engine.evaluate(make_batch(spec["model"], spec.get("batch", 16), 999)))
-    fsdp_units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 units
+    fsdp_units = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules()) if fsdp else 0
     return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict(),
             "rank": engine.rank, "fsdp_units": fsdp_units}  # fmt: skip
 

@@ -135,6 +135,17 @@ def parameter_costs(model: nn.Module, stack: BlockStack) -> StageCosts:
     )
 
 
+def _measures_with_rank0(model: nn.Module) -> bool:
+    """Whether this rank runs the timing forward: rank 0 alone, unless the blocks are
+    already tensor-parallel; then a forward is collective over the tp group, so rank 0's
+    whole tp group runs it together (rank 0 alone would wait for its peers forever)."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)  # a DTensor's mesh: the tp mesh
+        if mesh is not None:
+            return 0 in mesh.mesh.flatten().tolist()
+    return dist.get_rank() == 0
+
+
 def measure_costs(
     model: nn.Module, stack: BlockStack, example_inputs: Any, repeats: int = 3
 ) -> StageCosts:
@@ -441,7 +452,8 @@ def split_model(
         if example_inputs is not None:
             # Every rank must cut at the same place, so rank 0 measures (alone, so that
             # workers sharing its cores do not disturb the timing) and tells the others.
-            shared = [measure_costs(model, stack, example_inputs) if dist.get_rank() == 0 else None]
+            measures = _measures_with_rank0(model)
+            shared = [measure_costs(model, stack, example_inputs) if measures else None]
             dist.broadcast_object_list(shared, src=0)
             costs = shared[0]
         else:
