@@ -1,4 +1,4 @@
-"""Numerical comparison used by every equivalence test."""
+"""Numerical comparison used by every equivalence test, and the run specs they share."""
 
 from __future__ import annotations
 
@@ -28,3 +28,25 @@ def assert_same_run(got: dict, ref: dict, rtol: float = RTOL) -> None:
 
 def max_weight_error(got: dict, ref: dict) -> float:
     return max(relative_error(got["state"][k], ref["state"][k]) for k in ref["state"])
+
+
+BATCH = 16  # global batch of an equivalence run
+STEPS = 4  # optimizer steps of an equivalence run
+
+
+def make_spec(model: str, plan: str, **extra) -> dict:
+    """A run for workers.engine_run: `model` (a workers.build kind) under `plan`."""
+    return {"model": model, "plan": plan, "batch": BATCH, "steps": STEPS, **extra}
+
+
+def check_against_one_process(specs: list[dict], results: list[dict]) -> None:
+    """Each result reproduces its spec run in this one process (losses, eval loss, final
+    weights), and that run really trained (else equal weights would prove nothing)."""
+    from workers import build, engine_run
+
+    for spec, got in zip(specs, results, strict=True):
+        ref = engine_run({**spec, "plan": None})
+        assert_same_run(got, ref)
+        assert abs(got["eval"] - ref["eval"]) <= RTOL * abs(ref["eval"]), spec
+        initial = build(spec["model"])[0].state_dict()
+        assert max(relative_error(ref["state"][k], initial[k]) for k in initial) > 1e-2

@@ -10,62 +10,44 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_overhead_benchmark_quick(tmp_path) -> None:
-    out = tmp_path / "overhead.json"
+def _run_quick(script: str, tmp_path, timeout: int = 180) -> tuple[str, dict]:
+    """Run `benchmarks/<script> --quick`; return what it printed and the JSON it wrote."""
+    out = tmp_path / "result.json"
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_overhead_benchmark_quick(tmp_path) -> None:
+    stdout, written = _run_quick("overhead.py", tmp_path, timeout=120)
+    rows = written["rows"]
     assert [r["runner"] for r in rows] == ["hand-written", "meshfit engine", "meshfit fit"]
-    assert "vs hand" in result.stdout.splitlines()[-4]
+    assert "vs hand" in stdout.splitlines()[-4]
 
 
 def test_gpu_throughput_benchmark_quick(tmp_path) -> None:
-    out = tmp_path / "gpu.json"
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_throughput.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = _run_quick("gpu_throughput.py", tmp_path, timeout=120)[1]["rows"]
     assert [r["runner"] for r in rows] == ["hand-written", "meshfit engine"]
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows)
 
 
 def test_data_parallel_benchmark_quick(tmp_path) -> None:
-    out = tmp_path / "dp.json"
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "data_parallel.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = _run_quick("data_parallel.py", tmp_path)[1]["rows"]
     assert [r["runner"] for r in rows] == ["hand-written DDP", "meshfit dp=N"]
     # The wire counter saw at least the gradient's ring all-reduce (else it read nothing).
     assert all(r["vs_ring_minimum"] >= 0.99 for r in rows)
 
 
 def test_pipeline_benchmark_quick(tmp_path) -> None:
-    out = tmp_path / "pp.json"
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "pipeline.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = _run_quick("pipeline.py", tmp_path)[1]["rows"]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("1f1b", 2)]
     assert all(r["step_s"] > 0 and r["theory_s"] > r["ideal_s"] for r in rows)
 
 
 def test_grad_clip_benchmark_quick(tmp_path) -> None:
-    out = tmp_path / "clip.json"
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "grad_clip.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = _run_quick("grad_clip.py", tmp_path)[1]["rows"]
     norms = [row["norm"] for row in rows.values() if "norm" in row]
     assert len(norms) >= 2 and max(norms) - min(norms) <= 1e-5 * max(norms), rows

@@ -10,7 +10,11 @@ from workers import engine_run, offload_memory_run
 
 import meshfit as mf
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU: offload moves model state between GPU and CPU memory, and "
+    "FSDP2's CPU offload refuses to run without an accelerator",
+)
 
 
 def test_offload_keeps_the_model_state_in_cpu_memory_and_the_same_run() -> None:

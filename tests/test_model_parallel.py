@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_run, relative_error
-from workers import GPT4, balance_run, build, engine_run, many_engine_runs, skewed_sequential
+from helpers import assert_same_run, check_against_one_process, make_spec
+from workers import GPT4, balance_run, build, many_engine_runs, skewed_sequential
 
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig
@@ -14,55 +14,38 @@ from meshfit.parallel.blocks import find_blocks
 from meshfit.parallel.pipeline import balanced_starts, measure_costs, stage_costs_of
 from meshfit.parallel.tensor import check_tp_plan, derive_tp_plan
 
-BATCH = 16
-STEPS = 4
-
-
-def _check(specs: list[dict], results: list[dict]) -> None:
-    for spec, got in zip(specs, results, strict=True):
-        ref = engine_run({**spec, "plan": None})
-        assert_same_run(got, ref)
-        assert abs(got["eval"] - ref["eval"]) <= 1e-5 * abs(ref["eval"]), spec
-        initial = build(spec["model"])[0].state_dict()  # the run really trained
-        assert max(relative_error(ref["state"][k], initial[k]) for k in initial) > 1e-2
-
-
-def _spec(model: str, plan: str, **extra) -> dict:
-    return {"model": model, "plan": plan, "batch": BATCH, "steps": STEPS, **extra}
-
-
 CLIPPED = {"optimizer": "adamw", "grad_clip": 0.05}
 
 
 def test_two_way_model_parallel_matches_one_process() -> None:
     specs = [
-        _spec("mlp", "tp=2"),
-        _spec("gpt", "tp=2"),
-        _spec("gpt", "tp=2", **CLIPPED),
-        _spec("mlp", "pp=2"),
-        _spec("gpt", "pp=2"),
-        _spec("gpt", "pp=2", **CLIPPED),
-        _spec("mlp", "pp=2,schedule=gpipe"),
-        _spec("gpt", "pp=2,schedule=gpipe,microbatches=8"),
-        _spec("gpt4", "pp=2,schedule=interleaved-1f1b"),
-        _spec("gpt4", "pp=2,schedule=zero-bubble"),
-        _spec("deep_mlp", "pp=2,schedule=interleaved-1f1b"),
-        _spec("gpt", "pp=2", options={"pp_split": [1]}),
+        make_spec("mlp", "tp=2"),
+        make_spec("gpt", "tp=2"),
+        make_spec("gpt", "tp=2", **CLIPPED),
+        make_spec("mlp", "pp=2"),
+        make_spec("gpt", "pp=2"),
+        make_spec("gpt", "pp=2", **CLIPPED),
+        make_spec("mlp", "pp=2,schedule=gpipe"),
+        make_spec("gpt", "pp=2,schedule=gpipe,microbatches=8"),
+        make_spec("gpt4", "pp=2,schedule=interleaved-1f1b"),
+        make_spec("gpt4", "pp=2,schedule=zero-bubble"),
+        make_spec("deep_mlp", "pp=2,schedule=interleaved-1f1b"),
+        make_spec("gpt", "pp=2", options={"pp_split": [1]}),
     ]
-    _check(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
 
 
 def test_four_way_model_parallel_matches_one_process() -> None:
     specs = [
-        _spec("gpt4", "pp=4"),
-        _spec("deep_mlp", "pp=4"),
-        _spec("gpt4", "pp=4,schedule=gpipe"),
-        _spec("deep_mlp", "pp=4,schedule=gpipe"),
-        _spec("gpt4", "tp=4"),
-        _spec("gpt4", "tp=4", **CLIPPED),
-        _spec("deep_mlp", "tp=4"),
+        make_spec("gpt4", "pp=4"),
+        make_spec("deep_mlp", "pp=4"),
+        make_spec("gpt4", "pp=4,schedule=gpipe"),
+        make_spec("deep_mlp", "pp=4,schedule=gpipe"),
+        make_spec("gpt4", "tp=4"),
+        make_spec("gpt4", "tp=4", **CLIPPED),
+        make_spec("deep_mlp", "tp=4"),
     ]
-    _check(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
+    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
 
 
 def test_pipeline_cuts_balance_measured_time() -> None:
@@ -129,7 +112,7 @@ def test_model_without_repeated_blocks_is_refused_with_the_way_out() -> None:
 
 
 def test_pipeline_refuses_more_stages_than_blocks() -> None:
-    spec = _spec("gpt", "pp=2,schedule=interleaved-1f1b")  # 4 stages, 2 blocks
+    spec = make_spec("gpt", "pp=2,schedule=interleaved-1f1b")  # 4 stages, 2 blocks
     with pytest.raises(mf.MeshfitError, match="needs 4 stages but GPT has only 2 blocks"):
         mf.launch(many_engine_runs, nproc=2, args=([spec],))
 
@@ -137,7 +120,7 @@ def test_pipeline_refuses_more_stages_than_blocks() -> None:
 def test_tp_and_pp_checkpoints_load_in_one_process(tmp_path) -> None:
     from workers import optimizer_factory, save_runs
 
-    specs = [_spec("gpt", "tp=2", steps=3), _spec("gpt", "pp=2", steps=3)]
+    specs = [make_spec("gpt", "tp=2", steps=3), make_spec("gpt", "pp=2", steps=3)]
     paths = [str(tmp_path / "tp"), str(tmp_path / "pp")]
     saved = mf.launch(save_runs, nproc=2, args=(specs, paths))
     for spec, path, got in zip(specs, paths, saved, strict=True):
@@ -166,8 +149,8 @@ def test_hugging_face_llama_splits_without_changes() -> None:
     """A transformers LlamaForCausalLM (grouped-query attention, rotary positions,
     blocks called with masks and position tables) under pp=2 and tp=2."""
     pytest.importorskip("transformers")
-    specs = [_spec("llama", "pp=2"), _spec("llama", "tp=2")]
-    _check(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+    specs = [make_spec("llama", "pp=2"), make_spec("llama", "tp=2")]
+    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
 
 
 def test_a_one_layer_model_still_has_its_layer_stack() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import assert_same_run, relative_error
+from helpers import assert_same_run, check_against_one_process, make_spec
 from workers import (
     activation_costs,
     build,
@@ -18,37 +18,21 @@ from workers import (
 
 import meshfit as mf
 
-BATCH = 16
-STEPS = 4
-
-
-def _spec(model: str, plan: str, **extra) -> dict:
-    return {"model": model, "plan": plan, "batch": BATCH, "steps": STEPS, **extra}
-
-
-def _check(specs: list[dict], results: list[dict]) -> None:
-    for spec, got in zip(specs, results, strict=True):
-        ref = engine_run({**spec, "plan": None})
-        assert_same_run(got, ref)
-        assert abs(got["eval"] - ref["eval"]) <= 1e-5 * abs(ref["eval"]), spec
-        initial = build(spec["model"])[0].state_dict()  # the run really trained
-        assert max(relative_error(ref["state"][k], initial[k]) for k in initial) > 1e-2
-
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp_matches_one_process_with_a_zero3_share_of_the_state(nproc: int) -> None:
     plan = f"fsdp={nproc}"
     specs = [
-        _spec("mlp", plan),
-        _spec("gpt4", plan),
-        _spec("gpt4", plan + ",microbatches=2"),
-        _spec("gpt4", plan, optimizer="adamw", grad_clip=0.05),
+        make_spec("mlp", plan),
+        make_spec("gpt4", plan),
+        make_spec("gpt4", plan + ",microbatches=2"),
+        make_spec("gpt4", plan, optimizer="adamw", grad_clip=0.05),
     ]
     if nproc == 2:  # the options, and replicas on FSDP2 (offload on CPU workers is a no-op)
-        specs += [_spec("gpt4", "fsdp=2,reshard_after_forward=false,microbatches=2"),
-                  _spec("gpt4", "dp=2,offload=true", optimizer="adamw")]  # fmt: skip
+        specs += [make_spec("gpt4", "fsdp=2,reshard_after_forward=false,microbatches=2"),
+                  make_spec("gpt4", "dp=2,offload=true", optimizer="adamw")]  # fmt: skip
     got = mf.launch(fsdp_checks, nproc=nproc, args=(specs, plan))
-    _check(specs, got["runs"])
+    check_against_one_process(specs, got["runs"])
     # params, gradients and AdamW state per rank = the whole / N (ZeRO-3), within 5%
     whole = memory_run("dp=1")
     for kind in ("parameters", "gradients", "optimizer"):
@@ -61,16 +45,16 @@ def test_fsdp_matches_one_process_with_a_zero3_share_of_the_state(nproc: int) ->
 def test_offload_in_one_process_runs_on_fsdp2() -> None:
     """One worker: a process group of one, the model sharded 1 way (what puts a GPU run's
     state in CPU memory; on CPU workers the offload itself is a no-op)."""
-    specs = [_spec("gpt4", "offload=true", optimizer="adamw", grad_clip=0.05)]
+    specs = [make_spec("gpt4", "offload=true", optimizer="adamw", grad_clip=0.05)]
     got = mf.launch(many_engine_runs, nproc=1, args=(specs,))
-    _check(specs, got)
+    check_against_one_process(specs, got)
     assert got[0]["fsdp_units"] == 1 + len(build("gpt4")[0].blocks)  # each block + root
 
 
 def test_activation_checkpointing_recomputes_the_same_run_with_less_memory() -> None:
-    ref = engine_run(_spec("gpt4", "dp=1"))
+    ref = engine_run(make_spec("gpt4", "dp=1"))
     for mode in ("full", "selective"):
-        got = engine_run(_spec("gpt4", f"checkpointing={mode}"))
+        got = engine_run(make_spec("gpt4", f"checkpointing={mode}"))
         assert_same_run(got, ref)
     costs = {m: activation_costs(f"checkpointing={m}") for m in ("none", "selective", "full")}
     kept = {m: c[0] for m, c in costs.items()}
@@ -79,20 +63,25 @@ def test_activation_checkpointing_recomputes_the_same_run_with_less_memory() -> 
     # full recomputes the forward's matrix products in backward; selective keeps them.
     assert matmuls["full"] > matmuls["none"] == matmuls["selective"], matmuls
     # And it composes with the forms that split the model (names, hooks, stages):
-    specs = [_spec("gpt4", "fsdp=2,checkpointing=full"), _spec("gpt4", "pp=2,checkpointing=selective"),
-             _spec("gpt4", "tp=2,checkpointing=full")]  # fmt: skip
-    _check(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+    specs = [make_spec("gpt4", "fsdp=2,checkpointing=full"),
+             make_spec("gpt4", "pp=2,checkpointing=selective"),
+             make_spec("gpt4", "tp=2,checkpointing=full")]  # fmt: skip
+    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+
+
+def _continues_across_plans(tmp_path, first: str, then: str, *, nproc: int, steps: int) -> None:
+    """`steps` steps under `first`, save, load under `then`, `steps` more == 2 * `steps`
+    steps in one process (weights, SGD momentum and step count all move across plans)."""
+    path = str(tmp_path / "ck")
+    mf.launch(save_after_training, nproc=nproc, args=(make_spec("gpt4", first, steps=steps), path))
+    got = mf.launch(continue_run, nproc=nproc,
+                    args=(make_spec("gpt4", then, steps=steps), path, steps))  # fmt: skip
+    straight = engine_run(make_spec("gpt4", "dp=1", steps=2 * steps))
+    assert_same_run(got, {"losses": straight["losses"][steps:], "state": straight["state"]})
 
 
 def test_checkpoint_saved_under_fsdp_continues_under_dp(tmp_path) -> None:
-    """fsdp=2 for 3 steps, save, load under dp=2, 3 more steps == 6 steps in one process
-    (weights, SGD momentum and step count all move across the plans)."""
-    path = str(tmp_path / "ck")
-    mf.launch(save_after_training, nproc=2, args=(_spec("gpt4", "fsdp=2", steps=3), path))
-    got = mf.launch(continue_run, nproc=2, args=(_spec("gpt4", "dp=2", steps=3), path, 3))
-    straight = engine_run(_spec("gpt4", "dp=1", steps=6))
-    assert_same_run({"losses": got["losses"], "state": got["state"]},
-                    {"losses": straight["losses"][3:], "state": straight["state"]})  # fmt: skip
+    _continues_across_plans(tmp_path, "fsdp=2", "dp=2", nproc=2, steps=3)
 
 
 def test_fit_reports_memory_per_rank_when_asked() -> None:
@@ -110,29 +99,24 @@ def test_fit_reports_memory_per_rank_when_asked() -> None:
 
 def test_two_dimensional_plans_match_one_process() -> None:
     specs = [
-        _spec("gpt4", "fsdp=2,tp=2", optimizer="adamw", grad_clip=0.05),
-        _spec("gpt4", "dp=2,tp=2", optimizer="adamw", grad_clip=0.05),
-        _spec("gpt4", "dp=2,fsdp=2", optimizer="adamw", grad_clip=0.05),
-        _spec("gpt4", "tp=2,pp=2", optimizer="adamw", grad_clip=0.05),
+        make_spec("gpt4", "fsdp=2,tp=2", optimizer="adamw", grad_clip=0.05),
+        make_spec("gpt4", "dp=2,tp=2", optimizer="adamw", grad_clip=0.05),
+        make_spec("gpt4", "dp=2,fsdp=2", optimizer="adamw", grad_clip=0.05),
+        make_spec("gpt4", "tp=2,pp=2", optimizer="adamw", grad_clip=0.05),
         # an example batch: the cut is timed by rank 0's tp group together (as fit does)
-        _spec("gpt4", "tp=2,pp=2", options={"example_inputs": make_batch("gpt4", 4, 0)[0]}),
-        _spec("gpt4", "dp=2,pp=2"),
-        _spec("gpt4", "fsdp=2,pp=2,schedule=gpipe", optimizer="adamw", grad_clip=0.05),
+        make_spec("gpt4", "tp=2,pp=2", options={"example_inputs": make_batch("gpt4", 4, 0)[0]}),
+        make_spec("gpt4", "dp=2,pp=2"),
+        make_spec("gpt4", "fsdp=2,pp=2,schedule=gpipe", optimizer="adamw", grad_clip=0.05),
     ]
-    _check(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
+    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
 
 
 def test_three_dimensional_plan_on_eight_workers_matches_one_process() -> None:
     # 3 steps, not 4: 8 processes on the 2-core CI machine make each step slow
-    specs = [_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05, steps=3),
-             _spec("gpt4", "dp=2,tp=2,pp=2", steps=3)]  # fmt: skip
-    _check(specs, mf.launch(many_engine_runs, nproc=8, args=(specs,)))
+    specs = [make_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05, steps=3),
+             make_spec("gpt4", "dp=2,tp=2,pp=2", steps=3)]  # fmt: skip
+    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=8, args=(specs,)))
 
 
 def test_checkpoint_saved_under_dp4_continues_under_tp2_pp2(tmp_path) -> None:
-    path = str(tmp_path / "ck")
-    mf.launch(save_after_training, nproc=4, args=(_spec("gpt4", "dp=4", steps=2), path))
-    got = mf.launch(continue_run, nproc=4, args=(_spec("gpt4", "tp=2,pp=2", steps=2), path, 2))
-    straight = engine_run(_spec("gpt4", "dp=1", steps=4))
-    assert_same_run({"losses": got["losses"], "state": got["state"]},
-                    {"losses": straight["losses"][2:], "state": straight["state"]})  # fmt: skip
+    _continues_across_plans(tmp_path, "dp=4", "tp=2,pp=2", nproc=4, steps=2)

@@ -2,9 +2,10 @@
 
 The order is the one that composes in PyTorch (as in torchtitan's parallelize):
 tensor parallel, then activation checkpointing, then sharded/replicated data parallel
-(FSDP2 when Plan.uses_fsdp, else DDP), then pipeline stages — except that with pipeline stages the model is cut right after
-recomputation, and each rank shards / replicates only what it keeps. Combinations
-that do not go together are refused by Plan.validate before we get here.
+(FSDP2 when Plan.uses_fsdp, else DDP), then pipeline stages — except that with pipeline
+stages the model is cut right after recomputation, and each rank shards / replicates
+only what it keeps. Options that do not go together are refused by Plan.validate
+before we get here.
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def apply_plan(
             example = example.to(device)
         split = split_model(model, mesh["pp"], schedule=plan.schedule, split=options.pp_split,
                             example_inputs=example)  # fmt: skip
-        if plan.uses_fsdp:
-            shard_modules(split.trained_modules(), data_mesh(mesh), plan, device)
         wrap = None
-        if plan.dp > 1 and not plan.uses_fsdp:
+        if plan.uses_fsdp:  # as below, but per module this rank keeps
+            shard_modules(split.trained_modules(), data_mesh(mesh), plan, device)
+        elif plan.dp > 1:  # DDP per stage
             wrap = lambda stage: apply_data_parallel(stage, mesh, device)  # noqa: E731
         pipeline = build_pipeline(
             model, split, microbatches=plan.num_microbatches, loss_fn=options.loss_fn,
