@@ -51,3 +51,10 @@ def test_grad_clip_benchmark_quick(tmp_path) -> None:
     rows = _run_quick("grad_clip.py", tmp_path)[1]["rows"]
     norms = [row["norm"] for row in rows.values() if "norm" in row]
     assert len(norms) >= 2 and max(norms) - min(norms) <= 1e-5 * max(norms), rows
+
+
+def test_pipeline_memory_benchmark_quick(tmp_path) -> None:
+    rows = _run_quick("pipeline_memory.py", tmp_path)[1]["rows"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    # Each stage keeps placeholders (a few bytes) where full copies would take kilobytes.
+    assert all(r["kept_storage_bytes"] < 64 < r["full_copy_bytes"] for r in rows), rows

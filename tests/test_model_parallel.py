@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_same_run, check_against_one_process, make_spec
-from workers import GPT4, balance_run, build, many_engine_runs, skewed_sequential
+from workers import GPT4, TINY_GPT, balance_run, build, many_engine_runs, skewed_sequential
 
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig
@@ -32,7 +32,11 @@ def test_two_way_model_parallel_matches_one_process() -> None:
         make_spec("deep_mlp", "pp=2,schedule=interleaved-1f1b"),
         make_spec("gpt", "pp=2", options={"pp_split": [1]}),
     ]
-    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+    results = mf.launch(many_engine_runs, nproc=2, args=(specs,))
+    check_against_one_process(specs, results)
+    # Rank 0 runs the first stage: of the final norm and LM head that the last stage
+    # trains it keeps one-element placeholders (4 bytes each), not 2,112 bytes of copies.
+    assert specs[4] == make_spec("gpt", "pp=2") and results[4]["buffer_bytes"] == 8
 
 
 def test_four_way_model_parallel_matches_one_process() -> None:
@@ -161,3 +165,82 @@ def test_a_one_layer_model_still_has_its_layer_stack() -> None:
     stack = find_blocks(model)
     assert stack.name == "blocks" and stack.keys == ["0"]
     assert set(derive_tp_plan(model)) >= {"blocks.0.attn.q_proj", "blocks.0.mlp.down"}
+
+
+class _SkipBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, x0: torch.Tensor | None = None) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x if x0 is None else x + x0))
+
+
+class _SkipFromEmbeddings(torch.nn.Module):
+    """Every block also takes the embeddings: a weight-dependent side input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(_SkipBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x0 = self.emb(x)
+        for block in self.blocks:
+            h = block(h, x0)
+        return self.head(h)
+
+
+class _NormRegisteredFirst(torch.nn.Module):
+    """The final norm is registered before the blocks but runs after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.emb = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(_SkipBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def _stage(model: torch.nn.Module, first: bool):
+    """A pipeline stage of `model` (first or last half of its blocks), in one process."""
+    import contextlib
+
+    from meshfit.parallel.blocks import find_blocks
+    from meshfit.parallel.pipeline import StageModule, _head_tail_parameters, _modules_outside
+
+    stack = find_blocks(model)
+    head, tail = _head_tail_parameters(model, stack)
+    half = len(stack.keys) // 2
+    keys = stack.keys[:half] if first else stack.keys[half:]
+    return StageModule(
+        model, stack, keys, is_first=first, is_last=not first, params=list(model.parameters()),
+        autocast=contextlib.nullcontext, outside=_modules_outside(model, stack, head, tail),
+    )  # fmt: skip
+
+
+def test_pipeline_refuses_a_model_its_cut_would_train_wrongly() -> None:
+    """Both models ran under pp=2 with different numbers than one process before these
+    checks (a skip from the embeddings: weights off by 2e-2); now the first forward of
+    a stage refuses them, before any update, in training and in evaluation alike."""
+    x = torch.randn(4, 8)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            with pytest.raises(mf.MeshfitError, match="'blocks.0' takes positional argument 2"):
+                _stage(_SkipFromEmbeddings(), first=True)(x)
+            hidden = torch.randn(4, 16)
+            with pytest.raises(mf.MeshfitError, match="'norm' is registered before the blocks"):
+                _stage(_NormRegisteredFirst(), first=False)(hidden, model_inputs=x)
+    model = GPT(TINY_GPT)
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size))
+    first, last = _stage(model, first=True), _stage(model, first=False)
+    for _ in range(2):  # the checked first call and an unchecked one agree
+        hidden = first(tokens)
+        assert torch.equal(last(hidden, model_inputs=tokens), model(tokens))

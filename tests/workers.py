@@ -75,8 +75,10 @@ def engine_run(spec: dict) -> dict:
     eval_loss = float(engine.evaluate(make_batch(spec["model"], spec.get("batch", 16), 999)))
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 units
     fsdp_units = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules()) if fsdp else 0
+    buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
     return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict(),
-            "rank": engine.rank, "fsdp_units": fsdp_units}  # fmt: skip
+            "rank": engine.rank, "fsdp_units": fsdp_units,
+            "buffer_bytes": buffer_bytes}  # fmt: skip
 
 
 def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,10 +12,12 @@ How a model is cut, without changing its code:
   computed on every stage, and whatever it does after them (final norm, head) runs on
   the last one.
 * Parameters registered before the block container belong to the first stage, those
-  after it to the last; other stages keep frozen, non-persistent copies (used only to
-  recompute the pre-block values that the blocks take besides the activation, such as
-  masks or rotary tables, which must not depend on trained weights). Block names keep
-  their original indices ("blocks.5" stays "blocks.5"), so checkpoints are the same
+  after it to the last. Other stages keep a frozen, non-persistent placeholder of the
+  same shape that takes one element of memory (a zero broadcast to the shape): the
+  prologue still runs there, but only for the values the blocks take besides the
+  activation (masks, rotary tables), which must not depend on trained weights; a block
+  input that does is refused at the first step rather than trained wrongly. Block names
+  keep their original indices ("blocks.5" stays "blocks.5"), so checkpoints are the same
   model whatever the plan.
 
 The schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble) and all point-to-point
@@ -264,6 +266,7 @@ class StageModule(nn.Module):
         is_last: bool,
         params: list[nn.Parameter],
         autocast: Callable[[], contextlib.AbstractContextManager],
+        outside: list[tuple[str, nn.Module, str]] = (),
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)
@@ -272,6 +275,8 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.params = nn.ParameterList(params)
         self._autocast = autocast
+        self._outside = list(outside)  # (name, module, "before"/"after" the blocks)
+        self._checked = False
 
     def forward(self, hidden_or_inputs: Any, model_inputs: Any = None) -> Any:
         model, container = self._model, self._stack.container
@@ -285,18 +290,25 @@ class StageModule(nn.Module):
                     _replace_first_arg(hidden_or_inputs), with_kwargs=True
                 )
             )
-        if not self.is_last:
+        checking = not self._checked  # the first forward only: free afterwards
+        if checking:
+            self._checked = True
+            handles += _check_the_split(blocks, self._stack, self._outside)
+        if not self.is_last:  # after the checks: hooks run in the order they were added
             handles.append(blocks[self.keys[-1]].register_forward_hook(_leave_forward))
+        # The checks read requires_grad, so they need autograd on, also in an evaluation.
+        untracked = checking and not torch.is_grad_enabled()
         container._modules = blocks  # the forward's loop sees only this stage's blocks
         try:
-            with self._autocast():
-                return type(model).forward(model, inputs)
+            with self._autocast(), torch.enable_grad() if untracked else contextlib.nullcontext():
+                output = type(model).forward(model, inputs)
         except _StageExit as leave:
-            return leave.output
+            output = leave.output
         finally:
             container._modules = everything
             for h in handles:
                 h.remove()
+        return _detached(output) if untracked else output
 
 
 def _replace_first_arg(hidden: torch.Tensor) -> Callable:
@@ -309,6 +321,92 @@ def _replace_first_arg(hidden: torch.Tensor) -> Callable:
         return (hidden, *args[1:]), kwargs
 
     return hook
+
+
+def _check_the_split(
+    blocks: dict[str, nn.Module], stack: BlockStack, outside: list[tuple[str, nn.Module, str]]
+) -> list[Any]:
+    """Hooks that refuse, at a stage's first forward (before any update), a model that
+    the cut would train wrongly instead of letting it run: a module outside the blocks
+    that runs on the other side of them than where it was registered, or a block input
+    besides the hidden state that carries gradients."""
+    keys = list(blocks)
+    phase = ["before"]
+
+    def enter(module, args):
+        phase[0] = "between"
+
+    def leave(module, args, output):
+        phase[0] = "after"
+
+    handles = [blocks[keys[0]].register_forward_pre_hook(enter)]
+    handles.append(blocks[keys[-1]].register_forward_hook(leave))
+    for key, block in blocks.items():
+        check = _refuse_trained_side_inputs(stack.qualified(key))
+        handles.append(block.register_forward_pre_hook(check, with_kwargs=True))
+    for name, module, side in outside:
+        handles.append(module.register_forward_pre_hook(_refuse_misplaced(name, side, phase)))
+    return handles
+
+
+def _refuse_misplaced(name: str, side: str, phase: list[str]) -> Callable:
+    """Weights registered before the blocks go to the first stage and those after them
+    to the last, which is right only if the module runs on that side of the blocks."""
+
+    def hook(module, args):
+        if phase[0] != side:
+            where = "between the blocks" if phase[0] == "between" else f"{phase[0]} them"
+            fix = "after" if side == "before" else "before"
+            raise MeshfitError(
+                f"pipeline parallel cannot split this model: {name!r} is registered "
+                f"{side} the blocks, so its weights go to the "
+                f"{'first' if side == 'before' else 'last'} stage, but it runs {where}. "
+                f"Assign it {fix} the block stack in __init__ (meshfit reads the side from "
+                f"the order of registration), or train with dp/fsdp/tp instead of pp"
+            )
+
+    return hook
+
+
+def _refuse_trained_side_inputs(name: str) -> Callable:
+    """A block's inputs besides the hidden state must not carry gradients: a stage
+    receives only the hidden state, so a side input computed from trained weights (a
+    skip from the embeddings, a gate registered outside the blocks) would be recomputed
+    from another stage's placeholder and its gradient lost. Checked before any update."""
+
+    def hook(module, args, kwargs):
+        sides = [(f"positional argument {i}", a) for i, a in enumerate(args[1:], start=2)]
+        sides += [(f"keyword {k!r}", v) for k, v in kwargs.items()]
+        for where, value in sides:
+            if any(t.requires_grad for t in _tensors_in(value)):
+                raise MeshfitError(
+                    f"pipeline parallel cannot split this model: block {name!r} takes "
+                    f"{where} besides the hidden state, and it depends on trained weights "
+                    f"outside the blocks (e.g. a skip connection from the embeddings); a "
+                    f"pipeline stage receives only the hidden state. Compute that input "
+                    f"inside the blocks, or train with dp/fsdp/tp instead of pp"
+                )
+        return None
+
+    return hook
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
 
 
 def _leave_forward(module, args, output):
@@ -475,7 +573,7 @@ def split_model(
             for module, leaf, param in part:
                 if leaf in module._parameters:
                     del module._parameters[leaf]
-                    module.register_buffer(leaf, param.detach(), persistent=False)
+                    module.register_buffer(leaf, _placeholder(param), persistent=False)
     model.register_forward_pre_hook(_refuse_direct_call)
     for s in mine:
         if not result.stage_parameters(s):
@@ -500,11 +598,12 @@ def build_pipeline(
     """The PipelineStages of this rank and the schedule that runs them. `wrap_stage`
     wraps each stage's module (e.g. in DDP for data parallel over pipelines)."""
     stages = []
+    outside = _modules_outside(model, split.stack, split.head, split.tail)
     for s in split.mine:
         module: nn.Module = StageModule(
             model, split.stack, split.stage_keys[s], is_first=s == 0,
             is_last=s == split.num_stages - 1, params=split.stage_parameters(s),
-            autocast=autocast,
+            autocast=autocast, outside=outside,
         )  # fmt: skip
         if wrap_stage is not None:
             module = wrap_stage(module)
@@ -533,6 +632,32 @@ def build_pipeline(
         costs=split.costs,
         block_names=[split.stack.qualified(k) for k in _all_keys(split)],
     )  # fmt: skip
+
+
+def _modules_outside(
+    model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[tuple]
+) -> list[tuple[str, nn.Module, str]]:
+    """The modules that own the weights before / after the blocks, with their names;
+    not the model or a module around the blocks (their forward encloses the blocks)."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    enclosing = {id(m) for m in model.modules() if any(c is stack.container for c in m.modules())}
+    found: dict[int, tuple[str, nn.Module, str]] = {}
+    for part, side in ((head, "before"), (tail, "after")):
+        for module, _, _ in part:
+            if id(module) not in enclosing:
+                found.setdefault(id(module), (names[id(module)], module, side))
+    return list(found.values())
+
+
+def _placeholder(param: nn.Parameter) -> torch.Tensor:
+    """What a stage keeps of a parameter another stage trains. Its values never reach
+    the loss (the prologue's output is replaced by the received activation; the
+    epilogue never runs), so one zero broadcast to the shape does: an embedding of
+    50k x 1024 fp32 costs 4 bytes instead of 206 MB. A DTensor (from a user's tp plan)
+    stays a detached copy, as its module's hooks expect one."""
+    if hasattr(param, "device_mesh"):
+        return param.detach()
+    return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
 
 
 def _all_keys(split: PipelineSplit) -> list[str]:
