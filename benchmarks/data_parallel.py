@@ -1,5 +1,9 @@
-"""Data parallel on N CPU workers (gloo): hand-written DDP loop vs meshfit dp=N, and the
-bytes each rank sends per step against the ring all-reduce minimum 2(N-1)/N x gradient.
+"""Data parallel on N CPU workers (gloo): hand-written loops vs meshfit, and the bytes each
+rank sends per step against theory, for replicas (DDP, dp=N) and shards (FSDP2, fsdp=N).
+
+Theory, with P the model's fp32 bytes: DDP's ring all-reduce of the gradients sends at
+least 2(N-1)/N x P per rank and step; ZeRO-3 / FSDP sends 3(N-1)/N x P (an all-gather
+of the parameters in forward, another in backward, a reduce-scatter of the gradients).
 
 Bytes are read from the loopback interface's counter (/proc/net/dev, "lo"), so they are
 what really crossed the wire (TCP/IP headers included), not what was asked for. All
@@ -71,7 +75,60 @@ def run_meshfit(config, batches, rank, world):
     return lambda x, y: engine.step((x, y))
 
 
-RUNNERS = {"hand-written DDP": run_hand, "meshfit dp=N": run_meshfit}
+def run_hand_fsdp(config, batches, rank, world):
+    """FSDP2 by hand: one unit per block and one for the rest (the root), as usual."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(config)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = _optimizer(model.parameters())
+    share = len(batches[0][0]) // world
+
+    def step(x, y):
+        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+        next_token_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_meshfit_fsdp(config, batches, rank, world):
+    engine = mf.parallelize(_model(config), f"fsdp={world}", optimizer=_optimizer,
+                            loss_fn=next_token_loss)  # fmt: skip
+    return lambda x, y: engine.step((x, y))
+
+
+RUNNERS = {"hand-written DDP": run_hand, "meshfit dp=N": run_meshfit,
+           "hand-written FSDP2": run_hand_fsdp, "meshfit fsdp=N": run_meshfit_fsdp}  # fmt: skip
+# Bytes each rank must send per step, in units of (N-1)/N x the model's bytes.
+THEORY = {"hand-written DDP": 2, "meshfit dp=N": 2, "hand-written FSDP2": 3, "meshfit fsdp=N": 3}
+
+
+def collective_bytes(numel: int = 2**20, repeats: int = 3) -> dict[str, float]:
+    """Bytes each rank sends for one collective, as a fraction of the tensor's bytes
+    (theory for a ring: all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N)."""
+    world = dist.get_world_size()
+    whole, part = torch.ones(numel), torch.empty(numel // world)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(whole),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(part, whole),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(whole, part),
+    }
+    fractions = {}
+    for name, op in ops.items():
+        op()
+        dist.barrier()
+        before = loopback_tx_bytes()
+        for _ in range(repeats):
+            op()
+        dist.barrier()
+        fractions[name] = (loopback_tx_bytes() - before) / world / repeats / (numel * 4)
+    return fractions
 
 
 def worker(config: GPTConfig, steps: int, rounds: int, batch_size: int) -> dict:
@@ -99,7 +156,8 @@ def worker(config: GPTConfig, steps: int, rounds: int, batch_size: int) -> dict:
             # Both barriers add a few hundred bytes; negligible against the gradients.
             sent[name].append((loopback_tx_bytes() - before) / world / steps)
     grad_bytes = sum(p.numel() * p.element_size() for p in _model(config).parameters())
-    return {"times": times, "bytes_per_rank_per_step": sent, "gradient_bytes": grad_bytes}
+    return {"times": times, "bytes_per_rank_per_step": sent, "gradient_bytes": grad_bytes,
+            "collectives": collective_bytes()}  # fmt: skip
 
 
 def main() -> None:
@@ -119,14 +177,18 @@ def main() -> None:
                        args=(config, args.steps, args.rounds, args.batch_size))  # fmt: skip
     n = args.nproc
     ring_min = 2 * (n - 1) / n * result["gradient_bytes"]
-    hand = statistics.median(result["times"]["hand-written DDP"])
     rows = []
     for name in RUNNERS:
+        # meshfit is compared with the hand-written loop of its own kind.
+        kind = "FSDP2" if "fsdp" in name.lower() else "DDP"
+        hand = statistics.median(result["times"][f"hand-written {kind}"])
         median = statistics.median(result["times"][name])
         sent = statistics.median(result["bytes_per_rank_per_step"][name])
+        theory = THEORY[name] * (n - 1) / n * result["gradient_bytes"]
         rows.append({"runner": name, "median_s": median, "samples_per_s": args.steps * args.batch_size / median,
                      "vs_hand": hand / median, "bytes_per_rank_per_step": sent,
-                     "vs_ring_minimum": sent / ring_min, "all_s": result["times"][name]})  # fmt: skip
+                     "theory_bytes": theory, "vs_theory": sent / theory,
+                     "all_s": result["times"][name]})  # fmt: skip
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"data-parallel-cpu{'-quick' if args.quick else ''}.json")  # fmt: skip
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -135,15 +197,18 @@ def main() -> None:
                    "date": time.strftime("%Y-%m-%d"), "config": vars(config),
                    "gradient_bytes": result["gradient_bytes"], "ring_minimum_bytes": ring_min,
                    "steps": args.steps, "rounds": args.rounds, "batch_size": args.batch_size,
-                   "rows": rows}, f, indent=1)  # fmt: skip
-    print(f"dp={n} on CPU (gloo), gradient {result['gradient_bytes'] / 1e6:.2f} MB, ring minimum "
-          f"{ring_min / 1e6:.2f} MB/rank/step; results in {out}")  # fmt: skip
-    print(
-        f"{'runner':<17} {'median s':>9} {'samples/s':>10} {'vs hand':>8} {'MB/rank/step':>13} {'vs ring min':>12}"
-    )
+                   "collective_bytes_fraction": result["collectives"], "rows": rows},
+                  f, indent=1)  # fmt: skip
+    print(f"{n} CPU workers (gloo), model {result['gradient_bytes'] / 1e6:.2f} MB, theory per "
+          f"rank and step: DDP 2(N-1)/N, FSDP 3(N-1)/N of it; results in {out}")  # fmt: skip
+    probe = ", ".join(f"{k} {v:.3f}" for k, v in result["collectives"].items())
+    print(f"bytes sent per rank for one collective, per byte of the tensor: {probe}")
+    print(f"{'runner':<18} {'median s':>9} {'samples/s':>10} {'vs hand':>8} {'MB/rank/step':>13} "
+          f"{'theory MB':>10} {'vs theory':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r['runner']:<17} {r['median_s']:>9.3f} {r['samples_per_s']:>10.1f} {r['vs_hand']:>8.3f} "
-              f"{r['bytes_per_rank_per_step'] / 1e6:>13.3f} {r['vs_ring_minimum']:>12.3f}")  # fmt: skip
+        print(f"{r['runner']:<18} {r['median_s']:>9.3f} {r['samples_per_s']:>10.1f} {r['vs_hand']:>8.3f} "
+              f"{r['bytes_per_rank_per_step'] / 1e6:>13.3f} {r['theory_bytes'] / 1e6:>10.3f} "
+              f"{r['vs_theory']:>10.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

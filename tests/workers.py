@@ -208,9 +208,9 @@ def memory_run(plan: str) -> dict:
     return engine.memory_report()
 
 
-def gathered_after_forward(plan: str) -> bool:
-    """After a forward under `plan` (FSDP), are the first block's parameters still the
-    gathered, whole tensors (ZeRO-2-like) rather than this rank's DTensor shards?"""
+def gathered_after_forward(plan: str) -> dict[str, bool]:
+    """After a forward under `plan` (FSDP), which units' parameters are still gathered,
+    whole tensors rather than this rank's DTensor shards: first / last block, root."""
     from torch.distributed.tensor import DTensor
 
     model, loss_fn = build("gpt4")
@@ -218,7 +218,8 @@ def gathered_after_forward(plan: str) -> bool:
     inputs, targets = make_batch("gpt4", 16, 0)
     loss_fn(engine.model(inputs), targets).backward()  # a first step sets FSDP up
     engine.model(inputs)
-    return not isinstance(next(model.blocks[0].parameters()), DTensor)
+    units = {"first block": model.blocks[0], "last block": model.blocks[-1], "root": model.tok_emb}
+    return {name: not isinstance(next(unit.parameters()), DTensor) for name, unit in units.items()}
 
 
 def offload_memory_run(spec: dict) -> dict:

@@ -40,8 +40,9 @@ class Plan:
     offload: keep parameters, gradients and optimizer state in CPU memory between uses
         (FSDP2's CPU offload; the optimizer step runs on the CPU), in one process too.
     reshard_after_forward: with FSDP, free each block's gathered parameters after its
-        forward (ZeRO-3, the default) or keep them until its backward (False:
-        ZeRO-2-like, one all-gather fewer per block and step, more memory).
+        forward (ZeRO-3, the default; but the last block's and the root's, whose
+        backward follows at once) or keep them until its backward (False: ZeRO-2-like,
+        one all-gather fewer per block and step, more memory).
     precision: "fp32", "bf16" (autocast, fp32 master weights) or "fp16" (autocast plus
         a gradient scaler).
     """

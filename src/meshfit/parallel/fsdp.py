@@ -76,13 +76,27 @@ def shard_modules(
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: Plan, device: torch.device) -> nn.Module:
-    """Shard `model` over `mesh`: one FSDP unit per repeated block, one root unit."""
+    """Shard `model` over `mesh`: one FSDP unit per repeated block, one root unit.
+
+    Under ZeRO-3 (reshard_after_forward=True) two units stay gathered from forward to
+    backward, as torchtitan does: the last block, whose backward comes right after the
+    head's, and the root, left to FSDP2's own default for it (not resharded). Gathering
+    them again would send their parameters once more per step for a moment's memory:
+    the demo GPT under fsdp=2 sent 7.024 MB per rank and step, now 6.461
+    (benchmarks/data_parallel.py, BENCHMARKS.md)."""
     options = _options(plan, device)
     try:
         blocks = find_blocks(model).blocks
     except MeshfitError:
         blocks = []  # no repeated unit: one FSDP unit for the whole model
-    for block in blocks:
+    for block in blocks[:-1]:
         fully_shard(block, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
+    if blocks:
+        fully_shard(blocks[-1], mesh=mesh, **{**options, "reshard_after_forward": False})
+    root_options = dict(options)
+    if plan.reshard_after_forward:
+        # Omitted, FSDP2 keeps the root gathered after forward (torch >= 2.6); an
+        # explicit True would reshard it (torch 2.13 honours the flag for the root).
+        del root_options["reshard_after_forward"]
+    fully_shard(model, mesh=mesh, **root_options)
     return model
