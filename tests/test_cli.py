@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,12 +69,15 @@ def test_killed_worker_restarts_and_finishes_the_same_run(tmp_path) -> None:
         assert torch.equal(b["state"][name], value), name
 
 
-def test_demo_runs_and_prints_a_sample() -> None:
+@pytest.mark.parametrize("plan", [None, "fsdp=2"])
+def test_demo_runs_and_prints_a_sample(plan: str | None) -> None:
+    """The default plan, and one where no rank holds the whole model to sample from."""
     result = meshfit("demo", "--steps", "4", "--layers", "1", "--width", "32", "--heads", "2",
-                     "--data-bytes", "200000", "--sample-bytes", "20", timeout=180)  # fmt: skip
+                     "--data-bytes", "200000", "--sample-bytes", "20",
+                     *(["--plan", plan] if plan else []), timeout=180)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "A sample from the model" in result.stdout
-    assert "plan dp=2 on 2 CPU worker(s)" in result.stdout
+    assert f"plan {'dp=1,fsdp=2' if plan else 'dp=2'} on 2 CPU worker(s)" in result.stdout
 
 
 def test_two_nodes_on_loopback_train_together(tmp_path) -> None:

@@ -94,10 +94,18 @@ def main(argv: list[str] | None = None) -> mf.fit.History:
         seed=args.seed,
     )
     engine = history.engine
-    if engine.rank == 0 and args.sample_bytes > 0:
+    if args.sample_bytes <= 0:
+        return history
+    # Sample from the whole model: under fsdp/tp/pp no rank holds it, and a forward on
+    # rank 0 alone would wait for the others' shards. Gathering it is collective.
+    state = engine.full_state_dict()
+    if engine.rank == 0:
+        whole = GPT(config)
+        whole.load_state_dict(state)
+        whole.to(engine.device).eval()
         prompt = torch.tensor([list(PROMPT.encode())], device=engine.device)
         generator = torch.Generator(device=engine.device).manual_seed(args.seed)
-        out = model.generate(prompt, args.sample_bytes, generator=generator)
+        out = whole.generate(prompt, args.sample_bytes, generator=generator)
         sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         first, last = history.records[0]["loss"], history.records[-1]["loss"]
         print(
