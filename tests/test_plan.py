@@ -70,6 +70,8 @@ def test_every_product_of_degrees_is_built_and_clashing_options_are_refused() ->
         Plan(dp=2, offload=True),
         Plan(fsdp=2, reshard_after_forward=False),
         Plan(tp=2, reshard_after_forward=False),
+        Plan(pp=2, schedule="zero-bubble"),
+        Plan(dp=1, tp=2, pp=2, schedule="zero-bubble"),
     ):  # dp unresolved: checked later
         plan.validate()
     refused = {
@@ -78,6 +80,8 @@ def test_every_product_of_degrees_is_built_and_clashing_options_are_refused() ->
         Plan(pp=2, precision="fp16"): "bf16",
         Plan(fsdp=2, precision="fp16"): "bf16",
         Plan(dp=2, tp=2, precision="fp16"): "FSDP2",
+        Plan(dp=2, pp=2, schedule="zero-bubble"): "use schedule='interleaved-1f1b'",
+        Plan(fsdp=2, pp=2, schedule="zero-bubble"): "partial gradients",
     }
     for plan, message in refused.items():
         with pytest.raises(MeshfitError, match=message):

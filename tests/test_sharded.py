@@ -109,6 +109,8 @@ def test_two_dimensional_plans_match_one_process() -> None:
         # an example batch: the cut is timed by rank 0's tp group together (as fit does)
         make_spec("gpt4", "tp=2,pp=2", options={"example_inputs": make_batch("gpt4", 4, 0)[0]}),
         make_spec("gpt4", "dp=2,pp=2"),
+        # DDP per stage crashed in its second step with GPipe or microbatches == pp
+        make_spec("gpt4", "dp=2,pp=2,schedule=gpipe,microbatches=2"),
         make_spec("gpt4", "fsdp=2,pp=2,schedule=gpipe", optimizer="adamw", grad_clip=0.05),
     ]
     check_against_one_process(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))

@@ -146,6 +146,16 @@ class Plan:
                 f"precision='fp16' (gradient scaling) is not supported with plan {self} "
                 f"(pipeline stages or FSDP2); use precision='bf16', which needs no scaler"
             )
+        if self.schedule == "zero-bubble" and self.pp > 1 and (self.fsdp > 1 or (self.dp or 1) > 1):
+            # Measured: dp=2 or fsdp=2 with pp=2 zero-bubble trained a different run from
+            # step 1 on. The schedule computes weight gradients in a deferred pass, after
+            # DDP / FSDP2 have already reduced the gradients across replicas.
+            raise MeshfitError(
+                f"schedule='zero-bubble' does not combine with data parallel (plan {self}): "
+                f"it computes weight gradients after DDP/FSDP2 have reduced them, so "
+                f"replicas would train on partial gradients; use "
+                f"schedule='interleaved-1f1b' (the next smallest bubble) or '1f1b'"
+            )
         if not self.reshard_after_forward and self.dp is not None and not self.uses_fsdp:
             raise MeshfitError(
                 f"reshard_after_forward=False applies to sharded data parallel, but plan "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel.data import apply_data_parallel
+from meshfit.parallel.data import apply_data_parallel, apply_data_parallel_to_stage
 from meshfit.placement import is_placed
 from meshfit.plan import Plan
 
@@ -88,7 +88,7 @@ def apply_plan(
         if plan.uses_fsdp:  # as below, but per module this rank keeps
             shard_modules(split.trained_modules(), data_mesh(mesh), plan, device)
         elif plan.dp > 1:  # DDP per stage
-            wrap = lambda stage: apply_data_parallel(stage, mesh, device)  # noqa: E731
+            wrap = lambda stage: apply_data_parallel_to_stage(stage, mesh, device)  # noqa: E731
         pipeline = build_pipeline(
             model, split, microbatches=plan.num_microbatches, loss_fn=options.loss_fn,
             device=device, autocast=options.autocast, wrap_stage=wrap,
