@@ -11,6 +11,7 @@ workers run on this machine, so every byte on "lo" is one rank sending to anothe
 
     python benchmarks/data_parallel.py              # 2 workers, demo GPT (a few minutes)
     python benchmarks/data_parallel.py --quick      # smoke test: checks the script works
+    python benchmarks/data_parallel.py --pipeline   # dp / fsdp next to pp=2: bytes only
 
 Prints a table last and writes JSON to benchmarks/results/data-parallel-cpu.json.
 """
@@ -160,15 +161,59 @@ def worker(config: GPTConfig, steps: int, rounds: int, batch_size: int) -> dict:
             "collectives": collective_bytes()}  # fmt: skip
 
 
+PIPELINE_PLANS = [f"{dp},pp=2,microbatches={m}{extra}" for dp, extra in
+                  (("dp=2", ""), ("fsdp=2", ""), ("fsdp=2", ",reshard_after_forward=false"))
+                  for m in (2, 8)]  # fmt: skip
+
+
+def pipeline_worker(config: GPTConfig, plan: str, steps: int, batch_size: int) -> float:
+    """Bytes this plan's ranks send per rank and step (after a first, untimed step)."""
+    torch.manual_seed(0)
+    engine = mf.parallelize(GPT(config), plan, loss_fn=next_token_loss)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (steps + 1, batch_size, config.block_size + 1),
+                           generator=g)  # fmt: skip
+    engine.step((tokens[0, :, :-1], tokens[0, :, 1:]))
+    dist.barrier()
+    before = loopback_tx_bytes()
+    for t in tokens[1:]:
+        engine.step((t[:, :-1], t[:, 1:]))
+    dist.barrier()
+    return (loopback_tx_bytes() - before) / dist.get_world_size() / steps
+
+
+def pipeline_main(args: argparse.Namespace) -> None:
+    """--pipeline: replicas or shards next to pp=2 (4 workers), bytes only."""
+    config = GPTConfig(n_layer=4)
+    rows = [{"plan": plan, "bytes_per_rank_per_step": mf.launch(
+                pipeline_worker, nproc=4, args=(config, plan, args.steps, args.batch_size))}
+            for plan in PIPELINE_PLANS]  # fmt: skip
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   "data-parallel-pipeline-cpu.json")  # fmt: skip
+    with open(out, "w") as f:
+        json.dump({"benchmark": "data-parallel-pipeline", "torch": torch.__version__,
+                   "date": time.strftime("%Y-%m-%d"), "config": vars(config),
+                   "steps": args.steps, "batch_size": args.batch_size, "rows": rows},
+                  f, indent=1)  # fmt: skip
+    print(f"4 CPU workers (gloo), GPT with 4 blocks, batch {args.batch_size}; results in {out}")
+    for r in rows:
+        print(f"{r['plan']:<48} {r['bytes_per_rank_per_step'] / 1e6:>8.3f} MB/rank/step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="bytes of dp / fsdp next to pp=2 on 4 workers instead")  # fmt: skip
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.pipeline:
+        args.steps = min(args.steps, 3)
+        return pipeline_main(args)
     config = GPTConfig()
     if args.quick:
         config = GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)

@@ -113,7 +113,14 @@ def test_two_dimensional_plans_match_one_process() -> None:
         make_spec("gpt4", "dp=2,pp=2,schedule=gpipe,microbatches=2"),
         make_spec("gpt4", "fsdp=2,pp=2,schedule=gpipe", optimizer="adamw", grad_clip=0.05),
     ]
-    check_against_one_process(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
+    results = mf.launch(many_engine_runs, nproc=4, args=(specs,))
+    check_against_one_process(specs, results)
+    # fsdp x pp: each FSDP unit reduce-scatters once per step, after the last of the 4
+    # micro-batches (it did in every micro-batch's backward: 4x the traffic)
+    fsdp_pp = results[-1]
+    assert (
+        fsdp_pp["fsdp_units"] >= 3 and fsdp_pp["reduce_scatters_last_step"] == fsdp_pp["fsdp_units"]
+    )
 
 
 def test_three_dimensional_plan_on_eight_workers_matches_one_process() -> None:

@@ -6,6 +6,7 @@ training run in one process or in many.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -61,6 +62,29 @@ def optimizer_factory(name: str):
     return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+# What FSDP2 reduce-scatters gradients with (torch 2.13; reduce_scatter_tensor before).
+REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single")
+    else "reduce_scatter_tensor"
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def count_calls(module: object, name: str):
+    """Count calls to `module.name` inside the block; yields a one-element list."""
+    original, count = getattr(module, name), [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield count
+    finally:
+        setattr(module, name, original)
+
+
 def engine_run(spec: dict) -> dict:
     """Train with engine.step on the global batch; return losses and final weights."""
     model, loss_fn = build(spec["model"])
@@ -71,14 +95,15 @@ def engine_run(spec: dict) -> dict:
     losses = []
     for step in range(spec.get("steps", 4)):
         batch = make_batch(spec["model"], spec.get("batch", 16), step)
-        losses.append(float(engine.step(batch)))
+        with count_calls(torch.distributed, REDUCE_SCATTER) as reduce_scatters:
+            losses.append(float(engine.step(batch)))
     eval_loss = float(engine.evaluate(make_batch(spec["model"], spec.get("batch", 16), 999)))
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 units
     fsdp_units = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules()) if fsdp else 0
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
     return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict(),
-            "rank": engine.rank, "fsdp_units": fsdp_units,
-            "buffer_bytes": buffer_bytes}  # fmt: skip
+            "rank": engine.rank, "fsdp_units": fsdp_units, "buffer_bytes": buffer_bytes,
+            "reduce_scatters_last_step": reduce_scatters[0]}  # fmt: skip
 
 
 def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:

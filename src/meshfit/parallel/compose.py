@@ -74,7 +74,7 @@ def apply_plan(
     if mesh is None:  # one process: nothing to split
         return model, None
     if plan.uses_fsdp:
-        from meshfit.parallel.fsdp import apply_fsdp, data_mesh, shard_modules
+        from meshfit.parallel.fsdp import apply_fsdp, data_mesh, shard_modules, shard_stage
     if plan.pp > 1:
         from meshfit.parallel.pipeline import build_pipeline, split_model
 
@@ -85,13 +85,15 @@ def apply_plan(
         split = split_model(model, mesh["pp"], schedule=plan.schedule, split=options.pp_split,
                             example_inputs=example)  # fmt: skip
         wrap = None
-        if plan.uses_fsdp:  # as below, but per module this rank keeps
+        if plan.uses_fsdp:  # as below, but per module this rank keeps, rooted per stage
             shard_modules(split.trained_modules(), data_mesh(mesh), plan, device)
+            wrap = lambda stage: shard_stage(stage, data_mesh(mesh), plan, device)  # noqa: E731
         elif plan.dp > 1:  # DDP per stage
             wrap = lambda stage: apply_data_parallel_to_stage(stage, mesh, device)  # noqa: E731
         pipeline = build_pipeline(
             model, split, microbatches=plan.num_microbatches, loss_fn=options.loss_fn,
             device=device, autocast=options.autocast, wrap_stage=wrap,
+            register_units=plan.uses_fsdp,
         )  # fmt: skip
         return pipeline.model, pipeline
     if plan.uses_fsdp:  # sharded (and, over "dp", replicated) on FSDP2

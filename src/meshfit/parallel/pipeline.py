@@ -267,13 +267,17 @@ class StageModule(nn.Module):
         params: list[nn.Parameter],
         autocast: Callable[[], contextlib.AbstractContextManager],
         outside: list[tuple[str, nn.Module, str]] = (),
+        units: list[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_stack", stack)
         self.keys = keys
         self.is_first, self.is_last = is_first, is_last
-        self.params = nn.ParameterList(params)
+        if units is None:
+            self.params = nn.ParameterList(params)
+        else:  # the modules holding `params` (FSDP units under a root on this module)
+            self.units = nn.ModuleList(units)
         self._autocast = autocast
         self._outside = list(outside)  # (name, module, "before"/"after" the blocks)
         self._checked = False
@@ -507,6 +511,20 @@ class PipelineSplit:
             modules += [m for m, _, _ in self.tail]
         return list({id(m): m for m in modules}.values())
 
+    def stage_modules(self, stage: int) -> list[nn.Module] | None:
+        """The modules holding stage `stage`'s parameters, or None when one of them also
+        holds the blocks (a parameter registered on the model itself)."""
+        blocks = self.stack.container._modules
+        modules = [blocks[k] for k in self.stage_keys[stage]]
+        if stage == 0:
+            modules = [m for m, _, _ in self.head] + modules
+        if stage == self.num_stages - 1:
+            modules += [m for m, _, _ in self.tail]
+        modules = list({id(m): m for m in modules}.values())
+        if any(c is self.stack.container for m in modules for c in m.modules()):
+            return None
+        return modules
+
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """Looked up now, not at the split: sharding replaces parameter objects."""
         blocks = self.stack.container._modules
@@ -594,9 +612,12 @@ def build_pipeline(
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager],
     wrap_stage: Callable[[nn.Module], nn.Module] | None = None,
+    register_units: bool = False,
 ) -> Pipeline:
     """The PipelineStages of this rank and the schedule that runs them. `wrap_stage`
-    wraps each stage's module (e.g. in DDP for data parallel over pipelines)."""
+    wraps each stage's module (e.g. in DDP for data parallel over pipelines);
+    `register_units` makes the modules holding a stage's parameters its submodules (so
+    an FSDP root over the stage module has the FSDP units below it)."""
     stages = []
     outside = _modules_outside(model, split.stack, split.head, split.tail)
     for s in split.mine:
@@ -604,6 +625,7 @@ def build_pipeline(
             model, split.stack, split.stage_keys[s], is_first=s == 0,
             is_last=s == split.num_stages - 1, params=split.stage_parameters(s),
             autocast=autocast, outside=outside,
+            units=split.stage_modules(s) if register_units else None,
         )  # fmt: skip
         if wrap_stage is not None:
             module = wrap_stage(module)
