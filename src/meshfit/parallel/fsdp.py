@@ -78,10 +78,11 @@ def shard_modules(
 def shard_stage(stage: nn.Module, mesh: DeviceMesh, plan: Plan, device: torch.device) -> nn.Module:
     """An FSDP root over a pipeline stage's module, above the units `shard_modules` made
     (registered as its submodules; it holds no parameters of its own). The pipeline
-    schedule sees an FSDP module and then gathers and reduce-scatters once per step,
-    after the last micro-batch, not in every micro-batch's backward: the demo GPT under
-    fsdp=2,pp=2 sent 8.1 MB per rank and step with 2 micro-batches and 29.2 MB with 8
-    before, 5.4 and 10.7 now (BENCHMARKS.md). Without registered units, left as it is."""
+    schedule sees an FSDP module and then reduce-scatters once per step, after the last
+    micro-batch, and keeps parameters gathered from one backward to the next, instead
+    of both in every micro-batch: the demo GPT under fsdp=2,pp=2 sent 8.1 MB per rank
+    and step with 2 micro-batches and 29.2 MB with 8 before, 5.4 and 10.7 now
+    (BENCHMARKS.md). Without registered units, left as it is."""
     if not hasattr(stage, "units"):
         return stage
     fully_shard(stage, mesh=mesh, **_options(plan, device))
