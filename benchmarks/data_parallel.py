@@ -56,14 +56,18 @@ def _optimizer(params):
 
 def run_hand(config, batches, rank, world):
     """What a user writes with DDP by hand: shard the batch, forward, backward, step."""
-    model = DistributedDataParallel(_model(config))
+    return _hand_step(DistributedDataParallel(_model(config)), batches, rank, world)
+
+
+def _hand_step(model, batches, rank, world):
+    """One step of a hand-written loop: this rank's share of the batch, forward,
+    backward (the wrapper syncs gradients), optimizer step."""
     optimizer = _optimizer(model.parameters())
     share = len(batches[0][0]) // world
 
     def step(x, y):
         x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-        loss = next_token_loss(model(x), y)
-        loss.backward()
+        next_token_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -71,8 +75,11 @@ def run_hand(config, batches, rank, world):
 
 
 def run_meshfit(config, batches, rank, world):
-    engine = mf.parallelize(_model(config), f"dp={world}", optimizer=_optimizer,
-                            loss_fn=next_token_loss)  # fmt: skip
+    return _meshfit_step(config, f"dp={world}")
+
+
+def _meshfit_step(config, plan):
+    engine = mf.parallelize(_model(config), plan, optimizer=_optimizer, loss_fn=next_token_loss)
     return lambda x, y: engine.step((x, y))
 
 
@@ -86,22 +93,11 @@ def run_hand_fsdp(config, batches, rank, world):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = _optimizer(model.parameters())
-    share = len(batches[0][0]) // world
-
-    def step(x, y):
-        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-        next_token_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    return _hand_step(model, batches, rank, world)
 
 
 def run_meshfit_fsdp(config, batches, rank, world):
-    engine = mf.parallelize(_model(config), f"fsdp={world}", optimizer=_optimizer,
-                            loss_fn=next_token_loss)  # fmt: skip
-    return lambda x, y: engine.step((x, y))
+    return _meshfit_step(config, f"fsdp={world}")
 
 
 RUNNERS = {"hand-written DDP": run_hand, "meshfit dp=N": run_meshfit,

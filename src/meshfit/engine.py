@@ -25,6 +25,7 @@ from meshfit.errors import MeshfitError
 from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
 from meshfit.parallel.compose import ParallelOptions, apply_plan
 from meshfit.plan import Plan
+from meshfit.trees import map_tensors, tensors_in
 
 if TYPE_CHECKING:
     from meshfit.parallel.tensor import TPPlan
@@ -430,18 +431,8 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (tuple, list)):
-        return [t for item in tree for t in _tensors(item)]
-    if isinstance(tree, dict):
-        return [t for item in tree.values() for t in _tensors(item)]
-    return []
-
-
 def _batch_size(tree: Any, what: str) -> int:
-    tensors = _tensors(tree)
+    tensors = tensors_in(tree)
     if not tensors or tensors[0].ndim == 0:
         raise MeshfitError(
             f"{what} must be a tensor (or tuple/dict of tensors) whose first dimension is the batch"
@@ -453,20 +444,9 @@ def _batch_size(tree: Any, what: str) -> int:
     return size
 
 
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply `fn` to every tensor in a tensor / tuple / list / dict tree, keeping its shape."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_map_tensors(t, fn) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    return tree
-
-
 def _slice(tree: Any, start: int, stop: int) -> Any:
-    return _map_tensors(tree, lambda t: t[start:stop])
+    return map_tensors(tree, lambda t: t[start:stop])
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    return _map_tensors(tree, lambda t: t.to(device, non_blocking=True))
+    return map_tensors(tree, lambda t: t.to(device, non_blocking=True))

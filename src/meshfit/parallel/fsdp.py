@@ -67,8 +67,10 @@ def _offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
 def shard_modules(
     modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, device: torch.device
 ) -> None:
-    """Make each module its own FSDP unit, with no unit around them all: for a pipeline
-    stage, whose forward is left early, so a root unit's after-forward step would not run."""
+    """Make each module its own FSDP unit, with no unit around them in the user's model:
+    a pipeline stage leaves the model's forward early, so a root there would never run
+    its after-forward step. The root goes on the stage module instead (`shard_stage`),
+    whose forward returns normally."""
     options = _options(plan, device)
     for module in modules:
         if any(True for _ in module.parameters()):

@@ -31,7 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from torch.distributed.pipelining import (
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack, find_blocks
+from meshfit.trees import map_tensors, tensors_in
+
+T = TypeVar("T")
 
 # Virtual stages per rank for the interleaved schedules (Narayanan et al. 2021 use 2+;
 # more shrinks the bubble further but adds point-to-point messages).
@@ -312,7 +315,7 @@ class StageModule(nn.Module):
             container._modules = everything
             for h in handles:
                 h.remove()
-        return _detached(output) if untracked else output
+        return map_tensors(output, torch.Tensor.detach) if untracked else output
 
 
 def _replace_first_arg(hidden: torch.Tensor) -> Callable:
@@ -382,7 +385,7 @@ def _refuse_trained_side_inputs(name: str) -> Callable:
         sides = [(f"positional argument {i}", a) for i, a in enumerate(args[1:], start=2)]
         sides += [(f"keyword {k!r}", v) for k, v in kwargs.items()]
         for where, value in sides:
-            if any(t.requires_grad for t in _tensors_in(value)):
+            if any(t.requires_grad for t in tensors_in(value)):
                 raise MeshfitError(
                     f"pipeline parallel cannot split this model: block {name!r} takes "
                     f"{where} besides the hidden state, and it depends on trained weights "
@@ -393,24 +396,6 @@ def _refuse_trained_side_inputs(name: str) -> Callable:
         return None
 
     return hook
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    return value
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    return []
 
 
 def _leave_forward(module, args, output):
@@ -504,26 +489,24 @@ class PipelineSplit:
     def trained_modules(self) -> list[nn.Module]:
         """This rank's modules with trained parameters: its blocks, and the modules
         before / after them when it runs the first / last stage (units for FSDP)."""
-        modules = [self.stack.container._modules[k] for s in self.mine for k in self.stage_keys[s]]
-        if self.has_first:
-            modules += [m for m, _, _ in self.head]
-        if self.has_last:
-            modules += [m for m, _, _ in self.tail]
-        return list({id(m): m for m in modules}.values())
+        return _unique([m for s in self.mine for m in self._owners(s)])
 
     def stage_modules(self, stage: int) -> list[nn.Module] | None:
         """The modules holding stage `stage`'s parameters, or None when one of them also
         holds the blocks (a parameter registered on the model itself)."""
+        owners = self._owners(stage)
+        if any(_encloses(m, self.stack.container) for m in owners):
+            return None
+        return owners
+
+    def _owners(self, stage: int) -> list[nn.Module]:
         blocks = self.stack.container._modules
         modules = [blocks[k] for k in self.stage_keys[stage]]
         if stage == 0:
             modules = [m for m, _, _ in self.head] + modules
         if stage == self.num_stages - 1:
             modules += [m for m, _, _ in self.tail]
-        modules = list({id(m): m for m in modules}.values())
-        if any(c is self.stack.container for m in modules for c in m.modules()):
-            return None
-        return modules
+        return _unique(modules)
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """Looked up now, not at the split: sharding replaces parameter objects."""
@@ -662,13 +645,16 @@ def _modules_outside(
     """The modules that own the weights before / after the blocks, with their names;
     not the model or a module around the blocks (their forward encloses the blocks)."""
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    enclosing = {id(m) for m in model.modules() if any(c is stack.container for c in m.modules())}
     found: dict[int, tuple[str, nn.Module, str]] = {}
     for part, side in ((head, "before"), (tail, "after")):
         for module, _, _ in part:
-            if id(module) not in enclosing:
+            if not _encloses(module, stack.container):
                 found.setdefault(id(module), (names[id(module)], module, side))
     return list(found.values())
+
+
+def _encloses(module: nn.Module, container: nn.Module) -> bool:
+    return any(c is container for c in module.modules())
 
 
 def _placeholder(param: nn.Parameter) -> torch.Tensor:
@@ -686,12 +672,13 @@ def _all_keys(split: PipelineSplit) -> list[str]:
     return [k for keys in split.stage_keys for k in keys]
 
 
-def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
+def _unique(items: list[T]) -> list[T]:
+    """`items` without repeats, by identity (parameters or modules), in order."""
     seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
     return out
 
 
