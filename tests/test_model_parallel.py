@@ -35,8 +35,9 @@ def test_two_way_model_parallel_matches_one_process() -> None:
     results = mf.launch(many_engine_runs, nproc=2, args=(specs,))
     check_against_one_process(specs, results)
     # Rank 0 runs the first stage: of the final norm and LM head that the last stage
-    # trains it keeps one-element placeholders (4 bytes each), not 2,112 bytes of copies.
-    assert specs[4] == make_spec("gpt", "pp=2") and results[4]["buffer_bytes"] == 8
+    # trains it keeps one-element placeholders (8 bytes each in float64), not 4,224 bytes
+    # of copies.
+    assert specs[4] == make_spec("gpt", "pp=2") and results[4]["buffer_bytes"] == 16
 
 
 def test_four_way_model_parallel_matches_one_process() -> None:

@@ -94,7 +94,7 @@ def test_fit_reports_memory_per_rank_when_asked() -> None:
     history = mf.fit(model, dataset("gpt4", 32), loss_fn=loss_fn, batch_size=8, max_steps=2,
                      optimizer=optimizer_factory("adamw"), log_every=1, progress=False,
                      report_memory=True)  # fmt: skip
-    params = sum(p.numel() * 4 for p in model.parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = history.records[-1]["memory"]
     assert memory["parameters"] == params and memory["gradients"] == params
     assert memory["optimizer"] == 2 * params  # AdamW: two moments per parameter

@@ -24,8 +24,15 @@ TINY_GPT = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16
 GPT4 = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=4, n_embd=16, bias=False)
 
 
-def build(kind: str) -> tuple[torch.nn.Module, object]:
-    torch.manual_seed(1234)
+def build(kind: str, dtype: str = "float64") -> tuple[torch.nn.Module, object]:
+    """A fresh model of `kind` from a fixed seed, in `dtype` (float64 by default: the
+    equivalence tests compare in float64, see helpers.py), and its loss function."""
+    model, loss_fn = _build(kind)
+    return model.to(getattr(torch, dtype)), loss_fn
+
+
+def _build(kind: str) -> tuple[torch.nn.Module, object]:
+    torch.manual_seed(1234)  # the same initial weights in every dtype
     if kind == "mlp":
         model = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
@@ -46,10 +53,13 @@ def build(kind: str) -> tuple[torch.nn.Module, object]:
     raise ValueError(kind)
 
 
-def make_batch(kind: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    kind: str, batch: int, step: int, dtype: str = "float64"
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 + step)
     if kind in ("mlp", "deep_mlp"):
-        return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)
+        inputs = torch.randn(batch, 8, generator=g).to(getattr(torch, dtype))
+        return inputs, torch.randint(0, 5, (batch,), generator=g)
     tokens = torch.randint(0, TINY_GPT.vocab_size, (batch, TINY_GPT.block_size + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -85,19 +95,34 @@ def count_calls(module: object, name: str):
         setattr(module, name, original)
 
 
+def scaled_gradient(loss_fn, scale: float):
+    """loss_fn with the same value but `scale` times its gradient: a deliberately wrong
+    gradient scale, for the negative controls."""
+
+    def wrong(outputs, targets):
+        loss = loss_fn(outputs, targets)
+        return loss + (scale - 1.0) * (loss - loss.detach())
+
+    return wrong
+
+
 def engine_run(spec: dict) -> dict:
     """Train with engine.step on the global batch; return losses and final weights."""
-    model, loss_fn = build(spec["model"])
+    dtype = spec.get("dtype", "float64")
+    model, loss_fn = build(spec["model"], dtype)
+    if "grad_scale" in spec:
+        loss_fn = scaled_gradient(loss_fn, spec["grad_scale"])
     engine = mf.parallelize(
         model, spec.get("plan"), optimizer=optimizer_factory(spec.get("optimizer", "sgd")),
         loss_fn=loss_fn, grad_clip=spec.get("grad_clip"), **spec.get("options", {}),
     )  # fmt: skip
     losses = []
     for step in range(spec.get("steps", 4)):
-        batch = make_batch(spec["model"], spec.get("batch", 16), step)
+        batch = make_batch(spec["model"], spec.get("batch", 16), step, dtype)
         with count_calls(torch.distributed, REDUCE_SCATTER) as reduce_scatters:
             losses.append(float(engine.step(batch)))
-    eval_loss = float(engine.evaluate(make_batch(spec["model"], spec.get("batch", 16), 999)))
+    eval_batch = make_batch(spec["model"], spec.get("batch", 16), 999, dtype)
+    eval_loss = float(engine.evaluate(eval_batch))
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 units
     fsdp_units = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules()) if fsdp else 0
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())

@@ -139,9 +139,9 @@ class Engine:
                 loss = self._loss(inputs, targets)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             self._optimizer_step()
-            return self._global_mean(loss.detach().float())
+            return self._global_mean(_reported(loss))
         chunk = size // micro
-        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        total = None
         for i in range(micro):
             x = _slice(inputs, i * chunk, (i + 1) * chunk)
             y = _slice(targets, i * chunk, (i + 1) * chunk)
@@ -150,7 +150,7 @@ class Engine:
                 loss = self._loss(x, y)
                 scaled = loss / micro
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += scaled.detach().float()
+            total = _reported(scaled) if total is None else total + _reported(scaled)
         self._optimizer_step()
         return self._global_mean(total)
 
@@ -197,7 +197,7 @@ class Engine:
             self.model.train()
             return self._global_mean(loss)
         with self._autocast():
-            loss = self._loss(inputs, targets).detach().float()
+            loss = _reported(self._loss(inputs, targets))
         self.model.train()
         return self._global_mean(loss)
 
@@ -423,6 +423,13 @@ def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim
             f"torch.optim.Optimizer; return e.g. torch.optim.AdamW(params, lr=3e-4)"
         )
     return optimizer
+
+
+def _reported(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as step/evaluate return it: detached, at least float32 (a bf16 loss is
+    widened; a float64 one keeps its precision, which the float64 equivalence tests
+    need)."""
+    return loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
 
 
 def _local_bytes(t: torch.Tensor) -> int:

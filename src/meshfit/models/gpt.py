@@ -138,4 +138,7 @@ class GPT(nn.Module):
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of logits [batch, seq, vocab] against targets [batch, seq], averaged
     over every token (so equal-sized micro-batches average to the global mean)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    logits = logits.flatten(0, 1)
+    # at least float32 (bf16 logits are widened; a float64 model keeps float64)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.flatten())

@@ -42,7 +42,9 @@ def _options(plan: Plan, device: torch.device) -> dict:
     return {
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if plan.precision == "bf16" else None,
-            reduce_dtype=torch.float32,
+            # bf16 compute reduces fp32 gradients; otherwise reduce in the parameters'
+            # own dtype (float32 here would round a float64 model's gradients).
+            reduce_dtype=torch.float32 if plan.precision == "bf16" else None,
         ),
         "reshard_after_forward": plan.reshard_after_forward,
         "offload_policy": _offload_policy(plan.offload, device),

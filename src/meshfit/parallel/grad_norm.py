@@ -30,12 +30,14 @@ def clip_grad_norm(
         kinds.setdefault(key, []).append(g)
     squares = []
     for members in kinds.values():
-        norm = torch.nn.utils.get_total_norm(members).float()
+        norm = torch.nn.utils.get_total_norm(members)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squares.append(norm * norm)
+        squares.append(norm.double() ** 2)
+    # Summed in float64 whatever the gradients' dtype: every pipeline rank then reduces
+    # the same dtype, and a float64 model's norm keeps its precision.
     device = grads[0].device if grads else torch.device("cpu")
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device).double()
     for group in groups:
         dist.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()

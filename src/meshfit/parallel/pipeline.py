@@ -398,6 +398,15 @@ def _refuse_trained_side_inputs(name: str) -> Callable:
     return hook
 
 
+def reported_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype losses are reported in: the model's floating dtype, at least float32
+    (a float64 model reports float64 losses; a bf16 one float32)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return torch.promote_types(p.dtype, torch.float32)
+    return torch.float32
+
+
 def _leave_forward(module, args, output):
     raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
 
@@ -451,10 +460,13 @@ class Pipeline:
         else:
             self.schedule.eval(*args, target=target, losses=losses, model_inputs=inputs)
         device = self.stages[0].device
+        # Every rank must broadcast the same dtype; only the last stage sees the loss,
+        # so all of them use the reporting dtype of the model's floating parameters.
+        dtype = reported_dtype(self.model)
         if self.has_last:
-            loss = torch.stack([x.detach().float() for x in losses]).mean()
+            loss = torch.stack([x.detach().to(dtype) for x in losses]).mean()
         else:
-            loss = torch.zeros((), device=device)
+            loss = torch.zeros((), device=device, dtype=dtype)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
