@@ -100,8 +100,12 @@ def run_meshfit_fsdp(config, batches, rank, world):
     return _meshfit_step(config, f"fsdp={world}")
 
 
-RUNNERS = {"hand-written DDP": run_hand, "meshfit dp=N": run_meshfit,
-           "hand-written FSDP2": run_hand_fsdp, "meshfit fsdp=N": run_meshfit_fsdp}  # fmt: skip
+RUNNERS = {
+    "hand-written DDP": run_hand,
+    "meshfit dp=N": run_meshfit,
+    "hand-written FSDP2": run_hand_fsdp,
+    "meshfit fsdp=N": run_meshfit_fsdp,
+}
 # Bytes each rank must send per step, in units of (N-1)/N x the model's bytes.
 THEORY = {"hand-written DDP": 2, "meshfit dp=N": 2, "hand-written FSDP2": 3, "meshfit fsdp=N": 3}
 
@@ -132,8 +136,9 @@ def worker(config: GPTConfig, steps: int, rounds: int, batch_size: int) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     init_distributed()  # the process group the hand-written DDP uses too
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (steps, batch_size, config.block_size + 1),
-                           generator=g)  # fmt: skip
+    tokens = torch.randint(
+        0, config.vocab_size, (steps, batch_size, config.block_size + 1), generator=g
+    )
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     steppers = {name: build(config, batches, rank, world) for name, build in RUNNERS.items()}
     for step in steppers.values():  # warm-up
@@ -153,13 +158,19 @@ def worker(config: GPTConfig, steps: int, rounds: int, batch_size: int) -> dict:
             # Both barriers add a few hundred bytes; negligible against the gradients.
             sent[name].append((loopback_tx_bytes() - before) / world / steps)
     grad_bytes = sum(p.numel() * p.element_size() for p in _model(config).parameters())
-    return {"times": times, "bytes_per_rank_per_step": sent, "gradient_bytes": grad_bytes,
-            "collectives": collective_bytes()}  # fmt: skip
+    return {
+        "times": times,
+        "bytes_per_rank_per_step": sent,
+        "gradient_bytes": grad_bytes,
+        "collectives": collective_bytes(),
+    }
 
 
-PIPELINE_PLANS = [f"{dp},pp=2,microbatches={m}{extra}" for dp, extra in
-                  (("dp=2", ""), ("fsdp=2", ""), ("fsdp=2", ",reshard_after_forward=false"))
-                  for m in (2, 8)]  # fmt: skip
+PIPELINE_PLANS = [
+    f"{dp},pp=2,microbatches={m}{extra}"
+    for dp, extra in (("dp=2", ""), ("fsdp=2", ""), ("fsdp=2", ",reshard_after_forward=false"))
+    for m in (2, 8)
+]
 
 
 def pipeline_worker(config: GPTConfig, plan: str, steps: int, batch_size: int) -> float:
@@ -167,8 +178,9 @@ def pipeline_worker(config: GPTConfig, plan: str, steps: int, batch_size: int) -
     torch.manual_seed(0)
     engine = mf.parallelize(GPT(config), plan, loss_fn=next_token_loss)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (steps + 1, batch_size, config.block_size + 1),
-                           generator=g)  # fmt: skip
+    tokens = torch.randint(
+        0, config.vocab_size, (steps + 1, batch_size, config.block_size + 1), generator=g
+    )
     engine.step((tokens[0, :, :-1], tokens[0, :, 1:]))
     dist.barrier()
     before = loopback_tx_bytes()
@@ -181,16 +193,32 @@ def pipeline_worker(config: GPTConfig, plan: str, steps: int, batch_size: int) -
 def pipeline_main(args: argparse.Namespace) -> None:
     """--pipeline: replicas or shards next to pp=2 (4 workers), bytes only."""
     config = GPTConfig(n_layer=4)
-    rows = [{"plan": plan, "bytes_per_rank_per_step": mf.launch(
-                pipeline_worker, nproc=4, args=(config, plan, args.steps, args.batch_size))}
-            for plan in PIPELINE_PLANS]  # fmt: skip
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   "data-parallel-pipeline-cpu.json")  # fmt: skip
+    rows = [
+        {
+            "plan": plan,
+            "bytes_per_rank_per_step": mf.launch(
+                pipeline_worker, nproc=4, args=(config, plan, args.steps, args.batch_size)
+            ),
+        }
+        for plan in PIPELINE_PLANS
+    ]
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", "data-parallel-pipeline-cpu.json"
+    )
     with open(out, "w") as f:
-        json.dump({"benchmark": "data-parallel-pipeline", "torch": torch.__version__,
-                   "date": time.strftime("%Y-%m-%d"), "config": vars(config),
-                   "steps": args.steps, "batch_size": args.batch_size, "rows": rows},
-                  f, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "benchmark": "data-parallel-pipeline",
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
+                "config": vars(config),
+                "steps": args.steps,
+                "batch_size": args.batch_size,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"4 CPU workers (gloo), GPT with 4 blocks, batch {args.batch_size}; results in {out}")
     for r in rows:
         print(f"{r['plan']:<48} {r['bytes_per_rank_per_step'] / 1e6:>8.3f} MB/rank/step")
@@ -199,8 +227,11 @@ def pipeline_main(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="bytes of dp / fsdp next to pp=2 on 4 workers instead")  # fmt: skip
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="bytes of dp / fsdp next to pp=2 on 4 workers instead",
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=4)
@@ -214,8 +245,9 @@ def main() -> None:
     if args.quick:
         config = GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)
         args.steps, args.rounds, args.batch_size = 2, 1, 4
-    result = mf.launch(worker, nproc=args.nproc,
-                       args=(config, args.steps, args.rounds, args.batch_size))  # fmt: skip
+    result = mf.launch(
+        worker, nproc=args.nproc, args=(config, args.steps, args.rounds, args.batch_size)
+    )
     n = args.nproc
     ring_min = 2 * (n - 1) / n * result["gradient_bytes"]
     rows = []
@@ -226,30 +258,59 @@ def main() -> None:
         median = statistics.median(result["times"][name])
         sent = statistics.median(result["bytes_per_rank_per_step"][name])
         theory = THEORY[name] * (n - 1) / n * result["gradient_bytes"]
-        rows.append({"runner": name, "median_s": median, "samples_per_s": args.steps * args.batch_size / median,
-                     "vs_hand": hand / median, "bytes_per_rank_per_step": sent,
-                     "theory_bytes": theory, "vs_theory": sent / theory,
-                     "all_s": result["times"][name]})  # fmt: skip
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"data-parallel-cpu{'-quick' if args.quick else ''}.json")  # fmt: skip
+        rows.append(
+            {
+                "runner": name,
+                "median_s": median,
+                "samples_per_s": args.steps * args.batch_size / median,
+                "vs_hand": hand / median,
+                "bytes_per_rank_per_step": sent,
+                "theory_bytes": theory,
+                "vs_theory": sent / theory,
+                "all_s": result["times"][name],
+            }
+        )
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"data-parallel-cpu{'-quick' if args.quick else ''}.json",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"benchmark": "data-parallel", "nproc": n, "torch": torch.__version__,
-                   "date": time.strftime("%Y-%m-%d"), "config": vars(config),
-                   "gradient_bytes": result["gradient_bytes"], "ring_minimum_bytes": ring_min,
-                   "steps": args.steps, "rounds": args.rounds, "batch_size": args.batch_size,
-                   "collective_bytes_fraction": result["collectives"], "rows": rows},
-                  f, indent=1)  # fmt: skip
-    print(f"{n} CPU workers (gloo), model {result['gradient_bytes'] / 1e6:.2f} MB, theory per "
-          f"rank and step: DDP 2(N-1)/N, FSDP 3(N-1)/N of it; results in {out}")  # fmt: skip
+        json.dump(
+            {
+                "benchmark": "data-parallel",
+                "nproc": n,
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
+                "config": vars(config),
+                "gradient_bytes": result["gradient_bytes"],
+                "ring_minimum_bytes": ring_min,
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "batch_size": args.batch_size,
+                "collective_bytes_fraction": result["collectives"],
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+    print(
+        f"{n} CPU workers (gloo), model {result['gradient_bytes'] / 1e6:.2f} MB, theory per "
+        f"rank and step: DDP 2(N-1)/N, FSDP 3(N-1)/N of it; results in {out}"
+    )
     probe = ", ".join(f"{k} {v:.3f}" for k, v in result["collectives"].items())
     print(f"bytes sent per rank for one collective, per byte of the tensor: {probe}")
-    print(f"{'runner':<18} {'median s':>9} {'samples/s':>10} {'vs hand':>8} {'MB/rank/step':>13} "
-          f"{'theory MB':>10} {'vs theory':>10}")  # fmt: skip
+    print(
+        f"{'runner':<18} {'median s':>9} {'samples/s':>10} {'vs hand':>8} {'MB/rank/step':>13} "
+        f"{'theory MB':>10} {'vs theory':>10}"
+    )
     for r in rows:
-        print(f"{r['runner']:<18} {r['median_s']:>9.3f} {r['samples_per_s']:>10.1f} {r['vs_hand']:>8.3f} "
-              f"{r['bytes_per_rank_per_step'] / 1e6:>13.3f} {r['theory_bytes'] / 1e6:>10.3f} "
-              f"{r['vs_theory']:>10.3f}")  # fmt: skip
+        print(
+            f"{r['runner']:<18} {r['median_s']:>9.3f} {r['samples_per_s']:>10.1f} {r['vs_hand']:>8.3f} "
+            f"{r['bytes_per_rank_per_step'] / 1e6:>13.3f} {r['theory_bytes'] / 1e6:>10.3f} "
+            f"{r['vs_theory']:>10.3f}"
+        )
 
 
 if __name__ == "__main__":

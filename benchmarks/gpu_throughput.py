@@ -31,8 +31,9 @@ import torch
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig, next_token_loss
 
-GPT_400M = GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024,
-                     bias=False)  # fmt: skip
+GPT_400M = GPTConfig(
+    vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024, bias=False
+)
 TINY = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False)
 
 
@@ -100,8 +101,13 @@ class HandLoop:
 class MeshfitLoop:
     def __init__(self, config, device, precision, compile):
         plan = mf.Plan(dp=1, precision=precision)
-        self.engine = mf.parallelize(make_model(config, device), plan, optimizer=adamw,
-                                     loss_fn=next_token_loss, compile=compile)  # fmt: skip
+        self.engine = mf.parallelize(
+            make_model(config, device),
+            plan,
+            optimizer=adamw,
+            loss_fn=next_token_loss,
+            compile=compile,
+        )
 
     def step(self, batch):
         return self.engine.step(batch)
@@ -138,8 +144,16 @@ def run_mode(mode, config, batches, device, precision, rounds, warmup) -> list[d
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    return [{"mode": mode, "runner": name, "step_s": statistics.median(t) / len(batches),
-             "all_s": t, "peak_gib_both_models": peak} for name, t in times.items()]  # fmt: skip
+    return [
+        {
+            "mode": mode,
+            "runner": name,
+            "step_s": statistics.median(t) / len(batches),
+            "all_s": t,
+            "peak_gib_both_models": peak,
+        }
+        for name, t in times.items()
+    ]
 
 
 def main() -> None:
@@ -168,12 +182,15 @@ def main() -> None:
     del probe
     tokens_per_step = args.batch_size * config.block_size
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, config.vocab_size, (args.steps, args.batch_size, config.block_size + 1),
-                         generator=g).to(device)  # fmt: skip
+    data = torch.randint(
+        0, config.vocab_size, (args.steps, args.batch_size, config.block_size + 1), generator=g
+    ).to(device)
     batches = [(t[:, :-1], t[:, 1:]) for t in data]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}: measured matmul {peak_tflops:.0f} TFLOP/s; model {n_params / 1e6:.0f}M "
-          f"params, {per_token / 1e9:.2f} GFLOP/token, {tokens_per_step} tokens/step")  # fmt: skip
+    print(
+        f"{name}: measured matmul {peak_tflops:.0f} TFLOP/s; model {n_params / 1e6:.0f}M "
+        f"params, {per_token / 1e9:.2f} GFLOP/token, {tokens_per_step} tokens/step"
+    )
 
     rows = []
     for mode in args.modes.split(","):
@@ -184,23 +201,39 @@ def main() -> None:
         hand = next(r for r in rows if r["mode"] == row["mode"] and r["runner"] == "hand-written")
         row["vs_hand"] = hand["step_s"] / row["step_s"]
 
-    result = {"benchmark": "gpu-throughput", "device_name": name, "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "config": vars(config), "params": n_params,
-              "flops_per_token": per_token, "matmul_tflops": peak_tflops,
-              "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
-              "precision": precision, "steps": args.steps, "rounds": args.rounds,
-              "quick": args.quick, "rows": rows}  # fmt: skip
+    result = {
+        "benchmark": "gpu-throughput",
+        "device_name": name,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": vars(config),
+        "params": n_params,
+        "flops_per_token": per_token,
+        "matmul_tflops": peak_tflops,
+        "batch_size": args.batch_size,
+        "tokens_per_step": tokens_per_step,
+        "precision": precision,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "quick": args.quick,
+        "rows": rows,
+    }
     slug = name.lower().replace(" ", "-")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"gpu-throughput-{slug}{'-quick' if args.quick else ''}.json")  # fmt: skip
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"gpu-throughput-{slug}{'-quick' if args.quick else ''}.json",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"results in {out}")
     print(f"{'mode':<8} {'runner':<15} {'step ms':>8} {'tokens/s':>10} {'MFU':>6} {'vs hand':>8}")
     for r in rows:
-        print(f"{r['mode']:<8} {r['runner']:<15} {r['step_s'] * 1e3:>8.1f} "
-              f"{r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%} {r['vs_hand']:>8.3f}")  # fmt: skip
+        print(
+            f"{r['mode']:<8} {r['runner']:<15} {r['step_s'] * 1e3:>8.1f} "
+            f"{r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%} {r['vs_hand']:>8.3f}"
+        )
 
 
 if __name__ == "__main__":

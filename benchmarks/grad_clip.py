@@ -59,8 +59,8 @@ def worker(config: GPTConfig, plan: str, calls: int) -> dict:
     torch.manual_seed(0)
     engine = mf.parallelize(GPT(config), plan, loss_fn=next_token_loss)
     tokens = torch.randint(0, config.vocab_size, (8, config.block_size + 1))
-    next_token_loss(engine.model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    params = [p for p in engine.model.parameters() if p.grad is not None]
+    next_token_loss(engine.parallel_model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    params = [p for p in engine.parallel_model.parameters() if p.grad is not None]
     rows = {}
     for name, norm_of in RUNNERS.items():
         try:
@@ -93,13 +93,26 @@ def main() -> None:
     plan = mf.Plan.parse(args.plan)
     nproc = (plan.dp or 1) * plan.fsdp * plan.tp * plan.pp
     result = mf.launch(worker, nproc=nproc, args=(config, args.plan, args.calls))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"grad-clip-cpu{'-quick' if args.quick else ''}.json")  # fmt: skip
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"grad-clip-cpu{'-quick' if args.quick else ''}.json",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"benchmark": "grad-clip", "plan": args.plan, "torch": torch.__version__,
-                   "date": time.strftime("%Y-%m-%d"), "config": vars(config),
-                   "calls": args.calls, **result}, f, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "benchmark": "grad-clip",
+                "plan": args.plan,
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
+                "config": vars(config),
+                "calls": args.calls,
+                **result,
+            },
+            f,
+            indent=1,
+        )
     print(f"plan {args.plan}, {result['parameters']} gradients per rank; results in {out}")
     print(f"{'way':<30} {'median ms':>10} {'norm':>12}")
     for name, row in result["rows"].items():

@@ -56,8 +56,9 @@ def run_hand(config, batches, device) -> float:
 
 
 def run_engine(config, batches, device) -> float:
-    engine = mf.parallelize(make_model(config, device), "dp=1", optimizer=make_optimizer,
-                            loss_fn=next_token_loss)  # fmt: skip
+    engine = mf.parallelize(
+        make_model(config, device), "dp=1", optimizer=make_optimizer, loss_fn=next_token_loss
+    )
     sync(device)
     start = time.perf_counter()
     for batch in batches:
@@ -71,9 +72,18 @@ def run_fit(config, batches, device) -> float:
     targets = torch.cat([y for _, y in batches])
     sync(device)
     start = time.perf_counter()
-    mf.fit(make_model(config, device), (inputs, targets), plan="dp=1", loss_fn=next_token_loss,
-           optimizer=make_optimizer, batch_size=len(batches[0][0]), max_steps=len(batches),
-           shuffle=False, progress=False, log_every=10)  # fmt: skip
+    mf.fit(
+        make_model(config, device),
+        (inputs, targets),
+        plan="dp=1",
+        loss_fn=next_token_loss,
+        optimizer=make_optimizer,
+        batch_size=len(batches[0][0]),
+        max_steps=len(batches),
+        shuffle=False,
+        progress=False,
+        log_every=10,
+    )
     sync(device)
     return time.perf_counter() - start
 
@@ -116,18 +126,36 @@ def main() -> None:
     rows = []
     for name in names:
         median = statistics.median(times[name])
-        rows.append({"runner": name, "median_s": median, "samples_per_s": samples / median,
-                     "throughput_vs_hand": hand / median, "all_s": times[name]})  # fmt: skip
+        rows.append(
+            {
+                "runner": name,
+                "median_s": median,
+                "samples_per_s": samples / median,
+                "throughput_vs_hand": hand / median,
+                "all_s": times[name],
+            }
+        )
     result = {
-        "benchmark": "overhead", "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"), "config": vars(config) if hasattr(config, "__dict__") else str(config),
-        "steps": args.steps, "batch_size": args.batch_size, "rounds": args.rounds, "quick": args.quick,
+        "benchmark": "overhead",
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": vars(config) if hasattr(config, "__dict__") else str(config),
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "rounds": args.rounds,
+        "quick": args.quick,
         "rows": rows,
-    }  # fmt: skip
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"overhead-{device.type}{'-quick' if args.quick else ''}.json")  # fmt: skip
+    }
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"overhead-{device.type}{'-quick' if args.quick else ''}.json",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1, default=str)

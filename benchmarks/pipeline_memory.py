@@ -28,8 +28,9 @@ import torch.distributed as dist
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig, next_token_loss
 
-GPT_400M = GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024,
-                     bias=False)  # fmt: skip
+GPT_400M = GPTConfig(
+    vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024, bias=False
+)
 TINY = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 
 
@@ -43,7 +44,7 @@ def worker(config: GPTConfig, pp: int) -> list[dict]:
     engine = mf.parallelize(GPT(config), f"pp={pp}", loss_fn=next_token_loss)
     gc.collect()
     trained = engine.memory_report()["parameters"]
-    kept = [b for b in engine.model.buffers()]  # the GPT's only buffers: the placeholders
+    kept = [b for b in engine.parallel_model.buffers()]  # the GPT's only buffers: the placeholders
     row = {
         "rank": engine.rank,
         "trained_bytes": trained,
@@ -65,20 +66,36 @@ def main() -> None:
     config = TINY if args.quick else GPT_400M
     pp = 2 if args.quick else args.pp
     rows = mf.launch(worker, nproc=pp, args=(config, pp))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"pipeline-memory-cpu{'-quick' if args.quick else ''}.json")  # fmt: skip
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"pipeline-memory-cpu{'-quick' if args.quick else ''}.json",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"benchmark": "pipeline-memory", "pp": pp, "torch": torch.__version__,
-                   "date": time.strftime("%Y-%m-%d"), "config": vars(config), "rows": rows},
-                  f, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "benchmark": "pipeline-memory",
+                "pp": pp,
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
+                "config": vars(config),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     mb = 1e6
-    print(f"pp={pp} on CPU workers, GPT {config.n_layer} blocks x {config.n_embd}, "
-          f"vocabulary {config.vocab_size}, fp32; results in {out}")  # fmt: skip
+    print(
+        f"pp={pp} on CPU workers, GPT {config.n_layer} blocks x {config.n_embd}, "
+        f"vocabulary {config.vocab_size}, fp32; results in {out}"
+    )
     print(f"{'rank':>4} {'trained MB':>11} {'kept MB':>8} {'as copies MB':>13} {'resident MB':>12}")
     for r in rows:
-        print(f"{r['rank']:>4} {r['trained_bytes'] / mb:>11.1f} {r['kept_storage_bytes'] / mb:>8.3f} "
-              f"{r['full_copy_bytes'] / mb:>13.1f} {r['resident_bytes'] / mb:>12.1f}")  # fmt: skip
+        print(
+            f"{r['rank']:>4} {r['trained_bytes'] / mb:>11.1f} {r['kept_storage_bytes'] / mb:>8.3f} "
+            f"{r['full_copy_bytes'] / mb:>13.1f} {r['resident_bytes'] / mb:>12.1f}"
+        )
 
 
 if __name__ == "__main__":

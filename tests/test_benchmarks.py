@@ -15,8 +15,10 @@ def _run_quick(script: str, tmp_path, timeout: int = 180) -> tuple[str, dict]:
     out = tmp_path / "result.json"
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout, json.loads(out.read_text())
 
@@ -37,8 +39,11 @@ def test_gpu_throughput_benchmark_quick(tmp_path) -> None:
 def test_data_parallel_benchmark_quick(tmp_path) -> None:
     rows = _run_quick("data_parallel.py", tmp_path)[1]["rows"]
     assert [r["runner"] for r in rows] == [
-        "hand-written DDP", "meshfit dp=N", "hand-written FSDP2", "meshfit fsdp=N",
-    ]  # fmt: skip
+        "hand-written DDP",
+        "meshfit dp=N",
+        "hand-written FSDP2",
+        "meshfit fsdp=N",
+    ]
     # The wire counter saw at least what the collectives must send (else it read nothing).
     assert all(r["vs_theory"] >= 0.99 for r in rows), rows
 

@@ -27,7 +27,7 @@ def train(engine, steps: int, start: int = 0) -> None:
 
 
 def weights(engine) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+    return {k: v.clone() for k, v in engine.user_model.state_dict().items()}
 
 
 def test_save_load_continues_the_same_run(tmp_path) -> None:
@@ -162,4 +162,4 @@ def test_checkpoint_saved_under_dp2_loads_in_one_process(tmp_path) -> None:
     meta = engine.load(str(tmp_path / "ck"))
     assert meta["plan"] == "dp=2" and meta["world_size"] == 2 and engine.step_count == 3
     for name, value in saved["state"].items():
-        assert torch.equal(engine.module.state_dict()[name], value), name
+        assert torch.equal(engine.user_model.state_dict()[name], value), name

@@ -18,8 +18,11 @@ def meshfit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         [sys.executable, "-m", "meshfit.cli", *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_devices_lists_the_cpu() -> None:
@@ -52,14 +55,36 @@ def test_missing_script_is_a_clear_error() -> None:
     assert "no script at 'no_such_script.py'" in result.stderr
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_finishes_the_same_run(tmp_path) -> None:
     script = os.path.join(SCRIPTS, "fault_train.py")
-    clean = meshfit("run", "--nproc", "2", script, "--checkpoint-dir", str(tmp_path / "a"),
-                    "--out", str(tmp_path / "a.pt"), timeout=180)  # fmt: skip
+    clean = meshfit(
+        "run",
+        "--nproc",
+        "2",
+        script,
+        "--checkpoint-dir",
+        str(tmp_path / "a"),
+        "--out",
+        str(tmp_path / "a.pt"),
+        timeout=180,
+    )
     assert clean.returncode == 0, clean.stderr
-    faulty = meshfit("run", "--nproc", "2", "--max-restarts", "1", script, "--checkpoint-dir",
-                     str(tmp_path / "b"), "--out", str(tmp_path / "b.pt"), "--kill-at", "5",
-                     timeout=180)  # fmt: skip
+    faulty = meshfit(
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        script,
+        "--checkpoint-dir",
+        str(tmp_path / "b"),
+        "--out",
+        str(tmp_path / "b.pt"),
+        "--kill-at",
+        "5",
+        timeout=180,
+    )
     assert faulty.returncode == 0, faulty.stderr
     a = torch.load(tmp_path / "a.pt", weights_only=True)
     b = torch.load(tmp_path / "b.pt", weights_only=True)
@@ -72,14 +97,29 @@ def test_killed_worker_restarts_and_finishes_the_same_run(tmp_path) -> None:
 @pytest.mark.parametrize("plan", [None, "fsdp=2"])
 def test_demo_runs_and_prints_a_sample(plan: str | None) -> None:
     """The default plan, and one where no rank holds the whole model to sample from."""
-    result = meshfit("demo", "--steps", "4", "--layers", "1", "--width", "32", "--heads", "2",
-                     "--data-bytes", "200000", "--sample-bytes", "20",
-                     *(["--plan", plan] if plan else []), timeout=180)  # fmt: skip
+    result = meshfit(
+        "demo",
+        "--steps",
+        "4",
+        "--layers",
+        "1",
+        "--width",
+        "32",
+        "--heads",
+        "2",
+        "--data-bytes",
+        "200000",
+        "--sample-bytes",
+        "20",
+        *(["--plan", plan] if plan else []),
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     assert "A sample from the model" in result.stdout
     assert f"plan {'dp=1,fsdp=2' if plan else 'dp=2'} on 2 CPU worker(s)" in result.stdout
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_train_together(tmp_path) -> None:
     """--nnodes/--node-rank/--master: two single-worker 'nodes' form one dp=2 job."""
     import socket
@@ -114,14 +154,22 @@ def test_two_nodes_on_loopback_train_together(tmp_path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=120) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "on each of 2 nodes" in outputs[0][1]
-    single = meshfit("run", "--nproc", "2", script, "--checkpoint-dir", str(tmp_path / "ck2"),
-                     "--out", str(tmp_path / "ref.pt"))  # fmt: skip
+    single = meshfit(
+        "run",
+        "--nproc",
+        "2",
+        script,
+        "--checkpoint-dir",
+        str(tmp_path / "ck2"),
+        "--out",
+        str(tmp_path / "ref.pt"),
+    )
     assert single.returncode == 0, single.stderr
     a = torch.load(tmp_path / "out.pt", weights_only=True)
     b = torch.load(tmp_path / "ref.pt", weights_only=True)

@@ -43,7 +43,7 @@ def _specs(plan: str) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_data_parallel_matches_one_process(nproc: int) -> None:
     specs = _specs(f"dp={nproc}")
     wrong = make_spec("gpt", f"dp={nproc}", grad_scale=SLIGHTLY_WRONG)

@@ -13,8 +13,16 @@ import meshfit as mf
 
 
 def test_fit_trains_and_writes_history(tmp_path) -> None:
-    result = fit_run({"model": "mlp", "steps": 12, "samples": 64, "plan": "dp=1",
-                      "checkpoint_dir": str(tmp_path), "checkpoint_every": 4})  # fmt: skip
+    result = fit_run(
+        {
+            "model": "mlp",
+            "steps": 12,
+            "samples": 64,
+            "plan": "dp=1",
+            "checkpoint_dir": str(tmp_path),
+            "checkpoint_every": 4,
+        }
+    )
     assert result["steps"] == list(range(1, 13))
     assert result["losses"][-1] < result["losses"][0]
     lines = (tmp_path / "history.jsonl").read_text().splitlines()
@@ -31,11 +39,18 @@ def test_fit_with_dp2_matches_one_process() -> None:
     assert_same_run(got, ref)
 
 
+@pytest.mark.slow
 def test_resume_continues_the_exact_run(tmp_path) -> None:
     """2N steps straight == N steps, stop, resume for N more (dp=2, AdamW, LR schedule,
     dropout: optimizer state, scheduler, data position and RNG all have to come back)."""
-    spec = {"model": "mlp", "samples": 40, "batch": 8, "plan": "dp=2", "lr_scheduler": True,
-            "dropout": True}  # fmt: skip
+    spec = {
+        "model": "mlp",
+        "samples": 40,
+        "batch": 8,
+        "plan": "dp=2",
+        "lr_scheduler": True,
+        "dropout": True,
+    }
     straight = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 8},))
     first = mf.launch(
         fit_run, nproc=2, args=({**spec, "steps": 4, "checkpoint_dir": str(tmp_path)},)
@@ -55,8 +70,15 @@ def test_resume_with_other_settings_is_refused(tmp_path) -> None:
         {"model": "mlp", "steps": 2, "batch": 8, "plan": "dp=1", "checkpoint_dir": str(tmp_path)}
     )
     with pytest.raises(mf.MeshfitError, match="batch_size=8 and this run has batch_size=16"):
-        fit_run({"model": "mlp", "steps": 4, "batch": 16, "plan": "dp=1",
-                 "checkpoint_dir": str(tmp_path)})  # fmt: skip
+        fit_run(
+            {
+                "model": "mlp",
+                "steps": 4,
+                "batch": 16,
+                "plan": "dp=1",
+                "checkpoint_dir": str(tmp_path),
+            }
+        )
 
 
 class _Stream(torch.utils.data.IterableDataset):

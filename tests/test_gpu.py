@@ -21,8 +21,14 @@ def test_offload_keeps_the_model_state_in_cpu_memory_and_the_same_run() -> None:
     """One worker on the GPU with offload=True: the same losses and weights as a plain
     GPU run, and between steps the parameters, gradients and AdamW state are on the CPU
     (the GPU holds next to nothing while the model is idle)."""
-    spec = {"model": "gpt4", "plan": "offload=true", "batch": 16, "steps": 4,
-            "optimizer": "adamw", "grad_clip": 0.05}  # fmt: skip
+    spec = {
+        "model": "gpt4",
+        "plan": "offload=true",
+        "batch": 16,
+        "steps": 4,
+        "optimizer": "adamw",
+        "grad_clip": 0.05,
+    }
     got = mf.launch(offload_memory_run, nproc=1, args=(spec,))
     ref = engine_run({**spec, "plan": None})
     assert_same_run(got, ref, rtol=1e-4)  # the optimizer step runs on the CPU here

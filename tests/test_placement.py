@@ -21,9 +21,14 @@ def _placements() -> list[dict[str, str]]:
     if torch.cuda.is_available():
         return [
             {"blocks.0": "cuda:0", "lm_head": "cuda:0"},  # the rest stays on the CPU
-            {"tok_emb": "cuda:0", "pos_emb": "cuda:0", "blocks": "cpu", "ln_f": "cuda:0",
-             "lm_head": "cuda:0"},
-        ]  # fmt: skip
+            {
+                "tok_emb": "cuda:0",
+                "pos_emb": "cuda:0",
+                "blocks": "cpu",
+                "ln_f": "cuda:0",
+                "lm_head": "cuda:0",
+            },
+        ]
     return [{"blocks.0": "cpu", "lm_head": "cpu"}]
 
 

@@ -88,8 +88,16 @@ def test_every_product_of_degrees_is_built_and_clashing_options_are_refused() ->
             plan.validate()
     assert Plan(dp=2, tp=2).uses_fsdp and Plan(dp=2, offload=True).uses_fsdp
     assert not Plan(dp=2, pp=2).uses_fsdp and not Plan(dp=1, tp=2).uses_fsdp
-    for plan in (Plan(dp=4, precision="bf16", microbatches=2), Plan(tp=4), Plan(pp=2),
-                 Plan(fsdp=2), Plan(fsdp=2, tp=2), Plan(tp=2, pp=2),
-                 Plan(checkpointing="selective"), Plan(dp=2, pp=2), Plan(fsdp=2, pp=2),
-                 Plan(fsdp=2, tp=2, pp=2)):  # fmt: skip
+    for plan in (
+        Plan(dp=4, precision="bf16", microbatches=2),
+        Plan(tp=4),
+        Plan(pp=2),
+        Plan(fsdp=2),
+        Plan(fsdp=2, tp=2),
+        Plan(tp=2, pp=2),
+        Plan(checkpointing="selective"),
+        Plan(dp=2, pp=2),
+        Plan(fsdp=2, pp=2),
+        Plan(fsdp=2, tp=2, pp=2),
+    ):
         plan.validate()

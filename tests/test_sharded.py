@@ -19,7 +19,7 @@ from workers import (
 import meshfit as mf
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp_matches_one_process_with_a_zero3_share_of_the_state(nproc: int) -> None:
     plan = f"fsdp={nproc}"
     specs = [
@@ -29,8 +29,10 @@ def test_fsdp_matches_one_process_with_a_zero3_share_of_the_state(nproc: int) ->
         make_spec("gpt4", plan, optimizer="adamw", grad_clip=0.05),
     ]
     if nproc == 2:  # the options, and replicas on FSDP2 (offload on CPU workers is a no-op)
-        specs += [make_spec("gpt4", "fsdp=2,reshard_after_forward=false,microbatches=2"),
-                  make_spec("gpt4", "dp=2,offload=true", optimizer="adamw")]  # fmt: skip
+        specs += [
+            make_spec("gpt4", "fsdp=2,reshard_after_forward=false,microbatches=2"),
+            make_spec("gpt4", "dp=2,offload=true", optimizer="adamw"),
+        ]
     got = mf.launch(fsdp_checks, nproc=nproc, args=(specs, plan))
     check_against_one_process(specs, got["runs"])
     # params, gradients and AdamW state per rank = the whole / N (ZeRO-3), within 5%
@@ -66,9 +68,11 @@ def test_activation_checkpointing_recomputes_the_same_run_with_less_memory() -> 
     # full recomputes the forward's matrix products in backward; selective keeps them.
     assert matmuls["full"] > matmuls["none"] == matmuls["selective"], matmuls
     # And it composes with the forms that split the model (names, hooks, stages):
-    specs = [make_spec("gpt4", "fsdp=2,checkpointing=full"),
-             make_spec("gpt4", "pp=2,checkpointing=selective"),
-             make_spec("gpt4", "tp=2,checkpointing=full")]  # fmt: skip
+    specs = [
+        make_spec("gpt4", "fsdp=2,checkpointing=full"),
+        make_spec("gpt4", "pp=2,checkpointing=selective"),
+        make_spec("gpt4", "tp=2,checkpointing=full"),
+    ]
     check_against_one_process(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
 
 
@@ -77,8 +81,9 @@ def _continues_across_plans(tmp_path, first: str, then: str, *, nproc: int, step
     steps in one process (weights, SGD momentum and step count all move across plans)."""
     path = str(tmp_path / "ck")
     mf.launch(save_after_training, nproc=nproc, args=(make_spec("gpt4", first, steps=steps), path))
-    got = mf.launch(continue_run, nproc=nproc,
-                    args=(make_spec("gpt4", then, steps=steps), path, steps))  # fmt: skip
+    got = mf.launch(
+        continue_run, nproc=nproc, args=(make_spec("gpt4", then, steps=steps), path, steps)
+    )
     straight = engine_run(make_spec("gpt4", "dp=1", steps=2 * steps))
     assert_same_run(got, {"losses": straight["losses"][steps:], "state": straight["state"]})
 
@@ -91,15 +96,24 @@ def test_fit_reports_memory_per_rank_when_asked() -> None:
     from workers import dataset, optimizer_factory
 
     model, loss_fn = build("gpt4")
-    history = mf.fit(model, dataset("gpt4", 32), loss_fn=loss_fn, batch_size=8, max_steps=2,
-                     optimizer=optimizer_factory("adamw"), log_every=1, progress=False,
-                     report_memory=True)  # fmt: skip
+    history = mf.fit(
+        model,
+        dataset("gpt4", 32),
+        loss_fn=loss_fn,
+        batch_size=8,
+        max_steps=2,
+        optimizer=optimizer_factory("adamw"),
+        log_every=1,
+        progress=False,
+        report_memory=True,
+    )
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = history.records[-1]["memory"]
     assert memory["parameters"] == params and memory["gradients"] == params
     assert memory["optimizer"] == 2 * params  # AdamW: two moments per parameter
 
 
+@pytest.mark.slow
 def test_two_dimensional_plans_match_one_process() -> None:
     specs = [
         make_spec("gpt4", "fsdp=2,tp=2", optimizer="adamw", grad_clip=0.05),
@@ -123,12 +137,16 @@ def test_two_dimensional_plans_match_one_process() -> None:
     )
 
 
+@pytest.mark.slow
 def test_three_dimensional_plan_on_eight_workers_matches_one_process() -> None:
     # 3 steps, not 4: 8 processes on the 2-core CI machine make each step slow
-    specs = [make_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05, steps=3),
-             make_spec("gpt4", "dp=2,tp=2,pp=2", steps=3)]  # fmt: skip
+    specs = [
+        make_spec("gpt4", "fsdp=2,tp=2,pp=2", optimizer="adamw", grad_clip=0.05, steps=3),
+        make_spec("gpt4", "dp=2,tp=2,pp=2", steps=3),
+    ]
     check_against_one_process(specs, mf.launch(many_engine_runs, nproc=8, args=(specs,)))
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_under_dp4_continues_under_tp2_pp2(tmp_path) -> None:
     _continues_across_plans(tmp_path, "dp=4", "tp=2,pp=2", nproc=4, steps=2)

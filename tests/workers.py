@@ -35,9 +35,12 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
     torch.manual_seed(1234)  # the same initial weights in every dtype
     if kind == "mlp":
         model = torch.nn.Sequential(
-            torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+            torch.nn.Linear(8, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 32),
+            torch.nn.Tanh(),
             torch.nn.Linear(32, 5),
-        )  # fmt: skip
+        )
         return model, F.cross_entropy
     if kind == "deep_mlp":  # enough Linears for every one of 4 pipeline stages
         layers = [torch.nn.Linear(8, 32), torch.nn.Tanh()]
@@ -74,9 +77,10 @@ def optimizer_factory(name: str):
 
 # What FSDP2 reduce-scatters gradients with (torch 2.13; reduce_scatter_tensor before).
 REDUCE_SCATTER = (
-    "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single")
+    "reduce_scatter_single"
+    if hasattr(torch.distributed, "reduce_scatter_single")
     else "reduce_scatter_tensor"
-)  # fmt: skip
+)
 
 
 @contextlib.contextmanager
@@ -113,9 +117,13 @@ def engine_run(spec: dict) -> dict:
     if "grad_scale" in spec:
         loss_fn = scaled_gradient(loss_fn, spec["grad_scale"])
     engine = mf.parallelize(
-        model, spec.get("plan"), optimizer=optimizer_factory(spec.get("optimizer", "sgd")),
-        loss_fn=loss_fn, grad_clip=spec.get("grad_clip"), **spec.get("options", {}),
-    )  # fmt: skip
+        model,
+        spec.get("plan"),
+        optimizer=optimizer_factory(spec.get("optimizer", "sgd")),
+        loss_fn=loss_fn,
+        grad_clip=spec.get("grad_clip"),
+        **spec.get("options", {}),
+    )
     losses = []
     for step in range(spec.get("steps", 4)):
         batch = make_batch(spec["model"], spec.get("batch", 16), step, dtype)
@@ -126,9 +134,15 @@ def engine_run(spec: dict) -> dict:
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 units
     fsdp_units = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules()) if fsdp else 0
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
-    return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict(),
-            "rank": engine.rank, "fsdp_units": fsdp_units, "buffer_bytes": buffer_bytes,
-            "reduce_scatters_last_step": reduce_scatters[0]}  # fmt: skip
+    return {
+        "losses": losses,
+        "eval": eval_loss,
+        "state": engine.full_state_dict(),
+        "rank": engine.rank,
+        "fsdp_units": fsdp_units,
+        "buffer_bytes": buffer_bytes,
+        "reduce_scatters_last_step": reduce_scatters[0],
+    }
 
 
 def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,10 +218,13 @@ def save_runs(specs: list[dict], paths: list[str]) -> list[dict]:
 def skewed_sequential() -> torch.nn.Sequential:
     """Six blocks, the first several times as costly as each of the others."""
     torch.manual_seed(0)
-    heavy = [torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(),
-                                 torch.nn.Linear(1024, 64))]  # fmt: skip
-    light = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                                 torch.nn.Linear(64, 64)) for _ in range(5)]  # fmt: skip
+    heavy = [
+        torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 64))
+    ]
+    light = [
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+        for _ in range(5)
+    ]
     return torch.nn.Sequential(*heavy, *light)
 
 
@@ -216,13 +233,19 @@ def balance_run(measured: bool) -> dict:
     model = skewed_sequential()
     x = torch.randn(256, 64)
     engine = mf.parallelize(
-        model, "pp=2", loss_fn=F.mse_loss,
+        model,
+        "pp=2",
+        loss_fn=F.mse_loss,
         example_inputs=x[:64] if measured else None,
-    )  # fmt: skip
+    )
     losses = [float(engine.step((x, torch.zeros(256, 64)))) for _ in range(2)]
     pipe = engine.pipeline
-    return {"starts": pipe.starts, "costs": pipe.costs, "describe": pipe.describe(),
-            "losses": losses}  # fmt: skip
+    return {
+        "starts": pipe.starts,
+        "costs": pipe.costs,
+        "describe": pipe.describe(),
+        "losses": losses,
+    }
 
 
 def hf_llama():
@@ -230,9 +253,16 @@ def hf_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                         tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     return HFLogits(LlamaForCausalLM(config))
 
@@ -266,8 +296,8 @@ def gathered_after_forward(plan: str) -> dict[str, bool]:
     model, loss_fn = build("gpt4")
     engine = mf.parallelize(model, plan, optimizer=optimizer_factory("sgd"), loss_fn=loss_fn)
     inputs, targets = make_batch("gpt4", 16, 0)
-    loss_fn(engine.model(inputs), targets).backward()  # a first step sets FSDP up
-    engine.model(inputs)
+    loss_fn(engine.parallel_model(inputs), targets).backward()  # a first step sets FSDP up
+    engine.parallel_model(inputs)
     units = {"first block": model.blocks[0], "last block": model.blocks[-1], "root": model.tok_emb}
     return {name: not isinstance(next(unit.parameters()), DTensor) for name, unit in units.items()}
 
@@ -276,21 +306,37 @@ def offload_memory_run(spec: dict) -> dict:
     """engine_run under an offload plan, plus where the model state lives between steps:
     the devices of parameters, gradients and optimizer state, and the GPU bytes in use."""
     model, loss_fn = build(spec["model"])
-    engine = mf.parallelize(model, spec["plan"], loss_fn=loss_fn, grad_clip=spec.get("grad_clip"),
-                            optimizer=optimizer_factory(spec.get("optimizer", "sgd")))  # fmt: skip
+    engine = mf.parallelize(
+        model,
+        spec["plan"],
+        loss_fn=loss_fn,
+        grad_clip=spec.get("grad_clip"),
+        optimizer=optimizer_factory(spec.get("optimizer", "sgd")),
+    )
     engine.memory_report()  # measure gradients at the optimizer step
-    losses = [float(engine.step(make_batch(spec["model"], spec.get("batch", 16), step)))
-              for step in range(spec.get("steps", 4))]  # fmt: skip
+    losses = [
+        float(engine.step(make_batch(spec["model"], spec.get("batch", 16), step)))
+        for step in range(spec.get("steps", 4))
+    ]
     torch.cuda.synchronize()
-    tensors = [p.data.to_local() if hasattr(p.data, "to_local") else p.data
-               for p in engine.model.parameters()]  # fmt: skip
-    tensors += [v for s in engine.optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.ndim > 0]  # fmt: skip
+    tensors = [
+        p.data.to_local() if hasattr(p.data, "to_local") else p.data
+        for p in engine.parallel_model.parameters()
+    ]
+    tensors += [
+        v
+        for s in engine.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    ]
     report = engine.memory_report()
-    return {"losses": losses, "state": engine.full_state_dict(),
-            "state_devices": sorted({t.device.type for t in tensors}),
-            "state_bytes": report["parameters"] + report["optimizer"],
-            "gpu_bytes_between_steps": torch.cuda.memory_allocated()}  # fmt: skip
+    return {
+        "losses": losses,
+        "state": engine.full_state_dict(),
+        "state_devices": sorted({t.device.type for t in tensors}),
+        "state_bytes": report["parameters"] + report["optimizer"],
+        "gpu_bytes_between_steps": torch.cuda.memory_allocated(),
+    }
 
 
 def fsdp_checks(specs: list[dict], plan: str) -> dict:
@@ -301,18 +347,21 @@ def fsdp_checks(specs: list[dict], plan: str) -> dict:
         "memory": memory_run(plan),
         "gathered": {
             r: gathered_after_forward(f"{plan},reshard_after_forward={r}") for r in (True, False)
-        },  # fmt: skip
+        },
     }
 
 
 def continue_run(spec: dict, path: str, first_step: int) -> dict:
     """Load the checkpoint at `path` under spec's plan, train on from `first_step`."""
     model, loss_fn = build(spec["model"])
-    engine = mf.parallelize(model, spec.get("plan"), optimizer=optimizer_factory("sgd"),
-                            loss_fn=loss_fn)  # fmt: skip
+    engine = mf.parallelize(
+        model, spec.get("plan"), optimizer=optimizer_factory("sgd"), loss_fn=loss_fn
+    )
     engine.load(path)
-    losses = [float(engine.step(make_batch(spec["model"], spec.get("batch", 16), step)))
-              for step in range(first_step, first_step + spec.get("steps", 4))]  # fmt: skip
+    losses = [
+        float(engine.step(make_batch(spec["model"], spec.get("batch", 16), step)))
+        for step in range(first_step, first_step + spec.get("steps", 4))
+    ]
     return {"losses": losses, "state": engine.full_state_dict()}
 
 
@@ -326,8 +375,11 @@ def activation_costs(plan: str) -> tuple[int, int]:
         count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-                        torch.ops.aten.bmm.default):  # fmt: skip
+            if func in (
+                torch.ops.aten.mm.default,
+                torch.ops.aten.addmm.default,
+                torch.ops.aten.bmm.default,
+            ):
                 CountMatmuls.count += 1
             return func(*args, **(kwargs or {}))
 
@@ -341,7 +393,7 @@ def activation_costs(plan: str) -> tuple[int, int]:
 
     x, y = make_batch("gpt4", 16, 0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(engine.model(x), y)
+        loss = loss_fn(engine.parallel_model(x), y)
     with CountMatmuls():
         loss.backward()
     return total[0], CountMatmuls.count

@@ -178,7 +178,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp  # here: importing DCP costs ~1.5 s
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer)
     with _single_process_quiet():
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
@@ -294,7 +294,7 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
     # Read DCP's metadata through the allow-list first: a file that would run code is
     # refused here with a plain message rather than deep inside dcp.load.
     SafeFileSystemReader(checkpoint).read_metadata()
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
         dcp.load(
@@ -304,7 +304,7 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
             no_dist=not is_distributed(),
         )
     set_state_dict(
-        engine.model,
+        engine.parallel_model,
         engine.optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],

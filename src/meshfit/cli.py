@@ -69,8 +69,12 @@ def _demo(args: argparse.Namespace) -> int:
     demo_args: list[str] = []
     for action in args.demo_actions:
         value = getattr(args, action.dest)
-        if value is not None:
-            demo_args += [action.option_strings[0], str(value)]
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None:
+                demo_args += [action.option_strings[0], str(item)]
+    from meshfit.demo import parse_options
+
+    parse_options(args.set)  # refuse a bad --set before starting workers
     if args.plan:
         from meshfit.plan import Plan
 
@@ -89,14 +93,27 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_worker_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="workers per node (default: the selected GPUs, else 2 CPU workers)")  # fmt: skip
-    parser.add_argument("--devices", default=None,
-                        help="GPUs to use, e.g. 0,2 ('all' by default; 'cpu' for none)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per worker (default: 1 per CPU worker)")  # fmt: skip
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the workers up to K times after a failure (default 0)")  # fmt: skip
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="workers per node (default: the selected GPUs, else 2 CPU workers)",
+    )
+    parser.add_argument(
+        "--devices", default=None, help="GPUs to use, e.g. 0,2 ('all' by default; 'cpu' for none)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per worker (default: 1 per CPU worker)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the workers up to K times after a failure (default 0)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ when there are some); `python -m meshfit.demo` runs it in one process.
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 
 import torch
@@ -45,7 +46,32 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]
     option("--checkpoint-every", type=int, default=None)
     option("--sample-bytes", type=int, default=300, help="bytes to generate at the end")
     option("--seed", type=int, default=0)
+    option(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other option of mf.parallelize, as a Python literal "
+        "(e.g. --set compile=True --set pp_split=[2] --set grad_clip=0.5)",
+    )
     return actions
+
+
+def parse_options(items: list[str]) -> dict[str, object]:
+    """--set KEY=VALUE items -> keyword arguments (values are Python literals)."""
+    options = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise mf.MeshfitError(f"--set needs KEY=VALUE, e.g. --set compile=True; got {item!r}")
+        try:
+            options[key.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            raise mf.MeshfitError(
+                f"--set {key.strip()}: {raw!r} is not a Python literal (a number, True/False, "
+                f"a string in quotes or a list)"
+            ) from None
+    return options
 
 
 def warmup_cosine(total_steps: int, warmup: int):
@@ -64,13 +90,17 @@ def main(argv: list[str] | None = None) -> mf.fit.History:
     args = build_parser().parse_args(argv)
     torch.manual_seed(args.seed)  # same initial weights on every rank
     config = GPTConfig(
-        vocab_size=256, block_size=args.block_size, n_layer=args.layers, n_head=args.heads,
+        vocab_size=256,
+        block_size=args.block_size,
+        n_layer=args.layers,
+        n_head=args.heads,
         n_embd=args.width,
-    )  # fmt: skip
+    )
     model = GPT(config)
     text = ByteTextDataset(python_stdlib_text(args.data_bytes), args.block_size)
     train, val = text.split(0.05)
     warmup = max(1, min(100, args.steps // 10))
+    options = {"grad_clip": 1.0, **parse_options(args.set)}
     history = mf.fit(
         model,
         train,
@@ -87,11 +117,11 @@ def main(argv: list[str] | None = None) -> mf.fit.History:
         eval_dataset=val,
         eval_every=max(1, args.steps // 4),
         eval_batches=8,
-        grad_clip=1.0,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         log_every=max(1, min(20, args.steps // 10)),
         seed=args.seed,
+        **options,
     )
     engine = history.engine
     if args.sample_bytes <= 0:

@@ -1,40 +1,42 @@
 """Engine: one training step for any plan, plus evaluation and checkpoints.
 
 `mf.parallelize(model, plan, optimizer=..., loss_fn=...)` builds an Engine. `step(batch)`
-takes the GLOBAL batch (the same on every rank), keeps this rank's share, cuts it into
-micro-batches, runs forward and backward on each, lets the parallel wrappers synchronise
-gradients, clips, and steps the optimizer. The loss it returns is the mean over the
-global batch, identical on every rank.
+takes the GLOBAL batch (the same on every rank), keeps this rank's share, hands it to
+the runner (forward and backward over micro-batches, gradient synchronisation), clips,
+and steps the optimizer. The loss it returns is the mean over the global batch,
+identical on every rank.
 
-Why the numbers match one process: each micro-batch loss is a mean over an equal number
-of samples and is scaled by 1/microbatches; DDP averages gradients over the dp ranks, so
-the gradient is the gradient of the global-batch mean, as in a single process.
+Layers (docs/architecture.md): the Plan becomes a Topology (mesh, groups, this rank's
+place), `parallel.compose.apply_plan` applies the forms and picks the Runner, Precision
+holds autocast / FSDP2 policy / gradient scaler, and the Engine drives them.
 """
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
-from meshfit.parallel.compose import ParallelOptions, apply_plan
+from meshfit.parallel.compose import apply_plan
 from meshfit.plan import Plan
+from meshfit.precision import Precision
+from meshfit.topology import Topology
 from meshfit.trees import map_tensors, tensors_in
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshfit.parallel.pipeline import PipelineRunner
     from meshfit.parallel.tensor import TPPlan
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -46,68 +48,107 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-4, fused=on_gpu or None)
 
 
+@dataclass
+class EngineOptions:
+    """Everything `parallelize` takes besides the model and the plan (see its docstring);
+    `fit` passes its extra keywords through to it, so each option is listed once."""
+
+    loss_fn: LossFn
+    optimizer: OptimizerFactory = default_optimizer
+    grad_clip: float | None = None
+    lr_scheduler: SchedulerFactory | None = None
+    compile: bool = False
+    tp_plan: TPPlan | None = None
+    pp_split: list[int] | None = None
+    example_inputs: Any = None
+
+
 class Engine:
     """A model parallelized by a Plan, with its optimizer. Build one with `parallelize`."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        plan: Plan,
-        *,
-        optimizer: OptimizerFactory,
-        loss_fn: LossFn,
-        grad_clip: float | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
-        compile: bool = False,
-        tp_plan: TPPlan | None = None,
-        pp_split: list[int] | None = None,
-        example_inputs: Any = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, topology: Topology, options: EngineOptions) -> None:
         from meshfit.checkpoint import model_fingerprint
 
-        self.module = model  # the user's model, unwrapped
-        self.loss_fn = loss_fn
-        self.grad_clip = grad_clip
-        self.device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
-        self.plan = plan.resolve(env_world_size())
-        self.plan.validate()  # again: dp is known only now
-        self.world_size = self.plan.world_size or 1
-        self.rank = dist.get_rank() if is_distributed() else 0
+        self.user_model = model  # the user's model (its parameters may be sharded)
+        self.topology = topology
+        self.plan = topology.plan
+        self.device = topology.device
+        self.options = options
+        self.loss_fn = options.loss_fn
+        self.grad_clip = options.grad_clip
         self.fingerprint = model_fingerprint(model)  # before wrapping: global shapes, user names
         self.num_parameters = sum(p.numel() for p in model.parameters())  # whole model
-        self.mesh = build_mesh(self.plan, self.device)
-        self._autocast_dtype = _AUTOCAST_DTYPES.get(self.plan.precision)
-        options = ParallelOptions(loss_fn=loss_fn, autocast=self._autocast, tp_plan=tp_plan,
-                                  pp_split=pp_split, example_inputs=example_inputs)  # fmt: skip
-        self.model, self.pipeline = apply_plan(model, self.plan, self.mesh, self.device, options)
-        self.optimizer = _build_optimizer(optimizer, self.model)
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
-        self.step_count = 0  # optimizer steps taken (restored by load)
-        self.last_grad_norm: torch.Tensor | None = None
-        self.scaler = (
-            torch.amp.GradScaler(self.device.type) if self.plan.precision == "fp16" else None
-        )
-        dims = self.mesh.mesh_dim_names if self.mesh is not None else ()
-        # The batch is split over replicated (dp) and sharded (fsdp) data parallel ranks.
-        self._data_groups = [
-            self.mesh.get_group(d) for d in ("dp", "fsdp") if d in dims and self.mesh[d].size() > 1
-        ]
-        self.dp_size = self.plan.data_parallel_size
-        self.dp_rank = 0
-        for d in ("dp", "fsdp"):
-            if d in dims:
-                self.dp_rank = self.dp_rank * self.mesh.size(
-                    dims.index(d)
-                ) + self.mesh.get_local_rank(d)
-        # Ranks that hold disjoint parameters: their gradient norms add up.
-        self._norm_groups = [self.mesh.get_group("pp")] if "pp" in dims else []
-        self._sharded = self.plan.tp > 1 or self.plan.pp > 1 or self.plan.uses_fsdp
-        self._loss_checked = False
-        self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
-        self._measure_gradients = False
+        self.precision = Precision(self.plan.precision, self.device)
+        loss_fn = options.loss_fn
+
+        def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
+            return loss_fn(module(inputs), targets)
+
         # torch.compile over forward + loss together, so the loss (often a large
         # cross-entropy over the vocabulary) fuses with the last layers.
-        self._forward_loss = torch.compile(self._forward_loss) if compile else self._forward_loss
+        self.parallel_model, self.runner = apply_plan(
+            model,
+            topology,
+            self.precision,
+            loss_fn=loss_fn,
+            forward_loss=torch.compile(forward_loss) if options.compile else None,
+            tp_plan=options.tp_plan,
+            pp_split=options.pp_split,
+            example_inputs=options.example_inputs,
+        )
+        self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
+        self.lr_scheduler = options.lr_scheduler(self.optimizer) if options.lr_scheduler else None
+        self.step_count = 0  # optimizer steps taken (restored by load)
+        self.last_grad_norm: torch.Tensor | None = None
+        self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
+        self._measure_gradients = False
+
+    # ---- what the topology knows -------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self.topology.mesh
+
+    @property
+    def dp_size(self) -> int:
+        """How many ways the global batch is split: dp x fsdp."""
+        return self.topology.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of the global batch, 0 .. dp_size - 1."""
+        return self.topology.dp_rank
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """The pipeline runner under a plan with pp > 1 (its cut: `describe()`)."""
+        return None if self.plan.pp == 1 else self.runner  # type: ignore[return-value]
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
+
+    @property
+    def module(self) -> nn.Module:
+        warnings.warn("engine.module is now engine.user_model", DeprecationWarning, stacklevel=2)
+        return self.user_model
+
+    @property
+    def model(self) -> nn.Module:
+        warnings.warn(
+            "engine.model is now engine.parallel_model (what runs forward; the model you "
+            "passed is engine.user_model)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.parallel_model
 
     # ---- training ----------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> torch.Tensor:
@@ -120,8 +161,8 @@ class Engine:
     def step_local(self, inputs: Any, targets: Any) -> torch.Tensor:
         """A training step on this rank's share of the global batch (what `fit` feeds;
         every dp rank must pass an equal share)."""
-        if not self.model.training:  # train() walks every module: only when it changes
-            self.model.train()
+        if not self.parallel_model.training:  # train() walks every module: only on change
+            self.parallel_model.train()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
         micro = self.plan.num_microbatches
         size = _batch_size(inputs, "inputs")
@@ -130,76 +171,48 @@ class Engine:
                 f"this rank's {size} samples do not split into {micro} micro-batches; "
                 f"make the global batch a multiple of {micro * self.dp_size}"
             )
-        if self.pipeline is not None:  # the schedule runs every micro-batch
-            loss = self.pipeline.run(inputs, targets, train=True)
-            self._optimizer_step()
-            return self._global_mean(loss)
-        if micro == 1:  # the common case, without the accumulation's extra kernels
-            with self._autocast():
-                loss = self._loss(inputs, targets)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            self._optimizer_step()
-            return self._global_mean(_reported(loss))
-        chunk = size // micro
-        total = None
-        for i in range(micro):
-            x = _slice(inputs, i * chunk, (i + 1) * chunk)
-            y = _slice(targets, i * chunk, (i + 1) * chunk)
-            last = i == micro - 1
-            with self._grad_sync(enabled=last), self._autocast():
-                loss = self._loss(x, y)
-                scaled = loss / micro
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total = _reported(scaled) if total is None else total + _reported(scaled)
+        loss = self.runner.train(inputs, targets)
         self._optimizer_step()
-        return self._global_mean(total)
+        return self.topology.batch_mean(loss)
 
     def _optimizer_step(self) -> None:
         if self._measure_gradients:
-            self._gradient_bytes = sum(_local_bytes(p.grad) for p in self.model.parameters()
-                                       if p.grad is not None)  # fmt: skip
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        if self.grad_clip is not None and self._sharded:
-            from meshfit.parallel.grad_norm import clip_grad_norm
-
-            self.last_grad_norm = clip_grad_norm(
-                self.model.parameters(), self.grad_clip, self._norm_groups
+            self._gradient_bytes = sum(
+                _local_bytes(p.grad) for p in self.parallel_model.parameters() if p.grad is not None
             )
-        elif self.grad_clip is not None:
-            # Gradients are already synchronised here, so the local norm is the global norm.
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.grad_clip
-            )
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self.precision.unscale(self.optimizer)
+        if self.grad_clip is not None:
+            self.last_grad_norm = self._clip_gradients(self.grad_clip)
+        self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
 
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        params = self.parallel_model.parameters()
+        if not self.topology.gradients_split:
+            # Gradients are already synchronised here, so the local norm is the global one.
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from meshfit.parallel.grad_norm import clip_grad_norm
+
+        return clip_grad_norm(params, max_norm, self.topology.pipeline_groups)
+
     @torch.no_grad()
     def evaluate(self, batch: tuple[Any, Any]) -> torch.Tensor:
         """Mean loss over the GLOBAL batch without training; the same on every rank."""
-        micro = self.plan.num_microbatches if self.pipeline is not None else 1
-        inputs, targets = self.local_share(batch, micro)
+        inputs, targets = self.local_share(batch, self.runner.eval_microbatches)
         return self.evaluate_local(inputs, targets)
 
     @torch.no_grad()
     def evaluate_local(self, inputs: Any, targets: Any) -> torch.Tensor:
-        self.model.eval()
+        self.parallel_model.eval()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
-        if self.pipeline is not None:
-            loss = self.pipeline.run(inputs, targets, train=False)
-            self.model.train()
-            return self._global_mean(loss)
-        with self._autocast():
-            loss = _reported(self._loss(inputs, targets))
-        self.model.train()
-        return self._global_mean(loss)
+        try:
+            loss = self.runner.evaluate(inputs, targets)
+        finally:
+            self.parallel_model.train()
+        return self.topology.batch_mean(loss)
 
     # ---- batch handling ----------------------------------------------------------
     def local_share(self, batch: tuple[Any, Any], microbatches: int) -> tuple[Any, Any]:
@@ -240,7 +253,7 @@ class Engine:
         call), of the optimizer state, and the device's peak allocation on a GPU (None
         on the CPU, where the first three are the model state)."""
         self._measure_gradients = True
-        params = sum(_local_bytes(p) for p in self.model.parameters())
+        params = sum(_local_bytes(p) for p in self.parallel_model.parameters())
         optim = sum(
             _local_bytes(v)
             for state in self.optimizer.state.values()
@@ -248,8 +261,12 @@ class Engine:
             if isinstance(v, torch.Tensor) and v.ndim > 0  # not Adam's step counter
         )
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        return {"parameters": params, "gradients": self._gradient_bytes, "optimizer": optim,
-                "peak_device": peak}  # fmt: skip
+        return {
+            "parameters": params,
+            "gradients": self._gradient_bytes,
+            "optimizer": optim,
+            "peak_device": peak,
+        }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its own names, as full CPU tensors, on every
@@ -261,64 +278,17 @@ class Engine:
         )
 
         if self.mesh is None:
-            local = self.model.state_dict()
+            local = self.parallel_model.state_dict()
         else:
-            local = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            options = StateDictOptions(full_state_dict=True)
+            local = get_model_state_dict(self.parallel_model, options=options)
         local = {k: v.detach().cpu().clone() for k, v in local.items()}
-        if self.pipeline is None:
-            return local
-        parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(
-            self.pipeline.group
-        )
-        dist.all_gather_object(parts, local, group=self.pipeline.group)
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part or {})
-        return merged
-
-    # ---- internals ---------------------------------------------------------------
-    def _forward_loss(self, inputs: Any, targets: Any) -> torch.Tensor:
-        return self.loss_fn(self.model(inputs), targets)
-
-    def _loss(self, inputs: Any, targets: Any) -> torch.Tensor:
-        loss = self._forward_loss(inputs, targets)
-        if not self._loss_checked:
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                raise MeshfitError(
-                    f"loss_fn must return one number, the mean loss over the batch, but it "
-                    f"returned {shape}; use a mean reduction (e.g. reduction='mean')"
-                )
-            self._loss_checked = True
-        return loss
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self._autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
-
-    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch
-        (gradient accumulation): DDP's no_sync, FSDP2's set_requires_gradient_sync."""
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(enabled)
-            return contextlib.nullcontext()
-        if enabled or not hasattr(self.model, "no_sync"):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
-
-    def _global_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
-        if self.dp_size == 1:
-            return local_mean
-        total = local_mean.clone()
-        for group in self._data_groups:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total / self.dp_size
+        return self.runner.gather_state(local)
 
 
 def parallelize(
     model: nn.Module,
-    plan: Plan | str | None = None,
+    plan: Plan | str | Topology | None = None,
     *,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
@@ -331,7 +301,8 @@ def parallelize(
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
-    plan: a Plan, its text form ("dp=4"), or None for data parallel over every process.
+    plan: a Plan, its text form ("dp=4"), or None for data parallel over every process
+        (or a Topology built from one: `fit` builds it first to size its example batch).
     optimizer: a function from parameters to an optimizer, e.g.
         ``lambda params: torch.optim.AdamW(params, lr=3e-4)`` (default: AdamW, lr 3e-4).
         A function, not an optimizer, because parallel forms may replace the parameters.
@@ -367,13 +338,10 @@ def parallelize(
         raise MeshfitError(f"optimizer must be a function of the parameters, not {optimizer!r}")
     if grad_clip is not None and not grad_clip > 0:
         raise MeshfitError(f"grad_clip must be a positive number, not {grad_clip!r}")
-    plan = as_plan(plan)
-    plan.validate()
-    return Engine(
-        model,
-        plan,
-        optimizer=optimizer or default_optimizer,
+    topology = plan if isinstance(plan, Topology) else create_topology(plan)
+    options = EngineOptions(
         loss_fn=loss_fn,
+        optimizer=optimizer or default_optimizer,
         grad_clip=grad_clip,
         lr_scheduler=lr_scheduler,
         compile=compile,
@@ -381,6 +349,14 @@ def parallelize(
         pp_split=pp_split,
         example_inputs=example_inputs,
     )
+    return Engine(model, topology, options)
+
+
+def create_topology(plan: Plan | str | None) -> Topology:
+    """Check `plan`, start the process group and build the Topology of this job."""
+    plan = as_plan(plan)
+    plan.validate()
+    return Topology.create(plan)
 
 
 def as_plan(plan: Plan | str | None) -> Plan:
@@ -423,13 +399,6 @@ def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim
             f"torch.optim.Optimizer; return e.g. torch.optim.AdamW(params, lr=3e-4)"
         )
     return optimizer
-
-
-def _reported(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as step/evaluate return it: detached, at least float32 (a bf16 loss is
-    widened; a float64 one keeps its precision, which the float64 equivalence tests
-    need)."""
-    return loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
 
 
 def _local_bytes(t: torch.Tensor) -> int:

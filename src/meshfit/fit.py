@@ -3,13 +3,15 @@ history, checkpoints and automatic resume)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -27,16 +29,14 @@ from meshfit.data.sampling import GlobalBatchSampler
 from meshfit.engine import (
     Engine,
     LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    as_plan,
     check_batch_divides,
+    create_topology,
     parallelize,
     unpack_batch,
 )
 from meshfit.errors import MeshfitError
-from meshfit.mesh import env_world_size
 from meshfit.progress import TrainingDisplay, format_duration, format_rate
+from meshfit.topology import Topology
 
 Callback = Callable[[int, Engine], None]
 
@@ -75,15 +75,11 @@ def fit(
     loss_fn: LossFn | None = None,
     batch_size: int,
     plan: Any = None,
-    optimizer: OptimizerFactory | None = None,
     max_steps: int | None = None,
     epochs: int | None = None,
     eval_dataset: Dataset | Sequence[torch.Tensor] | None = None,
     eval_every: int | None = None,
     eval_batches: int | None = None,
-    grad_clip: float | None = None,
-    lr_scheduler: SchedulerFactory | None = None,
-    compile: bool = False,
     report_memory: bool = False,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
@@ -96,6 +92,7 @@ def fit(
     num_workers: int = 0,
     progress: bool = True,
     callbacks: Iterable[Callback] = (),
+    **parallelize_options: Any,
 ) -> History:
     """Train `model` on `dataset` under `plan` and return the History (on every rank).
 
@@ -108,155 +105,313 @@ def fit(
     checkpoint_dir, checkpoint_every: save every N steps and at the end; with
         resume=True a run finds the newest checkpoint there and continues the exact same
         run (weights, optimizer, data position, RNG state).
-    compile: run forward and loss through torch.compile (see `parallelize`).
     report_memory: add rank 0's model-state bytes (parameters + gradients + optimizer
         state, this rank's share) and, on a GPU, peak memory to the log lines and the
         history (Engine.memory_report).
     history_file: JSONL written by rank 0 (default: <checkpoint_dir>/history.jsonl).
     callbacks: functions called as cb(step, engine) on every rank after each step (and
         after that step's checkpoint, if any).
+
+    Other keywords go to `parallelize` as they are: optimizer, grad_clip, lr_scheduler,
+    compile, tp_plan, pp_split, ... (see its docstring). example_inputs defaults to one
+    micro-batch of `dataset` under a pipeline plan. A keyword that neither fit nor
+    parallelize takes is refused before anything starts.
     """
+    _check_parallelize_options(parallelize_options)
     _check_args(batch_size, max_steps, epochs, log_every, checkpoint_every, eval_every)
     train_data = as_dataset(dataset, "dataset")
     eval_data = as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     if checkpoint_every and not checkpoint_dir:
         raise MeshfitError("checkpoint_every needs checkpoint_dir=... (where to save)")
 
-    engine = parallelize(
-        model, plan, optimizer=optimizer, loss_fn=loss_fn, grad_clip=grad_clip,
-        lr_scheduler=lr_scheduler, compile=compile,
-        example_inputs=_pipeline_example(plan, train_data, batch_size),
-    )  # fmt: skip
+    topology = create_topology(plan)
+    if "example_inputs" not in parallelize_options:
+        parallelize_options["example_inputs"] = _pipeline_example(topology, train_data, batch_size)
+    engine = parallelize(model, topology, loss_fn=loss_fn, **parallelize_options)
     if report_memory:
         engine.memory_report()  # measure gradients from the first step on
-    dp_size, dp_rank = engine.dp_size, engine.dp_rank
-    micro = engine.plan.num_microbatches
-    check_batch_divides(batch_size, dp_size, micro)
+    check_batch_divides(batch_size, engine.dp_size, engine.plan.num_microbatches)
     num_samples = _check_size(train_data, batch_size, "dataset")
     if eval_data is not None:
         _check_size(eval_data, batch_size, "eval_dataset")
     steps_per_epoch = num_samples // batch_size
     total_steps = max_steps if max_steps is not None else epochs * steps_per_epoch
+    config = _RunConfig(batch_size=batch_size, seed=seed, num_samples=num_samples, shuffle=shuffle)
 
-    history_path = history_file or (
-        os.path.join(checkpoint_dir, "history.jsonl") if checkpoint_dir else None
-    )
-    run_config = {"batch_size": batch_size, "seed": seed, "num_samples": num_samples,
-                  "shuffle": shuffle}  # fmt: skip
-    start_step, records = 0, []
-    resumed_from = None
-    if checkpoint_dir and resume and latest_checkpoint(checkpoint_dir):
-        meta = engine.load(checkpoint_dir)
-        resumed_from = meta["path"]
-        start_step = _check_resume(meta, run_config, resumed_from)
-        _restore_rng(meta.get("rank_state"))
-        records = _read_history(history_path, start_step)
-    else:
-        # Different ranks draw different dropout masks, as separate processes would.
-        torch.manual_seed(seed + engine.rank)
-        random.seed(seed + engine.rank)
+    history = _HistoryFile.of_run(history_file, checkpoint_dir, writer=engine.rank == 0)
+    start = _resume(engine, checkpoint_dir if resume else None, config, history)
+    display = TrainingDisplay(total_steps, start.step, enabled=progress and engine.rank == 0)
+    _announce(display, engine, batch_size, steps_per_epoch, total_steps, start.checkpoint)
+    history.rewrite(start.records)
 
-    display = TrainingDisplay(total_steps, start_step, enabled=progress and engine.rank == 0)
-    _announce(display, engine, model, batch_size, steps_per_epoch, total_steps, resumed_from)
-    if engine.rank == 0 and history_path:
-        _rewrite_history(history_path, records)
-
-    loader = DataLoader(
-        train_data,
-        batch_sampler=GlobalBatchSampler(
-            num_samples, batch_size, dp_size=dp_size, dp_rank=dp_rank, seed=seed,
-            start_step=start_step, stop_step=total_steps, shuffle=shuffle,
-        ),
-        num_workers=num_workers,
-        pin_memory=engine.device.type == "cuda",
-        # Its own generator: a DataLoader otherwise draws a seed from the global RNG when
-        # it starts, which would shift the model's dropout stream after a resume.
-        generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    loader = _train_loader(train_data, engine, config, start.step, total_steps, num_workers)
     callbacks = list(callbacks)
-    pending: list[tuple[int, torch.Tensor, float]] = []  # losses not yet read from device
-    unsaved: list[dict[str, Any]] = []  # records not yet in the history file
-    tokens_per_sample = None
-    last_log_time, last_log_step = time.perf_counter(), start_step
-    run_start = time.perf_counter()
+    log = _StepLog(engine, display, batch_size, report_memory, start.records, start.step)
+    step = start.step
+    try:
+        for inputs, targets in loader:
+            loss = engine.step_local(inputs, targets)
+            step += 1
+            log.add(step, loss, engine.optimizer.param_groups[0].get("lr", 0.0), inputs)
+            at_end = step == total_steps
+            if step % log_every == 0 or at_end:
+                log.flush(step, log_line=True)
+            with log.paused():  # eval and saves do not count against throughput
+                if eval_data is not None and _due(step, eval_every, at_end):
+                    log.flush(step, log_line=False)
+                    eval_loss = _evaluate(engine, eval_data, batch_size, eval_batches, num_workers)
+                    log.add_eval(step, eval_loss)
+                if checkpoint_dir and _due(step, checkpoint_every, at_end):
+                    log.flush(step, log_line=False)
+                    history.append_new(log.records)
+                    _save(engine, checkpoint_dir, step, config, keep_checkpoints)
+            for callback in callbacks:
+                callback(step, engine)
+        log.flush(step, log_line=False)
+    finally:
+        display.close()
+    history.append_new(log.records)
+    log.summarize(step - start.step)
+    return History(log.records, engine=engine)
 
-    def flush(step: int, log_line: bool) -> dict[str, Any] | None:
-        """Read pending losses from the device (one sync per log interval)."""
-        nonlocal last_log_time, last_log_step
-        if not pending:
-            return None
-        values = torch.stack([loss for _, loss, _ in pending]).tolist()
-        for (s, _, lr), value in zip(pending, values, strict=True):
+
+# ---- pieces ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RunConfig:
+    """The settings that fix the data order: a run resumes only with the same ones."""
+
+    batch_size: int
+    seed: int
+    num_samples: int
+    shuffle: bool
+
+
+@dataclass
+class _Start:
+    """Where a run begins: step 0, or the step of the checkpoint it resumed from (with
+    the history records up to that step)."""
+
+    step: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: str | None = None  # the path resumed from
+
+
+class _HistoryFile:
+    """The run's records as JSON lines. Every rank reads it on resume; only the writer
+    (rank 0) writes it. No path: nothing is read or written."""
+
+    def __init__(self, path: str | None, writer: bool) -> None:
+        self.path = path
+        self.writer = writer and bool(path)
+        self._written = 0  # how many of the run's records the file holds
+
+    @classmethod
+    def of_run(cls, path: str | None, checkpoint_dir: str | None, writer: bool) -> _HistoryFile:
+        """`path`, or <checkpoint_dir>/history.jsonl when there is a checkpoint_dir."""
+        if not path and checkpoint_dir:
+            path = os.path.join(checkpoint_dir, "history.jsonl")
+        return cls(path, writer)
+
+    def read(self, up_to_step: int) -> list[dict[str, Any]]:
+        """The records of steps up to `up_to_step` ([] when there is no file)."""
+        if not self.path or not os.path.isfile(self.path):
+            return []
+        records = []
+        with open(self.path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    record = json.loads(line)
+                    if record["step"] <= up_to_step:
+                        records.append(record)
+        return records
+
+    def rewrite(self, records: list[dict[str, Any]]) -> None:
+        """Replace the file with `records` (atomically)."""
+        self._written = len(records)
+        if not self.writer:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, self.path)
+
+    def append_new(self, records: list[dict[str, Any]]) -> None:
+        """Append the records added to `records` since the last write."""
+        new, self._written = records[self._written :], len(records)
+        if not self.writer or not new:
+            return
+        with open(self.path, "a") as f:
+            for record in new:
+                f.write(json.dumps(record) + "\n")
+
+
+class _StepLog:
+    """The run's metrics. Each step leaves its loss on the device; `flush` reads the
+    pending ones in one sync per log interval into records (refusing a non-finite loss),
+    adds samples/s, tokens/s (for token-id inputs) and, if asked, memory to the last one,
+    and updates the display."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        display: TrainingDisplay,
+        batch_size: int,
+        report_memory: bool,
+        records: list[dict[str, Any]],
+        start_step: int,
+    ) -> None:
+        self.engine = engine
+        self.display = display
+        self.batch_size = batch_size
+        self.report_memory = report_memory
+        self.records = records
+        self._pending: list[tuple[int, torch.Tensor, float]] = []  # (step, loss, lr)
+        self._tokens_per_sample: int | None = None
+        self._last_time, self._last_step = time.perf_counter(), start_step
+        self._start_time = time.perf_counter()
+
+    def add(self, step: int, loss: torch.Tensor, lr: float, inputs: Any) -> None:
+        """Keep a step's loss (still on the device) until the next flush."""
+        if self._tokens_per_sample is None:
+            self._tokens_per_sample = _tokens_per_sample(inputs)
+        self._pending.append((step, loss, lr))
+
+    def flush(self, step: int, log_line: bool) -> None:
+        """Read the pending losses into records and show the status at `step`."""
+        if not self._pending:
+            return
+        self._read_pending()
+        self.display.update(step, self._measure(step), log_line=log_line)
+
+    def add_eval(self, step: int, eval_loss: float) -> None:
+        """Put `step`'s eval loss on its record and print it."""
+        self.records[-1]["eval_loss"] = eval_loss
+        self.display.print(f"step {step}: eval loss {eval_loss:.4f}")
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time spent inside out of the throughput."""
+        paused = time.perf_counter()
+        yield
+        self._last_time += time.perf_counter() - paused
+
+    def summarize(self, steps_done: int) -> None:
+        """Print the run's closing line (when it trained at least one step)."""
+        elapsed = time.perf_counter() - self._start_time
+        if not self.records or steps_done <= 0:
+            return
+        last = self.records[-1]
+        summary = (
+            f"done: {steps_done} steps in {format_duration(elapsed)}, final loss {last['loss']:.4f}"
+        )
+        if "eval_loss" in last:
+            summary += f", eval loss {last['eval_loss']:.4f}"
+        self.display.print(summary)
+
+    def _read_pending(self) -> None:
+        values = torch.stack([loss for _, loss, _ in self._pending]).tolist()
+        for (step, _, lr), value in zip(self._pending, values, strict=True):
             if not math.isfinite(value):
                 raise MeshfitError(
-                    f"the loss became {value} at step {s}; lower the learning rate, set "
+                    f"the loss became {value} at step {step}; lower the learning rate, set "
                     f"grad_clip=1.0, or use precision='bf16' instead of 'fp16'"
                 )
-            record = {"step": s, "loss": value, "lr": lr,
-                      "time": round(time.perf_counter() - run_start, 4)}  # fmt: skip
-            records.append(record)
-            unsaved.append(record)
-        pending.clear()
+            elapsed = round(time.perf_counter() - self._start_time, 4)
+            self.records.append({"step": step, "loss": value, "lr": lr, "time": elapsed})
+        self._pending.clear()
+
+    def _measure(self, step: int) -> str:
+        """Add throughput (and memory) to the last record; returns the status text."""
         now = time.perf_counter()
-        rate = (step - last_log_step) * batch_size / max(now - last_log_time, 1e-9)
-        last_log_time, last_log_step = now, step
-        last = records[-1]
+        rate = (step - self._last_step) * self.batch_size / max(now - self._last_time, 1e-9)
+        self._last_time, self._last_step = now, step
+        last = self.records[-1]
         last["samples_per_s"] = round(rate, 2)
         status = f"loss {last['loss']:.4f} | {format_rate(rate)} samples/s"
-        if tokens_per_sample:
-            last["tokens_per_s"] = round(rate * tokens_per_sample, 1)
-            status += f" | {format_rate(rate * tokens_per_sample)} tok/s"
-        if report_memory:
-            memory = engine.memory_report()
+        if self._tokens_per_sample:
+            last["tokens_per_s"] = round(rate * self._tokens_per_sample, 1)
+            status += f" | {format_rate(rate * self._tokens_per_sample)} tok/s"
+        if self.report_memory:
+            memory = self.engine.memory_report()
             last["memory"] = memory
             state = sum(v for k, v in memory.items() if k != "peak_device" and v)
             status += f" | model state {state / 2**20:.1f} MiB/rank"
             if memory["peak_device"] is not None:
                 status += f", peak {memory['peak_device'] / 2**30:.2f} GiB"
-        display.update(step, status, log_line=log_line)
-        return last
-
-    try:
-        step = start_step
-        for inputs, targets in loader:
-            if tokens_per_sample is None:
-                tokens_per_sample = _tokens_per_sample(inputs)
-            loss = engine.step_local(inputs, targets)
-            step += 1
-            pending.append((step, loss, engine.optimizer.param_groups[0].get("lr", 0.0)))
-            at_end = step == total_steps
-            if step % log_every == 0 or at_end:
-                flush(step, log_line=True)
-            paused = time.perf_counter()  # eval and saves do not count against throughput
-            if eval_data is not None and (at_end or (eval_every and step % eval_every == 0)):
-                flush(step, log_line=False)
-                eval_loss = _evaluate(engine, eval_data, batch_size, eval_batches, num_workers)
-                records[-1]["eval_loss"] = eval_loss
-                display.print(f"step {step}: eval loss {eval_loss:.4f}")
-            if checkpoint_dir and (at_end or (checkpoint_every and step % checkpoint_every == 0)):
-                flush(step, log_line=False)
-                if engine.rank == 0 and history_path:
-                    _append_history(history_path, unsaved)
-                unsaved.clear()
-                _save(engine, checkpoint_dir, step, run_config, keep_checkpoints)
-            last_log_time += time.perf_counter() - paused
-            for callback in callbacks:
-                callback(step, engine)
-        flush(step, log_line=False)
-    finally:
-        display.close()
-    if engine.rank == 0 and history_path:
-        _append_history(history_path, unsaved)
-    elapsed = time.perf_counter() - run_start
-    if records and step > start_step:
-        summary = f"done: {step - start_step} steps in {format_duration(elapsed)}, final loss {records[-1]['loss']:.4f}"
-        if "eval_loss" in records[-1]:
-            summary += f", eval loss {records[-1]['eval_loss']:.4f}"
-        display.print(summary)
-    return History(records, engine=engine)
+        return status
 
 
-# ---- pieces ----------------------------------------------------------------------
+def _check_parallelize_options(options: dict[str, Any]) -> None:
+    """Refuse keywords that `parallelize` does not take (fit passes its others there)."""
+    accepted = [
+        name
+        for name, param in inspect.signature(parallelize).parameters.items()
+        if param.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = [name for name in options if name not in accepted]
+    if unknown:
+        raise MeshfitError(
+            f"fit got unknown keyword(s) {', '.join(repr(n) for n in unknown)}: fit passes "
+            f"the keywords it does not take itself to parallelize, whose options are "
+            f"{', '.join(accepted)}"
+        )
+
+
+def _due(step: int, every: int | None, at_end: bool) -> bool:
+    """Whether a periodic job (eval, checkpoint) runs at `step`: every N steps and at the end."""
+    return at_end or bool(every and step % every == 0)
+
+
+def _resume(
+    engine: Engine, checkpoint_dir: str | None, config: _RunConfig, history: _HistoryFile
+) -> _Start:
+    """Continue the run saved in `checkpoint_dir` if it holds a checkpoint: load the engine,
+    restore this rank's RNG and read the history up to that step. Otherwise seed a new
+    run (each rank its own seed, so ranks draw different dropout masks, as separate
+    processes would)."""
+    if checkpoint_dir and latest_checkpoint(checkpoint_dir):
+        meta = engine.load(checkpoint_dir)
+        step = _check_resume(meta, config, meta["path"])
+        _restore_rng(meta.get("rank_state"))
+        return _Start(step, history.read(step), meta["path"])
+    torch.manual_seed(config.seed + engine.rank)
+    random.seed(config.seed + engine.rank)
+    return _Start()
+
+
+def _train_loader(
+    data: Dataset,
+    engine: Engine,
+    config: _RunConfig,
+    start_step: int,
+    stop_step: int,
+    workers: int,
+) -> DataLoader:
+    """This rank's share of each global batch from `start_step` up to `stop_step`."""
+    sampler = GlobalBatchSampler(
+        config.num_samples,
+        config.batch_size,
+        dp_size=engine.dp_size,
+        dp_rank=engine.dp_rank,
+        seed=config.seed,
+        start_step=start_step,
+        stop_step=stop_step,
+        shuffle=config.shuffle,
+    )
+    return DataLoader(
+        data,
+        batch_sampler=sampler,
+        num_workers=workers,
+        pin_memory=engine.device.type == "cuda",
+        # Its own generator: a DataLoader otherwise draws a seed from the global RNG when
+        # it starts, which would shift the model's dropout stream after a resume.
+        generator=torch.Generator().manual_seed(config.seed),
+    )
 
 
 def as_dataset(data: Any, what: str) -> Dataset:
@@ -290,26 +445,37 @@ def as_dataset(data: Any, what: str) -> Dataset:
     )
 
 
-def _check_args(batch_size, max_steps, epochs, log_every, checkpoint_every, eval_every) -> None:
+def _check_args(
+    batch_size: Any,
+    max_steps: Any,
+    epochs: Any,
+    log_every: Any,
+    checkpoint_every: Any,
+    eval_every: Any,
+) -> None:
     if not isinstance(batch_size, int) or batch_size < 1:
         raise MeshfitError(f"batch_size must be a positive whole number, not {batch_size!r}")
     if (max_steps is None) == (epochs is None):
         raise MeshfitError("give fit either max_steps=N or epochs=N (exactly one of them)")
-    for name, value in (("max_steps", max_steps), ("epochs", epochs), ("log_every", log_every),
-                        ("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):  # fmt: skip
+    counts = {
+        "max_steps": max_steps,
+        "epochs": epochs,
+        "log_every": log_every,
+        "checkpoint_every": checkpoint_every,
+        "eval_every": eval_every,
+    }
+    for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MeshfitError(f"{name} must be a positive whole number, not {value!r}")
 
 
-def _pipeline_example(plan: Any, data: Dataset, batch_size: int) -> Any:
+def _pipeline_example(topology: Topology, data: Dataset, batch_size: int) -> Any:
     """One micro-batch of inputs for a pipeline plan to time its blocks on (so its
     stages are balanced by measured cost); None for other plans."""
-    plan = as_plan(plan)
+    plan = topology.plan
     if plan.pp == 1 or len(data) == 0:
         return None
-    resolved = plan.with_dp_for(env_world_size()) if plan.dp is None else plan
-    dp = resolved.data_parallel_size if resolved is not None else 1
-    size = max(1, min(len(data), batch_size // (dp * plan.num_microbatches)))
+    size = max(1, min(len(data), batch_size // (topology.dp_size * plan.num_microbatches)))
     inputs, _ = unpack_batch(default_collate([data[i] for i in range(size)]))
     return inputs
 
@@ -352,28 +518,31 @@ def _evaluate(
     return float(torch.stack(losses).mean())
 
 
-def _save(engine: Engine, root: str, step: int, run_config: dict, keep: int) -> None:
+def _save(engine: Engine, root: str, step: int, config: _RunConfig, keep: int) -> None:
+    """Save a checkpoint of `step` (with this rank's RNG state), point `latest` at it and
+    keep the newest `keep`."""
     rank_state = {"torch_rng": torch.get_rng_state(), "python_random": random.getstate()}
     if engine.device.type == "cuda":
         rank_state["cuda_rng"] = torch.cuda.get_rng_state(engine.device)
     path = save_checkpoint(
         engine,
         os.path.join(root, step_dir_name(step)),
-        extra={"fit": {"step": step, **run_config}},
+        extra={"fit": {"step": step, **asdict(config)}},
         rank_state=rank_state,
     )
     point_latest(root, path)
     prune_checkpoints(root, keep)
 
 
-def _check_resume(meta: dict, run_config: dict, path: str) -> int:
+def _check_resume(meta: dict, config: _RunConfig, path: str) -> int:
+    """The step a checkpoint saved by fit was taken at; refuses one saved with other settings."""
     saved = (meta.get("extra") or {}).get("fit")
     if saved is None:
         raise MeshfitError(
             f"{path!r} was saved by engine.save, not by fit, so it holds no data position; "
             f"load it with engine.load, or give fit a new checkpoint_dir"
         )
-    for key, value in run_config.items():
+    for key, value in asdict(config).items():
         if saved.get(key) != value:
             raise MeshfitError(
                 f"cannot resume from {path!r}: it was trained with {key}={saved.get(key)!r} "
@@ -393,38 +562,15 @@ def _restore_rng(rank_state: dict | None) -> None:
         torch.cuda.set_rng_state(rank_state["cuda_rng"])
 
 
-def _read_history(path: str | None, up_to_step: int) -> list[dict]:
-    if not path or not os.path.isfile(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                record = json.loads(line)
-                if record["step"] <= up_to_step:
-                    records.append(record)
-    return records
-
-
-def _rewrite_history(path: str, records: list[dict]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
-
-
-def _append_history(path: str, records: list[dict]) -> None:
-    if not records:
-        return
-    with open(path, "a") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-
-
-def _announce(display, engine, model, batch_size, steps_per_epoch, total_steps, resumed_from):
+def _announce(
+    display: TrainingDisplay,
+    engine: Engine,
+    batch_size: int,
+    steps_per_epoch: int,
+    total_steps: int,
+    resumed_from: str | None,
+) -> None:
+    """Print the run's opening lines: plan, workers, model size, batch split, length."""
     params = engine.num_parameters
     where = f"{engine.world_size} {'GPU' if engine.device.type == 'cuda' else 'CPU'} worker(s)"
     per_rank = batch_size // engine.dp_size

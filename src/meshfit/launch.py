@@ -264,10 +264,13 @@ class RunOptions:
 def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
     """The torch.distributed.run arguments for these options."""
     argv = [
-        "--nproc-per-node", str(setup.nproc),
-        "--max-restarts", str(options.max_restarts),
-        "--monitor-interval", "0.5",
-    ]  # fmt: skip
+        "--nproc-per-node",
+        str(setup.nproc),
+        "--max-restarts",
+        str(options.max_restarts),
+        "--monitor-interval",
+        "0.5",
+    ]
     if options.nnodes == 1 and options.master is None:
         argv.append("--standalone")  # c10d rendezvous on a free loopback port
     else:
@@ -288,12 +291,24 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
                     f"--node-rank must be between 0 and {options.nnodes - 1}, not {options.node_rank}"
                 )
             # Fixed node ranks: static rendezvous at node 0's address.
-            argv += ["--node-rank", str(options.node_rank), "--master-addr", addr,
-                     "--master-port", port]  # fmt: skip
+            argv += [
+                "--node-rank",
+                str(options.node_rank),
+                "--master-addr",
+                addr,
+                "--master-port",
+                port,
+            ]
         else:
             # Elastic rendezvous: node ranks are assigned as nodes join.
-            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", options.master,
-                     "--rdzv-id", "meshfit"]  # fmt: skip
+            argv += [
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                options.master,
+                "--rdzv-id",
+                "meshfit",
+            ]
     if options.module:
         argv.append("--module")
     argv.append(options.target)
@@ -316,9 +331,10 @@ def run(options: RunOptions) -> int:
     setup = plan_workers(options.nproc, options.devices, options.threads)
     argv = torchrun_argv(options, setup)
     where = (
-        f"{setup.nproc} GPU workers" if setup.device_kind == "cuda"
+        f"{setup.nproc} GPU workers"
+        if setup.device_kind == "cuda"
         else f"{setup.nproc} CPU workers ({setup.threads} thread{'s' if setup.threads != 1 else ''} each)"
-    )  # fmt: skip
+    )
     nodes = f" on each of {options.nnodes} nodes" if options.nnodes > 1 else ""
     print(f"meshfit: starting {where}{nodes}: {options.target}", file=sys.stderr, flush=True)
     level = logging.WARNING if options.max_restarts else logging.CRITICAL

@@ -51,9 +51,12 @@ def init_distributed(timeout_s: float | None = None, *, alone: bool = False) -> 
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(
-            backend=backend, store=store, rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
-        )  # fmt: skip
+            backend=backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
     return device
 
 

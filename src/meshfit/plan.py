@@ -3,6 +3,14 @@
 A Plan is one value that names every parallel degree and the memory/precision options.
 `str(plan)` and `Plan.parse(text)` round-trip, so a plan can travel through the CLI,
 logs and checkpoints.
+
+What belongs in the Plan and what is an argument of `parallelize` (the rule): the Plan
+holds how the work is split over processes and devices and what that split may trade
+(degrees, micro-batches, schedule, recomputation, offload, resharding, precision); it
+is what a planner may choose, and one Plan fits any model. Arguments hold what belongs
+to the user's model and code (loss, optimizer, clipping, LR schedule, overrides that name
+the model's parts: tp_plan, pp_split, example_inputs) and opt-in tooling that changes
+neither the split nor the numbers (compile).
 """
 
 from __future__ import annotations
@@ -85,7 +93,12 @@ class Plan:
         """Processes this plan needs, or None while dp is unresolved."""
         if self.dp is None:
             return None
-        return self.dp * self.fsdp * self.tp * self.pp
+        return self.dp * self.model_parallel_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Processes one data-parallel rank spans (with its shards): fsdp x tp x pp."""
+        return self.fsdp * self.tp * self.pp
 
     @property
     def num_microbatches(self) -> int:
@@ -110,7 +123,7 @@ class Plan:
 
     def resolve(self, world_size: int) -> Plan:
         """Fill in ``dp=None`` from the world size and check the plan fits it."""
-        others = self.fsdp * self.tp * self.pp
+        others = self.model_parallel_size
         if self.dp is None:
             if world_size % others:
                 raise MeshfitError(
@@ -131,10 +144,9 @@ class Plan:
 
     def with_dp_for(self, world_size: int) -> Plan | None:
         """The same plan with dp chosen to fill `world_size`, or None if it cannot."""
-        others = self.fsdp * self.tp * self.pp
-        if world_size % others:
+        if world_size % self.model_parallel_size:
             return None
-        return dataclasses.replace(self, dp=world_size // others)
+        return dataclasses.replace(self, dp=world_size // self.model_parallel_size)
 
     def validate(self) -> None:
         """Refuse a plan whose options do not go together, saying what would.

@@ -29,10 +29,17 @@ def kill_once(step: int, engine: mf.Engine) -> None:
 
 model, loss_fn = build("mlp")
 history = mf.fit(
-    model, dataset("mlp", 48), loss_fn=loss_fn, optimizer=optimizer_factory("adamw"),
-    batch_size=8, max_steps=8, checkpoint_dir=args.checkpoint_dir, checkpoint_every=2,
-    progress=False, callbacks=[kill_once],
-)  # fmt: skip
+    model,
+    dataset("mlp", 48),
+    loss_fn=loss_fn,
+    optimizer=optimizer_factory("adamw"),
+    batch_size=8,
+    max_steps=8,
+    checkpoint_dir=args.checkpoint_dir,
+    checkpoint_every=2,
+    progress=False,
+    callbacks=[kill_once],
+)
 if history.engine.rank == 0:
     torch.save(
         {"state": model.state_dict(), "attempt": attempt, "losses": history.losses}, args.out

@@ -1,103 +1,170 @@
-"""Apply a Plan to a model, every form in one fixed order.
+"""Apply a Plan to a model, every form in one fixed order, and pick the runner.
 
 The order is the one that composes in PyTorch (as in torchtitan's parallelize):
-tensor parallel, then activation checkpointing, then sharded/replicated data parallel
-(FSDP2 when Plan.uses_fsdp, else DDP), then pipeline stages — except that with pipeline
-stages the model is cut right after recomputation, and each rank shards / replicates
-only what it keeps. Options that do not go together are refused by Plan.validate
-before we get here.
+tensor parallel, then activation recomputation, then the pipeline cut (pp > 1), then
+sharded/replicated data parallel over the model's parts: the whole model, or each
+pipeline stage this rank runs. Both take the same path (`apply_data_parallel`): FSDP2
+when Plan.uses_fsdp, else DDP. Options that do not go together are refused by
+Plan.validate before we get here.
+
+The forms other than DDP are imported when a plan uses them: FSDP2, DTensor, DCP and the
+pipelining schedules (which pull in torch._dynamo) made `import meshfit` take 6.6 s
+against 2.9 s for torch alone (2-core VM), paid by every worker.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel.data import apply_data_parallel, apply_data_parallel_to_stage
 from meshfit.placement import is_placed
-from meshfit.plan import Plan
+from meshfit.precision import Precision
+from meshfit.runners import LocalRunner, Runner
+from meshfit.topology import Topology
+from meshfit.trees import map_tensors
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from meshfit.parallel.pipeline import Pipeline
     from meshfit.parallel.tensor import TPPlan
 
-# The forms other than DDP are imported when a plan uses them: FSDP2, DTensor, DCP and
-# the pipelining schedules (which pull in torch._dynamo) made `import meshfit` take 6.6 s
-# against 2.9 s for torch alone (2-core VM), paid by every worker; now 2.9 s.
+LossFn = Callable[[Any, Any], Any]
 
 
 @dataclass
-class ParallelOptions:
-    """What a Plan leaves to the call: the loss (pipeline stages compute it), autocast,
-    user-given tp plan / pipeline cut points, and an example batch to measure."""
+class ModelPart:
+    """A part of the model that trains as one piece: the whole model, or one pipeline
+    stage. `units` are its sub-modules that FSDP2 shards one by one (the repeated blocks,
+    and for a stage the modules before / after them that it trains); `make_module`
+    returns the part's module once its units are sharded (a stage module lists the
+    parameters it trains, and sharding replaces parameter objects)."""
 
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    autocast: Callable[[], contextlib.AbstractContextManager]
-    tp_plan: TPPlan | None = None
-    pp_split: list[int] | None = None
-    example_inputs: Any = None
+    units: list[nn.Module]
+    make_module: Callable[[], nn.Module]
+    pipeline_stage: bool = False
 
 
 def apply_plan(
     model: nn.Module,
-    plan: Plan,
-    mesh: DeviceMesh | None,
-    device: torch.device,
-    options: ParallelOptions,
-) -> tuple[nn.Module, Pipeline | None]:
-    """Return the model, moved to `device` and parallelized as `plan` says, and the
-    pipeline that runs it when the plan has pp > 1."""
+    topology: Topology,
+    precision: Precision,
+    *,
+    loss_fn: LossFn,
+    forward_loss: Callable[[nn.Module, Any, Any], Any] | None = None,
+    tp_plan: TPPlan | None = None,
+    pp_split: list[int] | None = None,
+    example_inputs: Any = None,
+) -> tuple[nn.Module, Runner]:
+    """Parallelize `model` as `topology.plan` says; return what runs forward (the model,
+    wrapped for data parallel, or this rank's pruned model under pp) and its runner."""
+    plan, mesh, device = topology.plan, topology.mesh, topology.device
     if is_placed(model):  # the user spread it over this process's devices: keep that
         if mesh is not None:
             raise MeshfitError(
                 "a model spread over devices with mf.place runs in one process; for "
                 "several processes use a Plan (pp=N is the scalable form of placement)"
             )
-        return model, None
-    model = model.to(device)
+    else:
+        model = model.to(device)
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 
-        model = apply_tensor_parallel(model, mesh["tp"], options.tp_plan)
+        model = apply_tensor_parallel(model, topology.submesh("tp"), tp_plan)
     if plan.checkpointing != "none":
-        from meshfit.parallel.checkpointing import apply_checkpointing
+        from meshfit.parallel.recompute import apply_recomputation
 
-        model = apply_checkpointing(model, plan.checkpointing)
-    if mesh is None:  # one process: nothing to split
-        return model, None
-    if plan.uses_fsdp:
-        from meshfit.parallel.fsdp import apply_fsdp, data_mesh, shard_modules, shard_stage
+        model = apply_recomputation(model, plan.checkpointing)
     if plan.pp > 1:
-        from meshfit.parallel.pipeline import build_pipeline, split_model
+        return _apply_pipeline(
+            model,
+            topology,
+            precision,
+            loss_fn=loss_fn,
+            pp_split=pp_split,
+            example_inputs=example_inputs,
+        )
+    part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
+    [wrapped] = apply_data_parallel([part], topology, precision)
+    runner = LocalRunner(wrapped, loss_fn, precision, plan.num_microbatches, forward_loss)
+    return wrapped, runner
 
-        # Cut first, then shard / replicate what this rank keeps (as torchtitan does).
-        example = options.example_inputs
-        if isinstance(example, torch.Tensor):
-            example = example.to(device)
-        split = split_model(model, mesh["pp"], schedule=plan.schedule, split=options.pp_split,
-                            example_inputs=example)  # fmt: skip
-        wrap = None
-        if plan.uses_fsdp:  # as below, but per module this rank keeps, rooted per stage
-            shard_modules(split.trained_modules(), data_mesh(mesh), plan, device)
-            wrap = lambda stage: shard_stage(stage, data_mesh(mesh), plan, device)  # noqa: E731
-        elif plan.dp > 1:  # DDP per stage
-            wrap = lambda stage: apply_data_parallel_to_stage(stage, mesh, device)  # noqa: E731
-        pipeline = build_pipeline(
-            model, split, microbatches=plan.num_microbatches, loss_fn=options.loss_fn,
-            device=device, autocast=options.autocast, wrap_stage=wrap,
-            register_units=plan.uses_fsdp,
-        )  # fmt: skip
-        return pipeline.model, pipeline
-    if plan.uses_fsdp:  # sharded (and, over "dp", replicated) on FSDP2
-        model = apply_fsdp(model, data_mesh(mesh), plan, device)
-    elif plan.dp > 1:  # replicas only: DDP, whose bucketed all-reduce overlaps backward
-        model = apply_data_parallel(model, mesh, device)
-    return model, None
+
+def _apply_pipeline(
+    model: nn.Module,
+    topology: Topology,
+    precision: Precision,
+    *,
+    loss_fn: LossFn,
+    pp_split: list[int] | None,
+    example_inputs: Any,
+) -> tuple[nn.Module, Runner]:
+    """Cut first, then replicate / shard what this rank keeps, stage by stage (as
+    torchtitan's pipeline_llm does), then build the schedule over the stages."""
+    from meshfit.parallel.pipeline import build_pipeline, build_stage_module, split_model
+
+    plan, device = topology.plan, topology.device
+    example = map_tensors(example_inputs, lambda t: t.to(device))
+    split = split_model(
+        model,
+        topology.submesh("pp"),
+        schedule=plan.schedule,
+        split=pp_split,
+        example_inputs=example,
+    )
+    parts = [
+        ModelPart(
+            units=split.owners(s),
+            make_module=lambda s=s: build_stage_module(model, split, s, precision.autocast),
+            pipeline_stage=True,
+        )
+        for s in split.mine
+    ]
+    stage_modules = apply_data_parallel(parts, topology, precision)
+    runner = build_pipeline(
+        model,
+        split,
+        stage_modules,
+        microbatches=plan.num_microbatches,
+        loss_fn=loss_fn,
+        device=device,
+    )
+    return model, runner
+
+
+def apply_data_parallel(
+    parts: list[ModelPart], topology: Topology, precision: Precision
+) -> list[nn.Module]:
+    """Shard (FSDP2) or replicate (DDP) each part over the data-parallel ranks; the one
+    path for whole models and pipeline stages alike. Returns the parts' modules."""
+    plan, device = topology.plan, topology.device
+    modules = []
+    for part in parts:
+        if topology.mesh is not None and plan.uses_fsdp:
+            from meshfit.parallel.fsdp import shard_root, shard_units
+
+            mesh, stage = topology.data_mesh, part.pipeline_stage
+            shard_units(part.units, mesh, plan, precision, device, pipeline_stage=stage)
+            module = shard_root(
+                part.make_module(), part.units, mesh, plan, precision, device, pipeline_stage=stage
+            )
+        else:
+            module = part.make_module()
+            if topology.mesh is not None and plan.dp > 1:
+                from meshfit.parallel.ddp import replicate
+
+                module = replicate(
+                    module, topology.mesh, device, pipeline_stage=part.pipeline_stage
+                )
+        modules.append(module)
+    return modules
+
+
+def _blocks_or_none(model: nn.Module) -> list[nn.Module]:
+    from meshfit.parallel.blocks import find_blocks
+
+    try:
+        return list(find_blocks(model).blocks)
+    except MeshfitError:
+        return []  # no repeated unit: one FSDP unit for the whole model

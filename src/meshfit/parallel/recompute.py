@@ -41,7 +41,7 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+def apply_recomputation(model: nn.Module, mode: str) -> nn.Module:
     """Recompute each repeated block's activations in backward ("full" or "selective")."""
     context_fn = (
         functools.partial(create_selective_checkpoint_contexts, _selective_policy)

@@ -1,0 +1,29 @@
+"""Replicated data parallel: PyTorch's DistributedDataParallel over the "dp" group."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+
+def replicate(
+    module: nn.Module, mesh: DeviceMesh, device: torch.device, *, pipeline_stage: bool = False
+) -> nn.Module:
+    """Wrap `module` in DDP over `mesh`'s "dp" group. DDP broadcasts rank 0's parameters
+    and buffers at construction, so every replica starts identical whatever each
+    process's own initialisation was.
+
+    For a pipeline stage (`pipeline_stage=True`), forwards never arm DDP's gradient
+    reduction: torch.distributed.pipelining prepares it itself before the last
+    micro-batch's backward and runs the others under `no_sync`, but `no_sync` around a
+    backward comes too late when a forward outside it armed the reduction already; with
+    GPipe, or 1F1B with few micro-batches, every backward after the last forward then
+    marked the gradients ready again and DDP failed at the second step ("rebuilt
+    parameter indices size is not same as original model parameters size")."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group("dp"))
+    if pipeline_stage:
+        ddp.require_backward_grad_sync = False
+    return ddp

@@ -1,0 +1,239 @@
+"""Cutting the user's model into pipeline stages, in place, without changing its code.
+
+The repeated blocks (`blocks.find_blocks`) are split into contiguous runs, one per stage
+(cut points from `costs.balanced_starts`, or the user's `pp_split`). Each rank keeps its
+stages' blocks under their original names ("blocks.5" stays "blocks.5", so checkpoints
+are the same model whatever the plan). Parameters registered before the block container
+belong to the first stage, those after it to the last; a rank that does not train them
+keeps a frozen, non-persistent placeholder of the same shape instead (see
+`_placeholder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.blocks import BlockStack, find_blocks
+from meshfit.parallel.pipeline.costs import (
+    StageCosts,
+    _measures_with_rank0,
+    balanced_starts,
+    measure_costs,
+    parameter_costs,
+)
+
+T = TypeVar("T")
+
+# Stages per rank of each schedule: the interleaved ones loop over virtual stages
+# (Narayanan et al. 2021 use 2+; more shrinks the bubble further but adds messages).
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
+
+
+def _head_tail_parameters(
+    model: nn.Module, stack: BlockStack
+) -> tuple[list[tuple[nn.Module, str, nn.Parameter]], list[tuple[nn.Module, str, nn.Parameter]]]:
+    """(module, name, parameter) registered before / after the block container."""
+    prefix = f"{stack.name}." if stack.name else ""
+    head, tail = [], []
+    seen_blocks = False
+    modules = dict(model.named_modules(remove_duplicate=False))
+    block_params = {id(p) for p in stack.container.parameters()}
+    for qualified, param in model.named_parameters(remove_duplicate=False):
+        if prefix and qualified.startswith(prefix) or id(param) in block_params:
+            seen_blocks = True
+            continue
+        owner_name, _, leaf = qualified.rpartition(".")
+        entry = (modules[owner_name], leaf, param)
+        (tail if seen_blocks else head).append(entry)
+    head_ids = {id(p) for _, _, p in head}
+    if any(id(param) in head_ids for _, _, param in tail):
+        raise MeshfitError(
+            "a parameter is used both before and after the blocks (tied weights, e.g. "
+            "an LM head sharing the token embedding), so it cannot live on one pipeline "
+            "stage; untie it (e.g. tie_word_embeddings=False) to use pp"
+        )
+    return head, tail
+
+
+@dataclass
+class PipelineSplit:
+    """Where the model was cut and what this rank keeps (see `split_model`)."""
+
+    stack: BlockStack
+    stage_keys: list[list[str]]  # block keys of every stage
+    mine: list[int]  # the stages this rank runs
+    head: list[tuple[nn.Module, str, nn.Parameter]]
+    tail: list[tuple[nn.Module, str, nn.Parameter]]
+    starts: list[int]
+    costs: StageCosts
+    schedule: str
+    group: dist.ProcessGroup
+    pp: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_keys)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.mine
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.mine
+
+    @property
+    def block_names(self) -> list[str]:
+        return [self.stack.qualified(k) for keys in self.stage_keys for k in keys]
+
+    def owners(self, stage: int) -> list[nn.Module]:
+        """The modules holding stage `stage`'s parameters: its blocks, and the modules
+        before / after them for the first / last stage."""
+        blocks = self.stack.container._modules
+        modules = [blocks[k] for k in self.stage_keys[stage]]
+        if stage == 0:
+            modules = [m for m, _, _ in self.head] + modules
+        if stage == self.num_stages - 1:
+            modules += [m for m, _, _ in self.tail]
+        return _unique(modules)
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """Looked up now, not at the split: sharding replaces parameter objects."""
+        blocks = self.stack.container._modules
+        params = [p for k in self.stage_keys[stage] for p in blocks[k].parameters()]
+        if stage == 0:
+            params = [getattr(m, leaf) for m, leaf, _ in self.head] + params
+        if stage == self.num_stages - 1:
+            params += [getattr(m, leaf) for m, leaf, _ in self.tail]
+        return _unique(params)
+
+
+def split_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    schedule: str,
+    split: list[int] | None = None,
+    example_inputs: Any = None,
+) -> PipelineSplit:
+    """Choose the cut points over `mesh` (a 1-D pp mesh) and prune `model` in place to
+    this rank's stages (blocks kept under their original names; head/tail parameters
+    that another rank trains become frozen, non-persistent buffers)."""
+    pp = mesh.size()
+    rank = mesh.get_local_rank()
+    virtual = VIRTUAL_STAGES[schedule]
+    num_stages = pp * virtual
+    stack = find_blocks(model)
+    n = len(stack.keys)
+    if n < num_stages:
+        raise MeshfitError(
+            f"pp={pp} with schedule {schedule!r} needs {num_stages} stages but "
+            f"{type(model).__name__} has only {n} blocks in {stack.name or 'the model'!r}; "
+            f"use pp <= {n // virtual}" + (" or schedule='1f1b'" if virtual > 1 else "")
+        )
+    head, tail = _head_tail_parameters(model, stack)
+
+    if split is not None:
+        starts = _check_split(split, n, num_stages)
+        costs = parameter_costs(stack, head, tail)
+    else:
+        if example_inputs is not None:
+            # Every rank must cut at the same place, so rank 0 measures (alone, so that
+            # workers sharing its cores do not disturb the timing) and tells the others.
+            measures = _measures_with_rank0(model)
+            shared = [measure_costs(model, stack, example_inputs) if measures else None]
+            dist.broadcast_object_list(shared, src=0)
+            costs = shared[0]
+        else:
+            costs = parameter_costs(stack, head, tail)
+        starts = balanced_starts(costs, num_stages)
+    bounds = [*starts, n]
+    stage_keys = [stack.keys[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    mine = list(range(rank, num_stages, pp))  # looped assignment: rank r holds r, r+pp, ...
+    result = PipelineSplit(
+        stack=stack,
+        stage_keys=stage_keys,
+        mine=mine,
+        head=head,
+        tail=tail,
+        starts=starts,
+        costs=costs,
+        schedule=schedule,
+        group=mesh.get_group(),
+        pp=pp,
+    )
+
+    owned = {k for s in mine for k in stage_keys[s]}
+    for key in list(stack.keys):
+        if key not in owned:
+            del stack.container._modules[key]
+    for part, keep in ((head, result.has_first), (tail, result.has_last)):
+        if not keep:
+            for module, leaf, param in part:
+                if leaf in module._parameters:
+                    del module._parameters[leaf]
+                    module.register_buffer(leaf, _placeholder(param), persistent=False)
+    model.register_forward_pre_hook(_refuse_direct_call)
+    for s in mine:
+        if not result.stage_parameters(s):
+            raise MeshfitError(
+                f"pipeline stage {s} ({', '.join(stack.qualified(k) for k in stage_keys[s])}) "
+                f"would hold no parameters; give cut points that put a layer with weights "
+                f"on every stage (pp_split=[...]) or use a smaller pp"
+            )
+    return result
+
+
+def _refuse_direct_call(module, args):
+    raise MeshfitError(
+        "this model is split over pipeline stages (plan pp>1); call engine.step / "
+        "engine.evaluate, or get the whole model with engine.full_state_dict()"
+    )
+
+
+def _encloses(module: nn.Module, container: nn.Module) -> bool:
+    return any(c is container for c in module.modules())
+
+
+def _placeholder(param: nn.Parameter) -> torch.Tensor:
+    """What a stage keeps of a parameter another stage trains. Its values never reach
+    the loss (the prologue's output is replaced by the received activation; the
+    epilogue never runs), so one zero broadcast to the shape does: an embedding of
+    50k x 1024 fp32 costs 4 bytes instead of 206 MB. A DTensor (from a user's tp plan)
+    stays a detached copy, as its module's hooks expect one."""
+    if hasattr(param, "device_mesh"):
+        return param.detach()
+    return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+
+
+def _unique(items: list[T]) -> list[T]:
+    """`items` without repeats, by identity (parameters or modules), in order."""
+    seen, out = set(), []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out
+
+
+def _check_split(split: list[int], n: int, num_stages: int) -> list[int]:
+    starts = [0, *split]
+    if (
+        len(split) != num_stages - 1
+        or any(not isinstance(s, int) for s in split)
+        or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+        or starts[-1] >= n
+    ):
+        raise MeshfitError(
+            f"pp_split={split!r} must list the {num_stages - 1} block indices where stages "
+            f"2..{num_stages} begin, increasing, each between 1 and {n - 1} (the model has "
+            f"{n} blocks)"
+        )
+    return starts

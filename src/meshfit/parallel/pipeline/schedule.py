@@ -1,0 +1,170 @@
+"""Running the stages: torch.distributed.pipelining's schedules, fed by meshfit.
+
+The schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble) and all point-to-point
+communication are PyTorch's; this module builds the PipelineStages from the stage
+modules, picks the schedule class and runs one pass of it per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
+from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES, PipelineSplit
+
+
+def reported_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype losses are reported in: the model's floating dtype, at least float32
+    (a float64 model reports float64 losses; a bf16 one float32)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return torch.promote_types(p.dtype, torch.float32)
+    return torch.float32
+
+
+@dataclass
+class PipelineRunner:
+    """Runs one step of the pipeline schedule over this rank's share of the batch: the
+    runner of a plan with pp > 1 (`runners.LocalRunner` runs the others)."""
+
+    model: nn.Module  # the user's model, pruned to this rank's stages
+    stages: list[PipelineStage]
+    schedule: Any
+    group: dist.ProcessGroup
+    has_first: bool
+    has_last: bool
+    starts: list[int]  # first block index of every stage
+    costs: StageCosts
+    block_names: list[str]
+    microbatches: int
+
+    @property
+    def eval_microbatches(self) -> int:
+        """Evaluation runs the schedule too, so its batch splits like a training one."""
+        return self.microbatches
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank that holds the last stage (where the loss is)."""
+        return dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
+
+    def describe(self) -> str:
+        bounds = [*self.starts, len(self.block_names)]
+        totals = stage_costs_of(self.costs, self.starts)
+        parts = []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            cost = (
+                f"{totals[i] * 1e3:.2f} ms"
+                if self.costs.unit == "s"
+                else f"{totals[i] / 1e6:.2f}M params"
+            )
+            parts.append(f"stage {i}: blocks {a}-{b - 1} ({cost})")
+        how = "measured forward time" if self.costs.unit == "s" else "parameter count"
+        return f"pipeline cut by {how}: " + "; ".join(parts)
+
+    def train(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch; gradients are then ready (the
+        schedule scales them and triggers the data-parallel reduction)."""
+        return self._run(inputs, targets, train=True)
+
+    def evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
+        return self._run(inputs, targets, train=False)
+
+    def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole model's state from every stage's part (each rank holds its own)."""
+        parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, local, group=self.group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part or {})
+        return merged
+
+    def _run(self, inputs: Any, targets: Any, train: bool) -> torch.Tensor:
+        """One pass of the schedule; returns the mean loss over this rank's share on
+        every rank of the pipeline."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        if train:
+            self.schedule.step(*args, target=target, losses=losses, model_inputs=inputs)
+        else:
+            self.schedule.eval(*args, target=target, losses=losses, model_inputs=inputs)
+        # Every rank must broadcast the same dtype; only the last stage sees the loss,
+        # so all of them use the reporting dtype of the model's floating parameters.
+        dtype = reported_dtype(self.model)
+        if self.has_last:
+            loss = torch.stack([x.detach().to(dtype) for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.stages[0].device, dtype=dtype)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+
+def build_pipeline(
+    model: nn.Module,
+    split: PipelineSplit,
+    stage_modules: list[nn.Module],
+    *,
+    microbatches: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    device: torch.device,
+) -> PipelineRunner:
+    """The PipelineStages of this rank's `stage_modules` (one per stage in split.mine,
+    already replicated or sharded) and the schedule that runs them."""
+    stages = [
+        PipelineStage(module, s, split.num_stages, device, group=split.group)
+        for s, module in zip(split.mine, stage_modules, strict=True)
+    ]
+    checked_loss = _scalar_loss(loss_fn)
+    schedule, pp = split.schedule, split.pp
+    if VIRTUAL_STAGES[schedule] == 1:
+        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        sched = cls(stages[0], microbatches, loss_fn=checked_loss)
+    else:
+        if microbatches % pp:
+            raise MeshfitError(
+                f"schedule {schedule!r} needs microbatches to be a multiple of pp={pp}, "
+                f"not {microbatches}; use microbatches={max(pp, microbatches // pp * pp)}"
+            )
+        interleaved = schedule == "interleaved-1f1b"
+        cls = ScheduleInterleaved1F1B if interleaved else ScheduleInterleavedZeroBubble
+        sched = cls(stages, microbatches, loss_fn=checked_loss)
+    return PipelineRunner(
+        model=model,
+        stages=stages,
+        schedule=sched,
+        group=split.group,
+        has_first=split.has_first,
+        has_last=split.has_last,
+        starts=split.starts,
+        costs=split.costs,
+        block_names=split.block_names,
+        microbatches=microbatches,
+    )
+
+
+def _scalar_loss(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable:
+    def loss(outputs: Any, targets: Any) -> torch.Tensor:
+        value = loss_fn(outputs, targets)
+        if not isinstance(value, torch.Tensor) or value.ndim != 0:
+            raise MeshfitError(
+                "loss_fn must return one number, the mean loss over the batch; use a mean "
+                "reduction (e.g. reduction='mean')"
+            )
+        return value
+
+    return loss

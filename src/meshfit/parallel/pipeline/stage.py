@@ -1,0 +1,223 @@
+"""A pipeline stage's module: the user's own forward, run over one stage's blocks.
+
+Every stage runs the model's OWN `forward`, with the block container narrowed to the
+stage's blocks: the first block's input is replaced by the activation received from the
+previous stage, and the forward is left right after the stage's last block. So whatever
+the forward does before the blocks (embeddings, position tables, masks) is computed on
+every stage, and whatever it does after them (final norm, head) runs on the last one.
+The prologue runs on later stages too, but only for the values the blocks take besides
+the activation (masks, rotary tables), which must not depend on trained weights; a block
+input that does, or a module that runs on the other side of the blocks than where it is
+registered, is refused at the stage's first forward rather than trained wrongly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.blocks import BlockStack
+from meshfit.parallel.pipeline.cut import PipelineSplit, _encloses
+from meshfit.trees import map_tensors, tensors_in
+
+
+class _StageExit(Exception):  # noqa: N818 - control flow, not an error
+    """Raised by a hook after a stage's last block to leave the model's forward."""
+
+    def __init__(self, output: Any) -> None:
+        self.output = output
+
+
+class StageModule(nn.Module):
+    """What a PipelineStage runs: one stage's view of the user's model.
+
+    The model is referenced, not registered, so it keeps its own parameter names. The
+    modules holding the stage's parameters are registered as `units` (so a data-parallel
+    wrapper over the stage module sees exactly them, and an FSDP root over it has them
+    as its units); when one of those modules also holds the blocks (a parameter
+    registered on the model itself) the parameters alone are, as `params`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stack: BlockStack,
+        keys: list[str],
+        *,
+        is_first: bool,
+        is_last: bool,
+        params: list[nn.Parameter] | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        outside: list[tuple[str, nn.Module, str]] = (),
+        units: list[nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_stack", stack)
+        self.keys = keys
+        self.is_first, self.is_last = is_first, is_last
+        if units is None:
+            self.params = nn.ParameterList(params)
+        else:
+            self.units = nn.ModuleList(units)
+        self._autocast = autocast
+        self._outside = list(outside)  # (name, module, "before"/"after" the blocks)
+        self._checked = False
+
+    def forward(self, hidden_or_inputs: Any, model_inputs: Any = None) -> Any:
+        model, container = self._model, self._stack.container
+        inputs = hidden_or_inputs if self.is_first else model_inputs
+        blocks = {k: container._modules[k] for k in self.keys}
+        everything = container._modules
+        handles = []
+        if not self.is_first:
+            handles.append(
+                blocks[self.keys[0]].register_forward_pre_hook(
+                    _replace_first_arg(hidden_or_inputs), with_kwargs=True
+                )
+            )
+        checking = not self._checked  # the first forward only: free afterwards
+        if checking:
+            self._checked = True
+            handles += _check_the_split(blocks, self._stack, self._outside)
+        if not self.is_last:  # after the checks: hooks run in the order they were added
+            handles.append(blocks[self.keys[-1]].register_forward_hook(_leave_forward))
+        # The checks read requires_grad, so they need autograd on, also in an evaluation.
+        untracked = checking and not torch.is_grad_enabled()
+        container._modules = blocks  # the forward's loop sees only this stage's blocks
+        try:
+            with self._autocast(), torch.enable_grad() if untracked else contextlib.nullcontext():
+                output = type(model).forward(model, inputs)
+        except _StageExit as leave:
+            output = leave.output
+        finally:
+            container._modules = everything
+            for h in handles:
+                h.remove()
+        return map_tensors(output, torch.Tensor.detach) if untracked else output
+
+
+def _replace_first_arg(hidden: torch.Tensor) -> Callable:
+    def hook(module, args, kwargs):
+        if not args:
+            raise MeshfitError(
+                f"pipeline parallel needs the blocks to take the hidden state as their "
+                f"first positional argument; {type(module).__name__} got keywords only"
+            )
+        return (hidden, *args[1:]), kwargs
+
+    return hook
+
+
+def _check_the_split(
+    blocks: dict[str, nn.Module], stack: BlockStack, outside: list[tuple[str, nn.Module, str]]
+) -> list[Any]:
+    """Hooks that refuse, at a stage's first forward (before any update), a model that
+    the cut would train wrongly instead of letting it run: a module outside the blocks
+    that runs on the other side of them than where it was registered, or a block input
+    besides the hidden state that carries gradients."""
+    keys = list(blocks)
+    phase = ["before"]
+
+    def enter(module, args):
+        phase[0] = "between"
+
+    def leave(module, args, output):
+        phase[0] = "after"
+
+    handles = [blocks[keys[0]].register_forward_pre_hook(enter)]
+    handles.append(blocks[keys[-1]].register_forward_hook(leave))
+    for key, block in blocks.items():
+        check = _refuse_trained_side_inputs(stack.qualified(key))
+        handles.append(block.register_forward_pre_hook(check, with_kwargs=True))
+    for name, module, side in outside:
+        handles.append(module.register_forward_pre_hook(_refuse_misplaced(name, side, phase)))
+    return handles
+
+
+def _refuse_misplaced(name: str, side: str, phase: list[str]) -> Callable:
+    """Weights registered before the blocks go to the first stage and those after them
+    to the last, which is right only if the module runs on that side of the blocks."""
+
+    def hook(module, args):
+        if phase[0] != side:
+            where = "between the blocks" if phase[0] == "between" else f"{phase[0]} them"
+            fix = "after" if side == "before" else "before"
+            raise MeshfitError(
+                f"pipeline parallel cannot split this model: {name!r} is registered "
+                f"{side} the blocks, so its weights go to the "
+                f"{'first' if side == 'before' else 'last'} stage, but it runs {where}. "
+                f"Assign it {fix} the block stack in __init__ (meshfit reads the side from "
+                f"the order of registration), or train with dp/fsdp/tp instead of pp"
+            )
+
+    return hook
+
+
+def _refuse_trained_side_inputs(name: str) -> Callable:
+    """A block's inputs besides the hidden state must not carry gradients: a stage
+    receives only the hidden state, so a side input computed from trained weights (a
+    skip from the embeddings, a gate registered outside the blocks) would be recomputed
+    from another stage's placeholder and its gradient lost. Checked before any update."""
+
+    def hook(module, args, kwargs):
+        sides = [(f"positional argument {i}", a) for i, a in enumerate(args[1:], start=2)]
+        sides += [(f"keyword {k!r}", v) for k, v in kwargs.items()]
+        for where, value in sides:
+            if any(t.requires_grad for t in tensors_in(value)):
+                raise MeshfitError(
+                    f"pipeline parallel cannot split this model: block {name!r} takes "
+                    f"{where} besides the hidden state, and it depends on trained weights "
+                    f"outside the blocks (e.g. a skip connection from the embeddings); a "
+                    f"pipeline stage receives only the hidden state. Compute that input "
+                    f"inside the blocks, or train with dp/fsdp/tp instead of pp"
+                )
+        return None
+
+    return hook
+
+
+def _leave_forward(module, args, output):
+    raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+
+
+def _modules_outside(
+    model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[tuple]
+) -> list[tuple[str, nn.Module, str]]:
+    """The modules that own the weights before / after the blocks, with their names;
+    not the model or a module around the blocks (their forward encloses the blocks)."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    found: dict[int, tuple[str, nn.Module, str]] = {}
+    for part, side in ((head, "before"), (tail, "after")):
+        for module, _, _ in part:
+            if not _encloses(module, stack.container):
+                found.setdefault(id(module), (names[id(module)], module, side))
+    return list(found.values())
+
+
+def build_stage_module(
+    model: nn.Module,
+    split: PipelineSplit,
+    stage: int,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> StageModule:
+    """Stage `stage`'s module. Build it after sharding: sharding replaces parameter
+    objects, and a stage module that lists parameters must list the new ones."""
+    owners = split.owners(stage)
+    encloses_blocks = any(_encloses(m, split.stack.container) for m in owners)
+    return StageModule(
+        model,
+        split.stack,
+        split.stage_keys[stage],
+        is_first=stage == 0,
+        is_last=stage == split.num_stages - 1,
+        params=split.stage_parameters(stage) if encloses_blocks else None,
+        units=None if encloses_blocks else owners,
+        autocast=autocast,
+        outside=_modules_outside(model, split.stack, split.head, split.tail),
+    )

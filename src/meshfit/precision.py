@@ -1,0 +1,70 @@
+"""Precision: everything a Plan's `precision` decides, in one object.
+
+"fp32" runs in the parameters' own dtype. "bf16" runs forward and backward under bf16
+autocast; FSDP2 gathers bf16 copies of the sharded fp32 weights and reduces gradients in
+fp32. "fp16" adds a gradient scaler (fp16's range is too small for raw gradients);
+Plan.validate refuses it where the scaler does not compose (pipeline stages, FSDP2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Precision:
+    """Autocast, the FSDP2 mixed-precision policy and the gradient scaler of one run."""
+
+    name: str  # one of plan.PRECISIONS
+    device: torch.device
+    scaler: torch.amp.GradScaler | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.name == "fp16":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return _AUTOCAST_DTYPES.get(self.name)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context forward and loss run in."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        bf16 = self.name == "bf16"
+        # bf16 compute reduces fp32 gradients; otherwise gradients are reduced in the
+        # parameters' own dtype (float32 here would round a float64 model's gradients).
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before clipping: gradients back to their true scale."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()

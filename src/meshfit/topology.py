@@ -1,0 +1,104 @@
+"""Topology: the mesh facts of one job, worked out once from the Plan and the world.
+
+Like torchtitan's `ParallelDims`, it is the only place that reads dimension names: the
+Engine, `fit`, checkpoints and the forms ask it for groups, sizes and this rank's
+coordinates instead of deriving them again.
+
+Mesh dimensions, outermost first ("pp", "dp", "fsdp", "tp"; see plan.MESH_DIMS), exist
+only when their degree is above 1, except "fsdp", which exists whenever data parallelism
+runs on FSDP2 (Plan.uses_fsdp: FSDP2 given ("dp", "fsdp") replicates over the first and
+shards over the second).
+
+Named groups:
+    batch: the ranks the global batch is split over, dp x fsdp (replicas and shards);
+    loss:  the same ranks: a loss is averaged over them;
+    pp:    the pipeline stages of one model replica;
+    tp:    the ranks one tensor-parallel layer is split over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
+from meshfit.plan import Plan
+
+
+@dataclass
+class Topology:
+    """A resolved plan on this job's processes: mesh, groups, sizes, coordinates."""
+
+    plan: Plan  # resolved: dp is a number
+    device: torch.device
+    mesh: DeviceMesh | None  # None for a single process
+    rank: int = 0
+    world_size: int = 1
+    # The ranks the global batch is split over (replicated and sharded data parallel).
+    batch_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    dp_size: int = 1  # how many ways the global batch is split: dp x fsdp
+    dp_rank: int = 0  # this rank's share of it
+
+    @classmethod
+    def create(cls, plan: Plan) -> Topology:
+        """Start the process group if the launcher asked for one, resolve `plan` against
+        the world size (dp=None fills what is left) and build the mesh."""
+        device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
+        resolved = plan.resolve(env_world_size())
+        resolved.validate()  # again: dp is known only now
+        mesh = build_mesh(resolved, device)
+        topology = cls(
+            plan=resolved,
+            device=device,
+            mesh=mesh,
+            rank=dist.get_rank() if is_distributed() else 0,
+            world_size=resolved.world_size or 1,
+            dp_size=resolved.data_parallel_size,
+        )
+        for name in ("dp", "fsdp"):  # outer before inner: the rank's place in dp x fsdp
+            if topology.has(name):
+                topology.dp_rank = topology.dp_rank * mesh[name].size() + mesh.get_local_rank(name)
+                if mesh[name].size() > 1:
+                    topology.batch_groups.append(mesh.get_group(name))
+        return topology
+
+    def has(self, dim: str) -> bool:
+        """Whether the mesh has the dimension `dim`."""
+        return self.mesh is not None and dim in (self.mesh.mesh_dim_names or ())
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The process group of `dim` ("pp", "tp", ...) for this rank, or None."""
+        return self.mesh.get_group(dim) if self.has(dim) else None
+
+    def submesh(self, dim: str) -> DeviceMesh:
+        return self.mesh[dim]
+
+    @property
+    def data_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 works over: ("dp", "fsdp") when there are replicas, else "fsdp"."""
+        return self.mesh["dp", "fsdp"] if self.has("dp") else self.mesh["fsdp"]
+
+    @property
+    def pipeline_groups(self) -> list[dist.ProcessGroup]:
+        """Groups whose ranks hold disjoint parameters of the model: their gradient norms
+        add up (the pipeline stages)."""
+        return [self.group("pp")] if self.has("pp") else []
+
+    @property
+    def gradients_split(self) -> bool:
+        """Whether no rank holds the whole gradient (tensor / pipeline parallel, or
+        sharded data parallel), so its norm needs collectives."""
+        return self.plan.tp > 1 or self.plan.pp > 1 or self.plan.uses_fsdp
+
+    def batch_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-rank mean over the ranks the batch is split over (the same
+        on every rank)."""
+        if self.dp_size == 1:
+            return local_mean
+        total = local_mean.clone()
+        for group in self.batch_groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total / self.dp_size
