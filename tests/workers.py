@@ -397,3 +397,117 @@ def activation_costs(plan: str) -> tuple[int, int]:
     with CountMatmuls():
         loss.backward()
     return total[0], CountMatmuls.count
+
+
+# ---- language-model batches (issue 21) -----------------------------------------------
+LM_VOCAB, LM_LEN = 32, 12
+
+
+def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
+    """A small language model from a real library's config (no download), in `dtype`."""
+    torch.manual_seed(1234)
+    if kind == "seq_lm":  # your own: an nn.Sequential over token ids
+        width = 16
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(LM_VOCAB, width),
+            torch.nn.Linear(width, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, width),
+            torch.nn.Tanh(),
+            torch.nn.Linear(width, LM_VOCAB),
+        )
+    elif kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=LM_VOCAB, hidden_size=16, intermediate_size=32,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=LM_LEN)  # fmt: skip
+        config._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(config)
+    elif kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=LM_VOCAB, n_positions=LM_LEN, n_embd=16, n_layer=2,
+                            n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        model = GPT2LMHeadModel(config)
+    elif kind == "t5":
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(vocab_size=LM_VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2,
+                          num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                          decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+        model = T5ForConditionalGeneration(config)
+    else:
+        raise ValueError(kind)
+    return model.to(getattr(torch, dtype))
+
+
+def sft_batch(kind: str, batch: int, step: int) -> object:
+    """An SFT-like batch as a collator yields it: a prompt (masked out of the loss with
+    -100), an answer of its own length, right padding; each model family's form."""
+    g = torch.Generator().manual_seed(20_000 + step)
+    ids = torch.zeros(batch, LM_LEN, dtype=torch.long)  # pad id 0
+    mask = torch.zeros(batch, LM_LEN, dtype=torch.long)
+    labels = torch.full((batch, LM_LEN), -100)
+    for i in range(batch):
+        prompt = int(torch.randint(2, 6, (), generator=g))
+        answer = int(torch.randint(1, LM_LEN - prompt + 1, (), generator=g))
+        n = prompt + answer
+        ids[i, :n] = torch.randint(1, LM_VOCAB, (n,), generator=g)
+        mask[i, :n] = 1
+        labels[i, prompt:n] = ids[i, prompt:n]
+    if kind == "seq_lm":  # next-token targets, already shifted
+        targets = torch.full_like(labels, -100)
+        targets[:, :-1] = labels[:, 1:]
+        return ids, targets
+    if kind == "llama":
+        return {"input_ids": ids, "attention_mask": mask}, labels
+    if kind == "gpt2":  # loss_fn="model": the labels travel in the batch
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if kind == "t5":  # the answer is the decoder's target
+        decoder_ids = torch.zeros_like(ids)
+        decoder_ids[:, 1:] = labels[:, :-1].clamp_min(0)
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids}, labels
+    raise ValueError(kind)
+
+
+def lm_loss(kind: str, mean: bool = False):
+    """How each family is trained: the token-weighted pair, or the model's own loss.
+    `mean=True`: a per-micro-batch mean instead (the negative control)."""
+    if kind == "gpt2":
+        return "model"
+    loss = mf.losses.cross_entropy(shift=kind == "llama")
+    if not mean:
+        return loss
+
+    def per_part_mean(outputs, targets):
+        total, count = loss(outputs, targets)
+        return total / count
+
+    return per_part_mean
+
+
+def lm_run(spec: dict) -> dict:
+    """engine.step on SFT-like batches of a language model; losses and final weights."""
+    model = build_lm(spec["model"])
+    engine = mf.parallelize(
+        model, spec.get("plan"), loss_fn=lm_loss(spec["model"], spec.get("mean", False)),
+        optimizer=optimizer_factory("sgd"), **spec.get("options", {}),
+    )  # fmt: skip
+    if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
+        engine.model_loss.sums = False
+    losses = [float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
+              for step in range(spec.get("steps", 3))]  # fmt: skip
+    eval_loss = float(engine.evaluate(sft_batch(spec["model"], spec.get("batch", 8), 999)))
+    return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
+
+
+def many_lm_runs(specs: list[dict]) -> list[dict]:
+    """lm_run for each spec; a spec the plan refuses gives {"refused": its message}."""
+    results = []
+    for spec in specs:
+        try:
+            results.append(lm_run(spec))
+        except mf.MeshfitError as refusal:
+            results.append({"refused": str(refusal)})
+    return results

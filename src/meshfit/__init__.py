@@ -1,6 +1,6 @@
 """meshfit: train a PyTorch model on many devices through one small API."""
 
-from meshfit import _worker_errors
+from meshfit import _worker_errors, losses
 from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
 from meshfit.fit import History, fit
@@ -21,6 +21,7 @@ __all__ = [
     "__version__",
     "fit",
     "launch",
+    "losses",
     "parallelize",
     "place",
 ]

@@ -14,7 +14,7 @@ holds autocast / FSDP2 policy / gradient scaler, and the Engine drives them.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
+from meshfit.losses import ModelOwnLoss
 from meshfit.parallel.compose import apply_plan
 from meshfit.plan import Plan
 from meshfit.precision import Precision
 from meshfit.topology import Topology
-from meshfit.trees import map_tensors, tensors_in
+from meshfit.trees import call_model, map_tensors, tensors_in
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,7 +54,7 @@ class EngineOptions:
     """Everything `parallelize` takes besides the model and the plan (see its docstring);
     `fit` passes its extra keywords through to it, so each option is listed once."""
 
-    loss_fn: LossFn
+    loss_fn: LossFn | str  # a function, or "model" for the model's own loss
     optimizer: OptimizerFactory = default_optimizer
     grad_clip: float | None = None
     lr_scheduler: SchedulerFactory | None = None
@@ -79,10 +80,11 @@ class Engine:
         self.fingerprint = model_fingerprint(model)  # before wrapping: global shapes, user names
         self.num_parameters = sum(p.numel() for p in model.parameters())  # whole model
         self.precision = Precision(self.plan.precision, self.device)
-        loss_fn = options.loss_fn
+        self.model_loss = ModelOwnLoss(model) if options.loss_fn == "model" else None
+        loss_fn = self.model_loss or options.loss_fn
 
         def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
-            return loss_fn(module(inputs), targets)
+            return loss_fn(call_model(module, inputs), targets)
 
         # torch.compile over forward + loss together, so the loss (often a large
         # cross-entropy over the vocabulary) fuses with the last layers.
@@ -91,7 +93,7 @@ class Engine:
             topology,
             self.precision,
             loss_fn=loss_fn,
-            forward_loss=torch.compile(forward_loss) if options.compile else None,
+            forward_loss=torch.compile(forward_loss) if options.compile else forward_loss,
             tp_plan=options.tp_plan,
             pp_split=options.pp_split,
             example_inputs=options.example_inputs,
@@ -100,6 +102,7 @@ class Engine:
         self.lr_scheduler = options.lr_scheduler(self.optimizer) if options.lr_scheduler else None
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
+        self._batch_checked = False
         self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
         self._measure_gradients = False
 
@@ -171,9 +174,55 @@ class Engine:
                 f"this rank's {size} samples do not split into {micro} micro-batches; "
                 f"make the global batch a multiple of {micro * self.dp_size}"
             )
-        loss = self.runner.train(inputs, targets)
+        loss, count = self.runner.train(inputs, targets)
+        if not self._batch_checked:
+            self._batch_checked = True
+            if count is None:
+                self._warn_on_ignored_targets(targets)
+        if count is None:
+            loss = self.topology.batch_mean(loss)
+        else:
+            loss = self._normalise_by_count(loss, count)
         self._optimizer_step()
-        return self.topology.batch_mean(loss)
+        return loss
+
+    def _normalise_by_count(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """For a (sum, count) loss: the global mean, sum over the global batch / count over
+        the global batch, and the gradients of exactly that.
+
+        The runner backpropagated each micro-batch's sum unscaled; the data-parallel
+        wrappers averaged the gradients over the dp_size ranks and the pipeline schedule
+        divided them by its micro-batch count. One all-reduce of (sum, count) later, the
+        gradients are scaled by dp_size * divisor / count: the gradient of the global
+        token mean, as in one process, however the tokens fall on ranks and
+        micro-batches. No second forward; float64 keeps counts exact."""
+        local = torch.stack([loss_sum.double(), count.double()])
+        total, items = self.topology.batch_sum(local).unbind()
+        items = items.clamp_min(1)  # a batch with nothing to count has a zero loss
+        factor = self.dp_size * self.runner.sum_gradient_divisor / items
+        with torch.no_grad():
+            for p in self.parallel_model.parameters():
+                if p.grad is not None:
+                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    grad.mul_(factor.to(grad.device, grad.dtype))
+        return (total / items).to(loss_sum.dtype)
+
+    def _warn_on_ignored_targets(self, targets: Any) -> None:
+        """A mean loss over targets with -100 (ignored) entries weighs tokens unequally
+        once the batch is split into ranks or micro-batches: say so once, with the fix."""
+        split = self.dp_size * self.plan.num_microbatches > 1
+        if split and any(
+            not t.is_floating_point() and bool((t == -100).any()) for t in tensors_in(targets)
+        ):
+            warnings.warn(
+                "the targets hold -100 (ignored) entries and the batch is split over "
+                f"{self.dp_size} rank(s) x {self.plan.num_microbatches} micro-batch(es): a "
+                "loss_fn that returns a mean weighs the real tokens of each part by that "
+                "part's count, not the global one, so the run differs from one process. "
+                "Return a pair (loss_sum, count) instead, e.g. "
+                "loss_fn=mf.losses.cross_entropy(ignore_index=-100)",
+                stacklevel=4,
+            )
 
     def _optimizer_step(self) -> None:
         if self._measure_gradients:
@@ -209,15 +258,28 @@ class Engine:
         self.parallel_model.eval()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
         try:
-            loss = self.runner.evaluate(inputs, targets)
+            loss, count = self.runner.evaluate(inputs, targets)
         finally:
             self.parallel_model.train()
-        return self.topology.batch_mean(loss)
+        if count is None:
+            return self.topology.batch_mean(loss)
+        local = torch.stack([loss.double(), count.double()])
+        total, items = self.topology.batch_sum(local).unbind()
+        return (total / items.clamp_min(1)).to(loss.dtype)
 
     # ---- batch handling ----------------------------------------------------------
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """(inputs, targets) of a batch as this engine's loss takes it: a pair, or with
+        loss_fn="model" the model's mapping (plus what meshfit passes to its loss) and
+        its labels."""
+        inputs, targets = split_batch(batch, self.model_loss is not None)
+        if self.model_loss is not None:
+            inputs = {**inputs, **self.model_loss.model_kwargs()}
+        return inputs, targets
+
     def local_share(self, batch: tuple[Any, Any], microbatches: int) -> tuple[Any, Any]:
         """This rank's contiguous share of a global batch, after checking it divides."""
-        inputs, targets = unpack_batch(batch)
+        inputs, targets = self.split_batch(batch)
         size = _batch_size(inputs, "inputs")
         target_size = _batch_size(targets, "targets")
         if target_size != size:
@@ -306,7 +368,13 @@ def parallelize(
     optimizer: a function from parameters to an optimizer, e.g.
         ``lambda params: torch.optim.AdamW(params, lr=3e-4)`` (default: AdamW, lr 3e-4).
         A function, not an optimizer, because parallel forms may replace the parameters.
-    loss_fn: ``loss_fn(model(inputs), targets)`` -> mean loss over the batch.
+    loss_fn: ``loss_fn(outputs, targets)``, where outputs is whatever the model returns
+        (called as ``model(**inputs)`` for a mapping, else ``model(inputs)``); it returns
+        the mean loss over the batch, or a pair ``(loss_sum, count)`` that meshfit
+        normalises by the global count (exact for masked tokens under any plan; e.g.
+        ``mf.losses.cross_entropy(ignore_index=-100)``). ``"model"``: the model's own
+        loss (``outputs.loss``); a batch is then the mapping the model takes, labels
+        included (see `mf.losses.ModelOwnLoss`).
     grad_clip: clip the global gradient norm to this value.
     lr_scheduler: a function from the optimizer to a torch LR scheduler, stepped once per
         training step.
@@ -326,8 +394,11 @@ def parallelize(
             "parallelize needs a loss function: pass loss_fn=..., e.g. "
             "loss_fn=torch.nn.functional.cross_entropy"
         )
-    if not callable(loss_fn):
-        raise MeshfitError(f"loss_fn must be callable, not {type(loss_fn).__name__}")
+    if not callable(loss_fn) and loss_fn != "model":
+        raise MeshfitError(
+            f"loss_fn must be callable, or 'model' for the model's own loss, not "
+            f"{type(loss_fn).__name__}"
+        )
     if isinstance(optimizer, torch.optim.Optimizer):
         raise MeshfitError(
             "pass the optimizer as a function of the parameters, e.g. "
@@ -380,6 +451,21 @@ def check_batch_divides(batch_size: int, dp_size: int, microbatches: int) -> Non
             f"data-parallel rank(s) x {microbatches} micro-batch(es) (needs a multiple of "
             f"{unit}); use a batch size of {' or '.join(options)}"
         )
+
+
+def split_batch(batch: Any, model_loss: bool = False) -> tuple[Any, Any]:
+    """(inputs, targets) of a batch: a pair as it is; for loss_fn="model" the mapping the
+    model takes (inputs) and its labels (targets, for counting)."""
+    if model_loss:
+        if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
+            raise MeshfitError(
+                f"with loss_fn='model' a batch is the mapping the model takes, labels "
+                f"included (e.g. a data collator's dict with input_ids, attention_mask and "
+                f"labels), not {type(batch).__name__}"
+                + ("" if not isinstance(batch, Mapping) else " without 'labels'")
+            )
+        return batch, batch["labels"]
+    return unpack_batch(batch)
 
 
 def unpack_batch(batch: Any) -> tuple[Any, Any]:

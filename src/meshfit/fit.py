@@ -9,7 +9,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from meshfit.engine import (
     check_batch_divides,
     create_topology,
     parallelize,
-    unpack_batch,
+    split_batch,
 )
 from meshfit.errors import MeshfitError
 from meshfit.progress import TrainingDisplay, format_duration, format_rate
@@ -126,7 +126,9 @@ def fit(
 
     topology = create_topology(plan)
     if "example_inputs" not in parallelize_options:
-        parallelize_options["example_inputs"] = _pipeline_example(topology, train_data, batch_size)
+        parallelize_options["example_inputs"] = _pipeline_example(
+            topology, train_data, batch_size, model_loss=loss_fn == "model"
+        )
     engine = parallelize(model, topology, loss_fn=loss_fn, **parallelize_options)
     if report_memory:
         engine.memory_report()  # measure gradients from the first step on
@@ -149,10 +151,12 @@ def fit(
     log = _StepLog(engine, display, batch_size, report_memory, start.records, start.step)
     step = start.step
     try:
-        for inputs, targets in loader:
+        for batch in loader:
+            inputs, targets = engine.split_batch(batch)
             loss = engine.step_local(inputs, targets)
             step += 1
-            log.add(step, loss, engine.optimizer.param_groups[0].get("lr", 0.0), inputs)
+            lr = engine.optimizer.param_groups[0].get("lr", 0.0)
+            log.add(step, loss, lr, _real_tokens(inputs, targets))
             at_end = step == total_steps
             if step % log_every == 0 or at_end:
                 log.flush(step, log_line=True)
@@ -271,14 +275,15 @@ class _StepLog:
         self.report_memory = report_memory
         self.records = records
         self._pending: list[tuple[int, torch.Tensor, float]] = []  # (step, loss, lr)
-        self._tokens_per_sample: int | None = None
+        self._tokens: torch.Tensor | None = None  # this rank's real tokens since the last log
         self._last_time, self._last_step = time.perf_counter(), start_step
         self._start_time = time.perf_counter()
 
-    def add(self, step: int, loss: torch.Tensor, lr: float, inputs: Any) -> None:
-        """Keep a step's loss (still on the device) until the next flush."""
-        if self._tokens_per_sample is None:
-            self._tokens_per_sample = _tokens_per_sample(inputs)
+    def add(self, step: int, loss: torch.Tensor, lr: float, tokens: torch.Tensor | None) -> None:
+        """Keep a step's loss and real-token count (still on the device) until the next
+        flush."""
+        if tokens is not None:
+            self._tokens = tokens if self._tokens is None else self._tokens + tokens
         self._pending.append((step, loss, lr))
 
     def flush(self, step: int, log_line: bool) -> None:
@@ -328,14 +333,17 @@ class _StepLog:
     def _measure(self, step: int) -> str:
         """Add throughput (and memory) to the last record; returns the status text."""
         now = time.perf_counter()
-        rate = (step - self._last_step) * self.batch_size / max(now - self._last_time, 1e-9)
+        seconds = max(now - self._last_time, 1e-9)
+        rate = (step - self._last_step) * self.batch_size / seconds
         self._last_time, self._last_step = now, step
         last = self.records[-1]
         last["samples_per_s"] = round(rate, 2)
         status = f"loss {last['loss']:.4f} | {format_rate(rate)} samples/s"
-        if self._tokens_per_sample:
-            last["tokens_per_s"] = round(rate * self._tokens_per_sample, 1)
-            status += f" | {format_rate(rate * self._tokens_per_sample)} tok/s"
+        if self._tokens is not None:  # every rank's real tokens: one all-reduce per log
+            token_rate = float(self.engine.topology.batch_sum(self._tokens)) / seconds
+            self._tokens = None
+            last["tokens_per_s"] = round(token_rate, 1)
+            status += f" | {format_rate(token_rate)} tok/s"
         if self.report_memory:
             memory = self.engine.memory_report()
             last["memory"] = memory
@@ -469,14 +477,16 @@ def _check_args(
             raise MeshfitError(f"{name} must be a positive whole number, not {value!r}")
 
 
-def _pipeline_example(topology: Topology, data: Dataset, batch_size: int) -> Any:
+def _pipeline_example(
+    topology: Topology, data: Dataset, batch_size: int, *, model_loss: bool
+) -> Any:
     """One micro-batch of inputs for a pipeline plan to time its blocks on (so its
     stages are balanced by measured cost); None for other plans."""
     plan = topology.plan
     if plan.pp == 1 or len(data) == 0:
         return None
     size = max(1, min(len(data), batch_size // (topology.dp_size * plan.num_microbatches)))
-    inputs, _ = unpack_batch(default_collate([data[i] for i in range(size)]))
+    inputs, _ = split_batch(default_collate([data[i] for i in range(size)]), model_loss)
     return inputs
 
 
@@ -495,10 +505,17 @@ def _check_size(data: Dataset, batch_size: int, what: str) -> int:
     return size
 
 
-def _tokens_per_sample(inputs: Any) -> int | None:
-    """Token count per sample when inputs look like token ids (integers, [batch, seq])."""
-    if isinstance(inputs, torch.Tensor) and inputs.ndim >= 2 and not inputs.is_floating_point():
-        return int(math.prod(inputs.shape[1:]))
+def _real_tokens(inputs: Any, targets: Any) -> torch.Tensor | None:
+    """This rank's real tokens in a step: where the attention mask is 1, else where the
+    integer targets are not -100 (ignored), else every token id of [batch, seq] integer
+    inputs; None when the batch holds no tokens."""
+    if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"), torch.Tensor):
+        return inputs["attention_mask"].sum()
+    if isinstance(targets, torch.Tensor) and targets.ndim >= 2 and not targets.is_floating_point():
+        return (targets != -100).sum()
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
+    if isinstance(ids, torch.Tensor) and ids.ndim >= 2 and not ids.is_floating_point():
+        return torch.tensor(ids.numel(), device=ids.device)
     return None
 
 
@@ -514,7 +531,7 @@ def _evaluate(
     loader = DataLoader(
         data, batch_sampler=sampler, num_workers=workers, generator=torch.Generator().manual_seed(0)
     )
-    losses = [engine.evaluate_local(x, y) for x, y in loader]
+    losses = [engine.evaluate_local(*engine.split_batch(batch)) for batch in loader]
     return float(torch.stack(losses).mean())
 
 

@@ -7,8 +7,10 @@ of Lightning Fabric). The Engine drives a Runner and never asks which one it has
 - `parallel.pipeline.PipelineRunner`: torch.distributed.pipelining's schedule runs the
   micro-batches over the stages.
 
-Both return the mean loss over this rank's share of the batch; the Engine averages it
-over the data-parallel ranks and steps the optimizer.
+Both return this rank's loss over its share of the batch as `(loss, count)`: a mean and
+None for a loss_fn that returns a mean, or a sum and the item count for one that returns
+a pair (`losses.py`). The Engine reduces it over the data-parallel ranks (for a pair it
+also rescales the gradients, see `Engine._normalise_by_count`) and steps the optimizer.
 """
 
 from __future__ import annotations
@@ -20,22 +22,27 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from meshfit.errors import MeshfitError
+from meshfit.losses import split_loss
 from meshfit.precision import Precision
-from meshfit.trees import map_tensors
+from meshfit.trees import call_model, map_tensors
+
+LocalLoss = tuple[torch.Tensor, "torch.Tensor | None"]  # (mean, None) or (sum, count)
 
 
 class Runner(Protocol):
     eval_microbatches: int  # how many parts evaluate cuts this rank's share into
+    # For a (sum, count) loss: what the runner divided the summed gradients by (the
+    # pipeline schedule divides by the micro-batch count).
+    sum_gradient_divisor: int
 
-    def train(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def train(self, inputs: Any, targets: Any) -> LocalLoss:
         """Forward and backward over this rank's share; gradients are then ready for
-        the optimizer (synchronised across data-parallel ranks). Returns the mean loss
-        over the share."""
+        the optimizer (synchronised across data-parallel ranks; for a pair, of the
+        summed loss). Returns (mean, None) or (sum, count) over the share."""
         ...
 
-    def evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
-        """The mean loss over this rank's share, without gradients."""
+    def evaluate(self, inputs: Any, targets: Any) -> LocalLoss:
+        """Like train, without gradients."""
         ...
 
     def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -52,6 +59,7 @@ class LocalRunner:
     """
 
     eval_microbatches = 1
+    sum_gradient_divisor = 1  # a pair's sums are backpropagated as they are
 
     def __init__(
         self,
@@ -66,45 +74,40 @@ class LocalRunner:
         self.precision = precision
         self.microbatches = microbatches
         # what computes the loss of a micro-batch: forward + loss_fn (compiled, when asked)
-        self.forward_loss = forward_loss or (lambda m, x, y: loss_fn(m(x), y))
-        self._loss_checked = False
+        self.forward_loss = forward_loss or (lambda m, x, y: loss_fn(call_model(m, x), y))
 
-    def train(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def train(self, inputs: Any, targets: Any) -> LocalLoss:
         micro = self.microbatches
         if micro == 1:  # the common case, without the accumulation's extra kernels
             with self.precision.autocast():
-                loss = self._loss(inputs, targets)
+                loss, count = self._loss(inputs, targets)
             self.precision.backward(loss)
-            return reported(loss)
+            return reported(loss), count
         chunk = _batch_len(inputs) // micro
-        total = None
+        total = counted = None
         for i in range(micro):
             x = _slice(inputs, i * chunk, (i + 1) * chunk)
             y = _slice(targets, i * chunk, (i + 1) * chunk)
             with self._grad_sync(enabled=i == micro - 1), self.precision.autocast():
-                scaled = self._loss(x, y) / micro
-            self.precision.backward(scaled)
-            total = reported(scaled) if total is None else total + reported(scaled)
-        return total
+                loss, count = self._loss(x, y)
+                if count is None:  # a mean: each micro-batch holds 1/micro of the samples
+                    loss = loss / micro
+            self.precision.backward(loss)
+            total = reported(loss) if total is None else total + reported(loss)
+            if count is not None:
+                counted = count if counted is None else counted + count
+        return total, counted
 
-    def evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def evaluate(self, inputs: Any, targets: Any) -> LocalLoss:
         with self.precision.autocast():
-            return reported(self._loss(inputs, targets))
+            loss, count = self._loss(inputs, targets)
+        return reported(loss), count
 
     def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return local  # this rank's full-tensor state dict is the whole model's
 
-    def _loss(self, inputs: Any, targets: Any) -> torch.Tensor:
-        loss = self.forward_loss(self.model, inputs, targets)
-        if not self._loss_checked:
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                raise MeshfitError(
-                    f"loss_fn must return one number, the mean loss over the batch, but it "
-                    f"returned {shape}; use a mean reduction (e.g. reduction='mean')"
-                )
-            self._loss_checked = True
-        return loss
+    def _loss(self, inputs: Any, targets: Any) -> LocalLoss:
+        return split_loss(self.forward_loss(self.model, inputs, targets))
 
     def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch

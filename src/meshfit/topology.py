@@ -93,12 +93,16 @@ class Topology:
         sharded data parallel), so its norm needs collectives."""
         return self.plan.tp > 1 or self.plan.pp > 1 or self.plan.uses_fsdp
 
+    def batch_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """The sum of a per-rank tensor over the ranks the batch is split over."""
+        total = local.clone()
+        for group in self.batch_groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
     def batch_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank mean over the ranks the batch is split over (the same
         on every rank)."""
         if self.dp_size == 1:
             return local_mean
-        total = local_mean.clone()
-        for group in self.batch_groups:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total / self.dp_size
+        return self.batch_sum(local_mean) / self.dp_size

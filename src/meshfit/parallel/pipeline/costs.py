@@ -20,6 +20,7 @@ from torch import nn
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack
+from meshfit.trees import call_model
 
 
 @dataclass
@@ -158,7 +159,7 @@ def measure_costs(
             sync()
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                model(example_inputs)
+                call_model(model, example_inputs)
             sync()
             end = time.perf_counter()
             per_block = [marks[k][1] - marks[k][0] for k in stack.keys]

@@ -23,8 +23,12 @@ from torch.distributed.pipelining import (
 )
 
 from meshfit.errors import MeshfitError
+from meshfit.losses import split_loss
 from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
 from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES, PipelineSplit
+from meshfit.parallel.pipeline.stage import OutputForm
+from meshfit.runners import LocalLoss
+from meshfit.trees import tensors_in
 
 
 def reported_dtype(model: nn.Module) -> torch.dtype:
@@ -51,6 +55,12 @@ class PipelineRunner:
     costs: StageCosts
     block_names: list[str]
     microbatches: int
+    stage_loss: _StageLoss
+
+    @property
+    def sum_gradient_divisor(self) -> int:
+        """The schedule divides gradients by the micro-batch count (scale_grads)."""
+        return self.microbatches
 
     @property
     def eval_microbatches(self) -> int:
@@ -76,12 +86,12 @@ class PipelineRunner:
         how = "measured forward time" if self.costs.unit == "s" else "parameter count"
         return f"pipeline cut by {how}: " + "; ".join(parts)
 
-    def train(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def train(self, inputs: Any, targets: Any) -> LocalLoss:
         """Forward and backward of every micro-batch; gradients are then ready (the
         schedule scales them and triggers the data-parallel reduction)."""
         return self._run(inputs, targets, train=True)
 
-    def evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def evaluate(self, inputs: Any, targets: Any) -> LocalLoss:
         return self._run(inputs, targets, train=False)
 
     def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,25 +103,34 @@ class PipelineRunner:
             merged.update(part or {})
         return merged
 
-    def _run(self, inputs: Any, targets: Any, train: bool) -> torch.Tensor:
-        """One pass of the schedule; returns the mean loss over this rank's share on
-        every rank of the pipeline."""
+    def _run(self, inputs: Any, targets: Any, train: bool) -> LocalLoss:
+        """One pass of the schedule; returns this rank's share's (mean, None) or (sum,
+        count) on every rank of the pipeline."""
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
+        self.stage_loss.counts.clear()
+        # The batch's inputs reach every stage as a keyword, cut into micro-batches by
+        # the schedule; the first stage's positional input is one of their tensors (a
+        # stage cannot take a mapping positionally).
+        args = (tensors_in(inputs)[0],) if self.has_first else ()
         target = targets if self.has_last else None
         if train:
             self.schedule.step(*args, target=target, losses=losses, model_inputs=inputs)
         else:
             self.schedule.eval(*args, target=target, losses=losses, model_inputs=inputs)
-        # Every rank must broadcast the same dtype; only the last stage sees the loss,
-        # so all of them use the reporting dtype of the model's floating parameters.
-        dtype = reported_dtype(self.model)
+        # Only the last stage sees the loss: it broadcasts [loss, count] (count -1 for a
+        # mean loss) in float64, which holds counts exactly.
+        summary = torch.zeros(2, device=self.stages[0].device, dtype=torch.float64)
         if self.has_last:
-            loss = torch.stack([x.detach().to(dtype) for x in losses]).mean()
-        else:
-            loss = torch.zeros((), device=self.stages[0].device, dtype=dtype)
-        dist.broadcast(loss, src=self.last_rank, group=self.group)
-        return loss
+            values = torch.stack([x.detach().double() for x in losses])
+            # the micro-batches' counts (the first step's shape inference also calls the
+            # loss, on a micro-batch it then runs again)
+            counts = self.stage_loss.counts[len(self.stage_loss.counts) - len(losses) :]
+            summary[0] = values.sum() if counts else values.mean()
+            summary[1] = torch.stack(counts).sum() if counts else -1
+        dist.broadcast(summary, src=self.last_rank, group=self.group)
+        dtype = reported_dtype(self.model)
+        count = summary[1] if summary[1] >= 0 else None
+        return summary[0].to(dtype), count
 
 
 def build_pipeline(
@@ -129,7 +148,8 @@ def build_pipeline(
         PipelineStage(module, s, split.num_stages, device, group=split.group)
         for s, module in zip(split.mine, stage_modules, strict=True)
     ]
-    checked_loss = _scalar_loss(loss_fn)
+    forms = [_unwrapped(m).output_form for m in stage_modules]
+    checked_loss = _StageLoss(loss_fn, forms)
     schedule, pp = split.schedule, split.pp
     if VIRTUAL_STAGES[schedule] == 1:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
@@ -154,17 +174,28 @@ def build_pipeline(
         costs=split.costs,
         block_names=split.block_names,
         microbatches=microbatches,
+        stage_loss=checked_loss,
     )
 
 
-def _scalar_loss(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable:
-    def loss(outputs: Any, targets: Any) -> torch.Tensor:
-        value = loss_fn(outputs, targets)
-        if not isinstance(value, torch.Tensor) or value.ndim != 0:
-            raise MeshfitError(
-                "loss_fn must return one number, the mean loss over the batch; use a mean "
-                "reduction (e.g. reduction='mean')"
-            )
-        return value
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The stage module inside a DDP wrapper (FSDP2 changes the module in place)."""
+    return getattr(module, "module", module)
 
-    return loss
+
+class _StageLoss:
+    """loss_fn as the schedule calls it on the last stage: on the model's own output
+    object (restored from the stage's tensors), returning what is backpropagated (a mean,
+    or the sum of a (sum, count) pair, whose count is kept for the runner)."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Any], output_forms: list[OutputForm]):
+        self.loss_fn = loss_fn
+        self.output_forms = output_forms
+        self.counts: list[torch.Tensor] = []
+
+    def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
+        form = self.output_forms[-1]  # the last stage's (only the last computes a loss)
+        loss, count = split_loss(self.loss_fn(form.restore(outputs), targets))
+        if count is not None:
+            self.counts.append(count)
+        return loss

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack
 from meshfit.parallel.pipeline.cut import PipelineSplit, _encloses
-from meshfit.trees import map_tensors, tensors_in
+from meshfit.trees import call_forward, map_tensors, tensors_in
 
 
 class _StageExit(Exception):  # noqa: N818 - control flow, not an error
@@ -68,10 +69,14 @@ class StageModule(nn.Module):
         self._autocast = autocast
         self._outside = list(outside)  # (name, module, "before"/"after" the blocks)
         self._checked = False
+        self.output_form = OutputForm()
 
     def forward(self, hidden_or_inputs: Any, model_inputs: Any = None) -> Any:
         model, container = self._model, self._stack.container
-        inputs = hidden_or_inputs if self.is_first else model_inputs
+        # The first stage takes the batch's inputs: from `model_inputs` when the runner
+        # passes them (a mapping cannot be a stage's positional input), else positional.
+        first_inputs = model_inputs if model_inputs is not None else hidden_or_inputs
+        inputs = first_inputs if self.is_first else model_inputs
         blocks = {k: container._modules[k] for k in self.keys}
         everything = container._modules
         handles = []
@@ -92,14 +97,43 @@ class StageModule(nn.Module):
         container._modules = blocks  # the forward's loop sees only this stage's blocks
         try:
             with self._autocast(), torch.enable_grad() if untracked else contextlib.nullcontext():
-                output = type(model).forward(model, inputs)
+                output = call_forward(model, inputs)
         except _StageExit as leave:
             output = leave.output
         finally:
             container._modules = everything
             for h in handles:
                 h.remove()
+        if self.is_last:
+            output = self.output_form.flatten(output)
         return map_tensors(output, torch.Tensor.detach) if untracked else output
+
+
+class OutputForm:
+    """The model's own output object (a Hugging Face ModelOutput, a dict, a tuple) made
+    into what a PipelineStage can return, a tuple of tensors, and back for loss_fn: the
+    last stage's output never travels, so it goes to the loss on the same rank in the
+    model's own form. Leaves that are not tensors (a KV cache object) become None."""
+
+    def __init__(self) -> None:
+        self.spec: TreeSpec | None = None
+        self.kept: list[bool] = []  # which leaves were tensors
+
+    def flatten(self, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            self.spec = None
+            return output
+        leaves, self.spec = tree_flatten(output)
+        self.kept = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+    def restore(self, flat: Any) -> Any:
+        """The output object from what `flatten` returned (unchanged for a tensor)."""
+        if self.spec is None:
+            return flat
+        tensors = iter(flat if isinstance(flat, (tuple, list)) else (flat,))
+        leaves = [next(tensors) if kept else None for kept in self.kept]
+        return tree_unflatten(leaves, self.spec)
 
 
 def _replace_first_arg(hidden: torch.Tensor) -> Callable:

@@ -1,0 +1,131 @@
+"""Losses that meshfit normalises exactly however the batch is split.
+
+A `loss_fn` may return a pair `(loss_sum, count)`: the loss summed over the items it
+covers (tokens, say) and how many there are. meshfit then trains on the sum over the
+global batch divided by the count over the global batch, whatever the plan: every token
+weighs the same as in one process, also when ranks and micro-batches hold different
+numbers of real (unmasked) tokens. A plain mean per micro-batch cannot do that: averaging
+per-micro-batch means weighs a token of a short micro-batch more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+LossPair = tuple[torch.Tensor, torch.Tensor]
+
+
+def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[Any, Any], LossPair]:
+    """Token cross-entropy as `(sum over real tokens, number of real tokens)`.
+
+    Takes logits `[..., vocab]` (a tensor, or a model output object with `.logits`,
+    e.g. a Hugging Face `CausalLMOutput`) and integer targets of the same leading shape;
+    targets equal to `ignore_index` (padding, masked prompts) count for nothing.
+    shift=True predicts token t+1 from position t (labels as Hugging Face collators give
+    them, unshifted); leave it False when the targets are already the next tokens.
+    """
+
+    def loss(outputs: Any, targets: torch.Tensor) -> LossPair:
+        logits = logits_of(outputs)
+        if shift:
+            logits, targets = logits[..., :-1, :], targets[..., 1:]
+        logits = logits.reshape(-1, logits.shape[-1])
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        targets = targets.reshape(-1)
+        total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+        return total, (targets != ignore_index).sum()
+
+    return loss
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits in a model's output: itself, `.logits`, or the first element."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if hasattr(outputs, "logits"):
+        return outputs.logits
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise TypeError(f"cannot find logits in a {type(outputs).__name__}")
+
+
+def split_loss(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, count) from what a loss_fn returned: a mean (count None) or a pair."""
+    from meshfit.errors import MeshfitError
+
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        return value, None
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in value)
+    ):
+        return value[0], value[1]
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    raise MeshfitError(
+        f"loss_fn must return one number, the mean loss over the batch, or a pair "
+        f"(loss_sum, count) of 0-dim tensors, but it returned {shape}; use a mean reduction "
+        f"(e.g. reduction='mean') or mf.losses.cross_entropy()"
+    )
+
+
+class ModelOwnLoss:
+    """`loss_fn="model"`: train on the loss the model computes from the `labels` in the
+    batch (`outputs.loss`, as Hugging Face models do).
+
+    Where the model's loss takes `num_items_in_batch` (Hugging Face's shared loss
+    functions do), meshfit calls the model with num_items_in_batch=1, so `outputs.loss`
+    is the summed loss, counts the items it sums over (labels that are not -100, shifted
+    by one for a causal LM as the model shifts them), and trains on the global sum over
+    the global count: the same arithmetic as passing the global count, and the same run
+    as one process under any plan. A model whose loss is a mean of its own (e.g. T5's)
+    trains on that mean, as a loss_fn returning a mean does."""
+
+    def __init__(self, model: Any) -> None:
+        config = getattr(model, "config", None)
+        self.shifted = not getattr(config, "is_encoder_decoder", False)
+        self.sums = takes_num_items(model)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """What meshfit adds to the model's keyword arguments."""
+        return {"num_items_in_batch": 1} if self.sums else {}
+
+    def __call__(self, outputs: Any, labels: torch.Tensor) -> Any:
+        loss = getattr(outputs, "loss", None)
+        if loss is None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        if loss is None:
+            from meshfit.errors import MeshfitError
+
+            raise MeshfitError(
+                f"loss_fn='model' trains on the model's own loss, but its "
+                f"{type(outputs).__name__} output has none; put the labels in the batch "
+                f"(batch['labels']) or pass a loss_fn"
+            )
+        if not self.sums:
+            return loss
+        counted = labels[..., 1:] if self.shifted else labels
+        return loss, (counted != -100).sum()
+
+
+def takes_num_items(model: Any) -> bool:
+    """Whether the model's loss divides by a given `num_items_in_batch`: an explicit
+    parameter of its forward, or `**kwargs` that its forward hands to Hugging Face's
+    `self.loss_function` (which does). Checked on the source, since a forward that takes
+    **kwargs may drop it (T5's does: its loss is a mean of its own)."""
+    import inspect
+
+    forward = type(model).forward
+    params = inspect.signature(forward).parameters
+    if "num_items_in_batch" in params:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    try:
+        return "self.loss_function(" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
