@@ -163,3 +163,25 @@ def test_checkpoint_saved_under_dp2_loads_in_one_process(tmp_path) -> None:
     assert meta["plan"] == "dp=2" and meta["world_size"] == 2 and engine.step_count == 3
     for name, value in saved["state"].items():
         assert torch.equal(engine.user_model.state_dict()[name], value), name
+
+
+def test_fit_prunes_stale_partial_and_old_checkpoints(tmp_path) -> None:
+    """A save that crashed leaves step-N.partial, a replace that crashed step-N.old; the
+    next successful commit removes them (they hold a whole model each)."""
+    from workers import fit_run
+
+    for stale in ("step-00000002.partial", "step-00000003.old"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "__0_0.distcp").write_bytes(b"x" * 10)
+    fit_run(
+        {
+            "model": "mlp",
+            "steps": 4,
+            "batch": 8,
+            "plan": "dp=1",
+            "checkpoint_dir": str(tmp_path),
+            "checkpoint_every": 4,
+        }
+    )
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    assert names == ["step-00000004"]

@@ -96,8 +96,9 @@ def test_a_mean_loss_over_ignored_targets_warns_once_with_the_fix() -> None:
         total, count = mf.losses.cross_entropy()(outputs, targets)
         return total / count
 
-    engine = mf.parallelize(build_lm("seq_lm"), "microbatches=2", loss_fn=mean_loss,
-                            optimizer=optimizer_factory("sgd"))  # fmt: skip
+    engine = mf.parallelize(
+        build_lm("seq_lm"), "microbatches=2", loss_fn=mean_loss, optimizer=optimizer_factory("sgd")
+    )
     with pytest.warns(UserWarning, match="Return a pair .*mf.losses.cross_entropy"):
         engine.step(sft_batch("seq_lm", 8, 0))
     with warnings.catch_warnings():
@@ -123,11 +124,47 @@ def test_fit_trains_on_collator_dicts_and_counts_real_tokens() -> None:
 
     batch = sft_batch("gpt2", 16, 0)
     samples = [{k: v[i] for k, v in batch.items()} for i in range(16)]
-    history = mf.fit(build_lm("gpt2"), samples, loss_fn="model", batch_size=8, max_steps=2,
-                     log_every=1, progress=False)  # fmt: skip
+    history = mf.fit(
+        build_lm("gpt2"),
+        samples,
+        loss_fn="model",
+        batch_size=8,
+        max_steps=2,
+        log_every=1,
+        progress=False,
+    )
     assert len(history) == 2 and all(r["loss"] > 0 for r in history)
     # tokens/s over samples/s = a step's real tokens per sample; the two steps (one
     # shuffled epoch) hold every sample once, so their real tokens add up to the mask's
     tokens = [8 * r["tokens_per_s"] / r["samples_per_s"] for r in history]
     assert sum(tokens) == pytest.approx(batch["attention_mask"].sum().item(), abs=0.5)
     assert sum(tokens) < 16 * batch["input_ids"].shape[1]  # not the padded count
+
+
+def test_model_loss_sums_only_the_shared_token_losses() -> None:
+    """num_items_in_batch is passed to the causal-LM and masked-LM token losses alone: a
+    classification head's loss (and T5's own) is a mean whatever **kwargs it takes."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from workers import build_lm
+
+    from meshfit.losses import ModelOwnLoss
+
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+    )
+    kinds = {
+        "gpt2": (True, True),
+        "llama": (True, True),
+        "t5": (False, False),
+    }
+    for name, (sums, shifted) in kinds.items():
+        loss = ModelOwnLoss(build_lm(name))
+        assert (loss.sums, loss.shifted) == (sums, shifted), name
+    classifier = ModelOwnLoss(LlamaForSequenceClassification(config))
+    assert not classifier.sums and classifier.model_kwargs() == {}

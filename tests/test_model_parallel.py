@@ -252,3 +252,16 @@ def test_pipeline_refuses_a_model_its_cut_would_train_wrongly() -> None:
     for _ in range(2):  # the checked first call and an unchecked one agree
         hidden = first(tokens)
         assert torch.equal(last(hidden, model_inputs=tokens), model(tokens))
+
+
+def test_tp_plan_patterns_are_checked_like_names() -> None:
+    """A pattern key, as meshfit's own error message recommends, gets the same size and
+    head checks as a plain name."""
+    model = GPT(GPTConfig(n_layer=2, n_head=3, n_embd=24, vocab_size=32, block_size=8))
+    with pytest.raises(
+        mf.MeshfitError, match=r"does not divide the 3 attention heads of blocks\.0"
+    ):
+        check_tp_plan(model, {"blocks.*.attn.q_proj": "colwise"}, 2)
+    with pytest.raises(mf.MeshfitError, match=r"tp=5 does not divide blocks\.0\.mlp\.up"):
+        check_tp_plan(model, {"blocks.*.mlp.up": "colwise"}, 5)
+    check_tp_plan(model, {"blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"}, 2)

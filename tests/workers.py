@@ -419,23 +419,46 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
     elif kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=LM_VOCAB, hidden_size=16, intermediate_size=32,
-                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=LM_LEN)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=LM_LEN,
+        )
         config._attn_implementation = "sdpa"
         model = LlamaForCausalLM(config)
     elif kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=LM_VOCAB, n_positions=LM_LEN, n_embd=16, n_layer=2,
-                            n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        config = GPT2Config(
+            vocab_size=LM_VOCAB,
+            n_positions=LM_LEN,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = GPT2LMHeadModel(config)
     elif kind == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
 
-        config = T5Config(vocab_size=LM_VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2,
-                          num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
-                          decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+        config = T5Config(
+            vocab_size=LM_VOCAB,
+            d_model=16,
+            d_kv=4,
+            d_ff=32,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
         model = T5ForConditionalGeneration(config)
     else:
         raise ValueError(kind)
@@ -491,13 +514,18 @@ def lm_run(spec: dict) -> dict:
     """engine.step on SFT-like batches of a language model; losses and final weights."""
     model = build_lm(spec["model"])
     engine = mf.parallelize(
-        model, spec.get("plan"), loss_fn=lm_loss(spec["model"], spec.get("mean", False)),
-        optimizer=optimizer_factory("sgd"), **spec.get("options", {}),
-    )  # fmt: skip
+        model,
+        spec.get("plan"),
+        loss_fn=lm_loss(spec["model"], spec.get("mean", False)),
+        optimizer=optimizer_factory("sgd"),
+        **spec.get("options", {}),
+    )
     if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
         engine.model_loss.sums = False
-    losses = [float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
-              for step in range(spec.get("steps", 3))]  # fmt: skip
+    losses = [
+        float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
+        for step in range(spec.get("steps", 3))
+    ]
     eval_loss = float(engine.evaluate(sft_batch(spec["model"], spec.get("batch", 8), 999)))
     return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
 

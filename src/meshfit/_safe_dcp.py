@@ -61,12 +61,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         return value
 
 
+TESTED_TORCH = "2.11 to 2.13"  # the versions this reader's private DCP uses ran on
+
+
+def _requires(ok: bool, what: str) -> None:
+    """Refuse clearly where this torch lacks a private DCP piece the safe reader uses."""
+    if not ok:
+        raise MeshfitError(
+            f"meshfit's safe checkpoint reader uses DCP's {what}, which torch "
+            f"{torch.__version__} does not have (tested with torch {TESTED_TORCH}); "
+            f"install a tested torch version to load checkpoints"
+        )
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader, with metadata read by an allow-listed unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
+        _requires(hasattr(getattr(self, "fs", None), "create_stream"), "FileSystemReader.fs")
         rank = kwargs.get("rank")
         if hasattr(self, "_get_metadata_path"):
             path = self._get_metadata_path(rank)
@@ -87,7 +101,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             # Same private helper DefaultLoadPlanner.load_bytes uses.
-            from torch.distributed.checkpoint._traverse import set_element
+            try:
+                from torch.distributed.checkpoint._traverse import set_element
+            except ImportError:
+                _requires(False, "_traverse.set_element")
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:

@@ -16,12 +16,16 @@ from meshfit.errors import MeshfitError
 EXIT_USER_ERROR = 2
 
 
+MARKER_DIR_ENV = "MESHFIT_MARKER_DIR"  # set by the launcher, which removes it at the end
+
+
 def _claim_report() -> bool:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     name = f"meshfit-error-{os.getuid() if hasattr(os, 'getuid') else 0}-{run_id}-{attempt}"
+    where = os.environ.get(MARKER_DIR_ENV) or tempfile.gettempdir()
     try:
-        os.close(os.open(os.path.join(tempfile.gettempdir(), name), os.O_CREAT | os.O_EXCL))
+        os.close(os.open(os.path.join(where, name), os.O_CREAT | os.O_EXCL))
     except FileExistsError:
         return False
     except OSError:

@@ -38,6 +38,7 @@ from meshfit.mesh import is_distributed
 
 FORMAT = "meshfit-checkpoint/1"
 META_FILE = "meshfit.json"
+OPTIMIZER_LAYOUT = "flat"  # see _state_dict_options
 LATEST_FILE = "latest"
 PARTIAL_SUFFIX = ".partial"
 STEP_PREFIX = "step-"
@@ -178,7 +179,8 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp  # here: importing DCP costs ~1.5 s
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer)
+    options = _state_dict_options(OPTIMIZER_LAYOUT)
+    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer, options=options)
     with _single_process_quiet():
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
@@ -199,6 +201,7 @@ def save_checkpoint(
             "model": engine.fingerprint,
             "model_digest": fingerprint_digest(engine.fingerprint),
             "optimizer": type(engine.optimizer).__name__,
+            "optimizer_layout": OPTIMIZER_LAYOUT,
             "scaler": engine.scaler.state_dict() if engine.scaler else None,
             "lr_scheduler": _json_or_error(
                 engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
@@ -239,14 +242,15 @@ def point_latest(root: str, checkpoint: str) -> None:
 
 
 def prune_checkpoints(root: str, keep: int) -> None:
-    """Keep the newest `keep` committed step directories; drop stale partial ones."""
+    """Keep the newest `keep` committed step directories; drop stale partial ones (a
+    save that crashed leaves `<step>.partial`, a replace that crashed `<step>.old`).
+    Called after a commit, so no save of this run is writing one."""
     if not _is_rank0() or keep < 1 or not os.path.isdir(root):
         return
     names = sorted(n for n in os.listdir(root) if n.startswith(STEP_PREFIX))
-    committed = [
-        n for n in names if not n.endswith(PARTIAL_SUFFIX) and is_checkpoint(os.path.join(root, n))
-    ]
-    for name in committed[:-keep]:
+    stale = [n for n in names if n.endswith((PARTIAL_SUFFIX, ".old"))]
+    committed = [n for n in names if n not in stale and is_checkpoint(os.path.join(root, n))]
+    for name in stale + committed[:-keep]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
@@ -294,7 +298,9 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
     # Read DCP's metadata through the allow-list first: a file that would run code is
     # refused here with a plain message rather than deep inside dcp.load.
     SafeFileSystemReader(checkpoint).read_metadata()
-    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer)
+    # Checkpoints before the flat layout keep the nested one (they load as before).
+    options = _state_dict_options(meta.get("optimizer_layout", "nested"))
+    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
         dcp.load(
@@ -308,6 +314,7 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
         engine.optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
+        options=options,
     )
     if engine.scaler is not None and meta["scaler"]:  # fp32/bf16 -> fp16 starts it fresh
         engine.scaler.load_state_dict(meta["scaler"])
@@ -323,6 +330,18 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
 
 
 # ---- helpers ---------------------------------------------------------------------
+
+
+def _state_dict_options(layout: str) -> Any:
+    """DCP's state-dict options for an optimizer layout. "flat" keys every optimizer
+    value by its parameter's name (state.<fqn>.exp_avg, param_groups.<fqn>.lr), as
+    torchtitan saves them: pipeline ranks hold different parameters, and the nested
+    layout's param_groups (one list per rank under the same keys) collided in the file,
+    so a pipeline run resumed with another rank's hyper-parameters (AdamW: KeyError
+    'betas' at the first step after resuming)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=layout == "flat")
 
 
 def _json_or_error(value: Any, what: str) -> Any:

@@ -57,13 +57,30 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]
     return actions
 
 
+# parallelize options the demo sets itself (from its own flags): not for --set
+DEMO_SETS = ("loss_fn", "optimizer", "lr_scheduler", "example_inputs")
+
+
 def parse_options(items: list[str]) -> dict[str, object]:
-    """--set KEY=VALUE items -> keyword arguments (values are Python literals)."""
+    """--set KEY=VALUE items -> keyword arguments for mf.parallelize (values are Python
+    literals); a key parallelize does not take, or one the demo sets, is refused."""
+    import inspect
+
+    known = [
+        name
+        for name, p in inspect.signature(mf.parallelize).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in DEMO_SETS
+    ]
     options = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise mf.MeshfitError(f"--set needs KEY=VALUE, e.g. --set compile=True; got {item!r}")
+        if key.strip() not in known:
+            raise mf.MeshfitError(
+                f"--set {key.strip()}: not an option the demo passes on; use one of "
+                f"{', '.join(known)} (the demo's own flags set the others)"
+            )
         try:
             options[key.strip()] = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError):

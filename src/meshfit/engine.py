@@ -98,6 +98,13 @@ class Engine:
             pp_split=options.pp_split,
             example_inputs=options.example_inputs,
         )
+        if options.compile and self.plan.pp > 1:
+            warnings.warn(
+                "compile=True is not applied under pp: the pipeline runs each stage's part "
+                "of the model's forward uncompiled (the numbers are the same; only the "
+                "speed-up is missing)",
+                stacklevel=3,
+            )
         self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
         self.lr_scheduler = options.lr_scheduler(self.optimizer) if options.lr_scheduler else None
         self.step_count = 0  # optimizer steps taken (restored by load)
@@ -154,8 +161,9 @@ class Engine:
         return self.parallel_model
 
     # ---- training ----------------------------------------------------------------
-    def step(self, batch: tuple[Any, Any]) -> torch.Tensor:
-        """One training step on the GLOBAL batch `(inputs, targets)`; returns the
+    def step(self, batch: Any) -> torch.Tensor:
+        """One training step on the GLOBAL batch `(inputs, targets)` (with
+        loss_fn="model": the mapping the model takes, labels included); returns the
         global mean loss as a 0-dim tensor (the same on every rank; `float(loss)`
         reads it, which waits for the device)."""
         inputs, targets = self.local_share(batch, self.plan.num_microbatches)
@@ -200,11 +208,14 @@ class Engine:
         total, items = self.topology.batch_sum(local).unbind()
         items = items.clamp_min(1)  # a batch with nothing to count has a zero loss
         factor = self.dp_size * self.runner.sum_gradient_divisor / items
-        with torch.no_grad():
-            for p in self.parallel_model.parameters():
-                if p.grad is not None:
-                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                    grad.mul_(factor.to(grad.device, grad.dtype))
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in self.parallel_model.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        with torch.no_grad():  # one kernel per device and dtype
+            for (device, dtype), grads in groups.items():
+                torch._foreach_mul_(grads, factor.to(device, dtype))
         return (total / items).to(loss_sum.dtype)
 
     def _warn_on_ignored_targets(self, targets: Any) -> None:
@@ -248,7 +259,7 @@ class Engine:
         return clip_grad_norm(params, max_norm, self.topology.pipeline_groups)
 
     @torch.no_grad()
-    def evaluate(self, batch: tuple[Any, Any]) -> torch.Tensor:
+    def evaluate(self, batch: Any) -> torch.Tensor:
         """Mean loss over the GLOBAL batch without training; the same on every rank."""
         inputs, targets = self.local_share(batch, self.runner.eval_microbatches)
         return self.evaluate_local(inputs, targets)
@@ -277,7 +288,7 @@ class Engine:
             inputs = {**inputs, **self.model_loss.model_kwargs()}
         return inputs, targets
 
-    def local_share(self, batch: tuple[Any, Any], microbatches: int) -> tuple[Any, Any]:
+    def local_share(self, batch: Any, microbatches: int) -> tuple[Any, Any]:
         """This rank's contiguous share of a global batch, after checking it divides."""
         inputs, targets = self.split_batch(batch)
         size = _batch_size(inputs, "inputs")

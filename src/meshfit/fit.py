@@ -97,7 +97,8 @@ def fit(
     """Train `model` on `dataset` under `plan` and return the History (on every rank).
 
     dataset: a map-style Dataset of (inputs, targets) samples, or a pair of tensors
-        (inputs, targets) whose first dimension is the sample.
+        (inputs, targets) whose first dimension is the sample; with loss_fn="model", of
+        the mappings the model takes, labels included.
     batch_size: the GLOBAL batch, split over data-parallel ranks and micro-batches.
     max_steps / epochs: how long to train (one of them).
     eval_dataset, eval_every, eval_batches: evaluate the mean loss on up to
@@ -257,7 +258,7 @@ class _HistoryFile:
 class _StepLog:
     """The run's metrics. Each step leaves its loss on the device; `flush` reads the
     pending ones in one sync per log interval into records (refusing a non-finite loss),
-    adds samples/s, tokens/s (for token-id inputs) and, if asked, memory to the last one,
+    adds samples/s, tokens/s (real tokens of token-id inputs, all ranks) and, if asked, memory to the last one,
     and updates the display."""
 
     def __init__(
@@ -275,11 +276,13 @@ class _StepLog:
         self.report_memory = report_memory
         self.records = records
         self._pending: list[tuple[int, torch.Tensor, float]] = []  # (step, loss, lr)
-        self._tokens: torch.Tensor | None = None  # this rank's real tokens since the last log
+        self._tokens: torch.Tensor | int | None = None  # this rank's real tokens since the last log
         self._last_time, self._last_step = time.perf_counter(), start_step
         self._start_time = time.perf_counter()
 
-    def add(self, step: int, loss: torch.Tensor, lr: float, tokens: torch.Tensor | None) -> None:
+    def add(
+        self, step: int, loss: torch.Tensor, lr: float, tokens: torch.Tensor | int | None
+    ) -> None:
         """Keep a step's loss and real-token count (still on the device) until the next
         flush."""
         if tokens is not None:
@@ -340,7 +343,8 @@ class _StepLog:
         last["samples_per_s"] = round(rate, 2)
         status = f"loss {last['loss']:.4f} | {format_rate(rate)} samples/s"
         if self._tokens is not None:  # every rank's real tokens: one all-reduce per log
-            token_rate = float(self.engine.topology.batch_sum(self._tokens)) / seconds
+            tokens = torch.as_tensor(self._tokens, device=self.engine.device)
+            token_rate = float(self.engine.topology.batch_sum(tokens)) / seconds
             self._tokens = None
             last["tokens_per_s"] = round(token_rate, 1)
             status += f" | {format_rate(token_rate)} tok/s"
@@ -505,18 +509,19 @@ def _check_size(data: Dataset, batch_size: int, what: str) -> int:
     return size
 
 
-def _real_tokens(inputs: Any, targets: Any) -> torch.Tensor | None:
+def _real_tokens(inputs: Any, targets: Any) -> torch.Tensor | int | None:
     """This rank's real tokens in a step: where the attention mask is 1, else where the
     integer targets are not -100 (ignored), else every token id of [batch, seq] integer
     inputs; None when the batch holds no tokens."""
-    if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"), torch.Tensor):
-        return inputs["attention_mask"].sum()
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
+    if not isinstance(ids, torch.Tensor) or ids.ndim < 2 or ids.is_floating_point():
+        return None  # not token ids (an image batch, features)
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    if isinstance(mask, torch.Tensor) and not mask.is_floating_point():
+        return mask.sum()
     if isinstance(targets, torch.Tensor) and targets.ndim >= 2 and not targets.is_floating_point():
         return (targets != -100).sum()
-    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
-    if isinstance(ids, torch.Tensor) and ids.ndim >= 2 and not ids.is_floating_point():
-        return torch.tensor(ids.numel(), device=ids.device)
-    return None
+    return ids.numel()
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from meshfit._worker_errors import EXIT_USER_ERROR
+from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
 
@@ -338,8 +338,9 @@ def run(options: RunOptions) -> int:
     nodes = f" on each of {options.nnodes} nodes" if options.nnodes > 1 else ""
     print(f"meshfit: starting {where}{nodes}: {options.target}", file=sys.stderr, flush=True)
     level = logging.WARNING if options.max_restarts else logging.CRITICAL
+    markers = tempfile.mkdtemp(prefix="meshfit-markers-")  # workers' one-line-error claims
     try:
-        with _patched_environ(setup.env), _quiet_elastic_logs(level):
+        with _patched_environ({**setup.env, MARKER_DIR_ENV: markers}), _quiet_elastic_logs(level):
             torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as failed:
         rank, info = failed.get_first_failure()
@@ -353,4 +354,6 @@ def run(options: RunOptions) -> int:
             flush=True,
         )
         return code
+    finally:
+        shutil.rmtree(markers, ignore_errors=True)
     return 0

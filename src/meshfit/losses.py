@@ -64,7 +64,7 @@ def split_loss(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         and len(value) == 2
         and all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in value)
     ):
-        return value[0], value[1]
+        return value[0], value[1].to(value[0].device)
     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
     raise MeshfitError(
         f"loss_fn must return one number, the mean loss over the batch, or a pair "
@@ -82,13 +82,15 @@ class ModelOwnLoss:
     is the summed loss, counts the items it sums over (labels that are not -100, shifted
     by one for a causal LM as the model shifts them), and trains on the global sum over
     the global count: the same arithmetic as passing the global count, and the same run
-    as one process under any plan. A model whose loss is a mean of its own (e.g. T5's)
-    trains on that mean, as a loss_fn returning a mean does."""
+    as one process under any plan. This holds for Hugging Face's causal-LM and
+    masked-LM losses (the token losses that take the count); any other model loss (T5's
+    own, a classification head's) is a mean and is trained as a loss_fn returning a mean
+    is."""
 
     def __init__(self, model: Any) -> None:
-        config = getattr(model, "config", None)
-        self.shifted = not getattr(config, "is_encoder_decoder", False)
-        self.sums = takes_num_items(model)
+        kind = _token_loss_kind(model)
+        self.shifted = kind == "causal"
+        self.sums = kind is not None and takes_num_items(model)
 
     def model_kwargs(self) -> dict[str, Any]:
         """What meshfit adds to the model's keyword arguments."""
@@ -110,6 +112,21 @@ class ModelOwnLoss:
             return loss
         counted = labels[..., 1:] if self.shifted else labels
         return loss, (counted != -100).sum()
+
+
+def _token_loss_kind(model: Any) -> str | None:
+    """ "causal" or "masked" for a Hugging Face model whose loss is the shared causal-LM
+    or masked-LM token loss (by its loss_type, or its class name where that is unset),
+    else None."""
+    loss_type = getattr(model, "loss_type", None) or ""
+    name = type(model).__name__
+    if loss_type == "ForCausalLM" or (
+        not loss_type and name.endswith(("ForCausalLM", "LMHeadModel"))
+    ):
+        return "causal"
+    if loss_type == "ForMaskedLM" or (not loss_type and name.endswith("ForMaskedLM")):
+        return "masked"
+    return None
 
 
 def takes_num_items(model: Any) -> bool:

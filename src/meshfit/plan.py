@@ -93,11 +93,12 @@ class Plan:
         """Processes this plan needs, or None while dp is unresolved."""
         if self.dp is None:
             return None
-        return self.dp * self.model_parallel_size
+        return self.dp * self.processes_per_replica
 
     @property
-    def model_parallel_size(self) -> int:
-        """Processes one data-parallel rank spans (with its shards): fsdp x tp x pp."""
+    def processes_per_replica(self) -> int:
+        """Processes one dp replica spans: fsdp x tp x pp (its shards, tensor-parallel
+        ranks and pipeline stages)."""
         return self.fsdp * self.tp * self.pp
 
     @property
@@ -123,7 +124,7 @@ class Plan:
 
     def resolve(self, world_size: int) -> Plan:
         """Fill in ``dp=None`` from the world size and check the plan fits it."""
-        others = self.model_parallel_size
+        others = self.processes_per_replica
         if self.dp is None:
             if world_size % others:
                 raise MeshfitError(
@@ -144,9 +145,9 @@ class Plan:
 
     def with_dp_for(self, world_size: int) -> Plan | None:
         """The same plan with dp chosen to fill `world_size`, or None if it cannot."""
-        if world_size % self.model_parallel_size:
+        if world_size % self.processes_per_replica:
             return None
-        return dataclasses.replace(self, dp=world_size // self.model_parallel_size)
+        return dataclasses.replace(self, dp=world_size // self.processes_per_replica)
 
     def validate(self) -> None:
         """Refuse a plan whose options do not go together, saying what would.

@@ -24,7 +24,7 @@ from torch import nn
 
 from meshfit.losses import split_loss
 from meshfit.precision import Precision
-from meshfit.trees import call_model, map_tensors
+from meshfit.trees import map_tensors
 
 LocalLoss = tuple[torch.Tensor, "torch.Tensor | None"]  # (mean, None) or (sum, count)
 
@@ -64,17 +64,16 @@ class LocalRunner:
     def __init__(
         self,
         model: nn.Module,
-        loss_fn: Callable[[Any, Any], Any],
+        forward_loss: Callable[[nn.Module, Any, Any], Any],
         precision: Precision,
         microbatches: int,
-        forward_loss: Callable[[nn.Module, Any, Any], Any] | None = None,
     ) -> None:
         self.model = model
-        self.loss_fn = loss_fn
+        # what computes a micro-batch's loss: the model's forward and loss_fn together
+        # (compiled, when asked)
+        self.forward_loss = forward_loss
         self.precision = precision
         self.microbatches = microbatches
-        # what computes the loss of a micro-batch: forward + loss_fn (compiled, when asked)
-        self.forward_loss = forward_loss or (lambda m, x, y: loss_fn(call_model(m, x), y))
 
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
         micro = self.microbatches
@@ -83,6 +82,13 @@ class LocalRunner:
                 loss, count = self._loss(inputs, targets)
             self.precision.backward(loss)
             return reported(loss), count
+        try:
+            return self._accumulate(inputs, targets, micro)
+        finally:  # also when a micro-batch raises: the next step must sync again
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(True)
+
+    def _accumulate(self, inputs: Any, targets: Any, micro: int) -> LocalLoss:
         chunk = _batch_len(inputs) // micro
         total = counted = None
         for i in range(micro):

@@ -52,7 +52,7 @@ def apply_plan(
     precision: Precision,
     *,
     loss_fn: LossFn,
-    forward_loss: Callable[[nn.Module, Any, Any], Any] | None = None,
+    forward_loss: Callable[[nn.Module, Any, Any], Any],
     tp_plan: TPPlan | None = None,
     pp_split: list[int] | None = None,
     example_inputs: Any = None,
@@ -87,7 +87,7 @@ def apply_plan(
         )
     part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
     [wrapped] = apply_data_parallel([part], topology, precision)
-    runner = LocalRunner(wrapped, loss_fn, precision, plan.num_microbatches, forward_loss)
+    runner = LocalRunner(wrapped, forward_loss, precision, plan.num_microbatches)
     return wrapped, runner
 
 

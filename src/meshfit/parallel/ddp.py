@@ -23,7 +23,14 @@ def replicate(
     marked the gradients ready again and DDP failed at the second step ("rebuilt
     parameter indices size is not same as original model parameters size")."""
     device_ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group("dp"))
+    # A stage module registers its blocks; broadcasting their buffers from dp rank 0
+    # before every micro-batch's forward would add a collective per micro-batch.
+    ddp = DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        process_group=mesh.get_group("dp"),
+        broadcast_buffers=not pipeline_stage,
+    )
     if pipeline_stage:
         ddp.require_backward_grad_sync = False
     return ddp

@@ -16,6 +16,8 @@ Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -103,11 +105,16 @@ def _sequential_pairs(seq: nn.Sequential, prefix: str) -> dict[str, str]:
 
 def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     """Refuse up front a plan that tp does not divide: sharded Linear dimensions, and
-    the head count of any attention module whose projections are split."""
+    the head count of any attention module whose projections are split. Pattern keys
+    ("blocks.*.mlp.fc1", as torch's parallelize_module takes them) are checked for every
+    module they match."""
     modules = dict(model.named_modules())
+    plan = {
+        name: _style_name(style) for key, style in plan.items() for name in _matching(modules, key)
+    }
     for name, style in plan.items():
         module = modules.get(name)
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or style is None:
             continue
         size, what = (
             (module.out_features, "output") if style == "colwise" else (module.in_features, "input")
@@ -134,6 +141,31 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
                     f"tp={tp} does not divide the {heads} attention heads of {name} (each "
                     f"rank must hold whole heads); use a tp that divides {heads}"
                 )
+
+
+def _matching(modules: dict[str, nn.Module], key: str) -> list[str]:
+    """Module names `key` names: itself, or every match of a pattern whose dot-separated
+    parts are matched one by one (fnmatch), as parallelize_module matches them."""
+    if key in modules or "*" not in key and "?" not in key and "[" not in key:
+        return [key]
+    parts = key.split(".")
+    return [
+        name
+        for name in modules
+        if len(name.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(a, p) for a, p in zip(name.split("."), parts, strict=True))
+    ]
+
+
+def _style_name(style: object) -> str | None:
+    """ "colwise" / "rowwise" for a style given as text or as torch's ParallelStyle."""
+    if isinstance(style, str):
+        return style
+    if isinstance(style, ColwiseParallel):
+        return "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "rowwise"
+    return None
 
 
 def _first_attr(obj: object, names: tuple[str, ...]) -> object:

@@ -56,6 +56,7 @@ class PipelineRunner:
     block_names: list[str]
     microbatches: int
     stage_loss: _StageLoss
+    pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
 
     @property
     def sum_gradient_divisor(self) -> int:
@@ -128,9 +129,9 @@ class PipelineRunner:
             summary[0] = values.sum() if counts else values.mean()
             summary[1] = torch.stack(counts).sum() if counts else -1
         dist.broadcast(summary, src=self.last_rank, group=self.group)
-        dtype = reported_dtype(self.model)
-        count = summary[1] if summary[1] >= 0 else None
-        return summary[0].to(dtype), count
+        if self.pair_loss is None:  # learnt once (one host sync), then fixed for the run
+            self.pair_loss = bool(summary[1] >= 0)
+        return summary[0].to(reported_dtype(self.model)), summary[1] if self.pair_loss else None
 
 
 def build_pipeline(
