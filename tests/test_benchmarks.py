@@ -65,3 +65,13 @@ def test_pipeline_memory_benchmark_quick(tmp_path) -> None:
     assert [r["rank"] for r in rows] == [0, 1]
     # Each stage keeps placeholders (a few bytes) where full copies would take kilobytes.
     assert all(r["kept_storage_bytes"] < 64 < r["full_copy_bytes"] for r in rows), rows
+
+
+def test_checkpoint_integrity_benchmark_quick(tmp_path) -> None:
+    stdout, written = _run_quick("checkpoint_integrity.py", tmp_path, timeout=120)
+    assert written["checkpoint_bytes"] > 0 and set(written["median_s"]) == {
+        "save with checksums",
+        "save without",
+        "load",
+    }
+    assert "save overhead" in stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -131,6 +132,15 @@ def test_metadata_that_would_run_code_is_refused(tmp_path) -> None:
     path = engine.save(str(tmp_path / "ck"))
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(_Exploit(), f)
+    # The attacker rewrites the recorded checksum too (it guards against damage, not
+    # against someone who can write the directory): the unpickler must still refuse.
+    from meshfit.integrity import file_digest
+
+    meta_path = os.path.join(path, ckpt.META_FILE)
+    meta = json.loads(open(meta_path).read())
+    meta["files"][".metadata"] = file_digest(os.path.join(path, ".metadata"))
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
     with pytest.raises(mf.MeshfitError, match="refusing to load checkpoint metadata"):
         make_engine().load(path)
 
@@ -185,3 +195,41 @@ def test_fit_prunes_stale_partial_and_old_checkpoints(tmp_path) -> None:
     )
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
     assert names == ["step-00000004"]
+
+
+def _flip_bytes(path: str, offset: int = 40, count: int = 8) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = bytearray(f.read(count))
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_a_damaged_checkpoint_is_never_loaded(tmp_path) -> None:
+    """Eight flipped bytes in a DCP file: loading that checkpoint is refused, naming the
+    file; resuming from the root takes the newest intact checkpoint, with a warning; and
+    with every checkpoint damaged nothing is loaded."""
+    from workers import fit_run
+
+    root = tmp_path / "run"
+    spec = {
+        "model": "mlp",
+        "batch": 8,
+        "plan": "dp=1",
+        "checkpoint_dir": str(root),
+        "checkpoint_every": 2,
+    }
+    fit_run({**spec, "steps": 4})  # checkpoints at steps 2 and 4
+    newest = root / "step-00000004"
+    _flip_bytes(str(newest / "__0_0.distcp"))
+    engine = make_engine()
+    before = weights(engine)
+    with pytest.raises(mf.MeshfitError, match=r"is damaged: __0_0\.distcp"):
+        engine.load(str(newest))
+    for name, value in before.items():  # nothing was touched
+        assert torch.equal(weights(engine)[name], value)
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint .*step-00000004"):
+        assert engine.load(str(root))["step"] == 2
+    _flip_bytes(str(root / "step-00000002" / "__0_0.distcp"))
+    with pytest.warns(UserWarning), pytest.raises(mf.MeshfitError, match="every checkpoint"):
+        make_engine().load(str(root))

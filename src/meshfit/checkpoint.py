@@ -110,17 +110,67 @@ def latest_checkpoint(root: str) -> str | None:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory itself, or the newest one under a checkpoint root."""
+    """A checkpoint directory itself, or the newest intact one under a checkpoint root
+    (a damaged one is skipped with a warning naming its files)."""
     if is_checkpoint(path):
+        _refuse_damaged(path)
         return path
     found = latest_checkpoint(path)
     if found:
-        return found
+        return _newest_intact(path, found)
     if not os.path.exists(path):
         raise MeshfitError(f"no checkpoint at {path!r}: the path does not exist")
     raise MeshfitError(
         f"no checkpoint at {path!r}: it holds no {META_FILE} and no committed "
         f"{STEP_PREFIX}* directory (an interrupted save leaves only *{PARTIAL_SUFFIX})"
+    )
+
+
+def _damage(checkpoint: str) -> list[str]:
+    from meshfit.integrity import damaged_files
+
+    recorded = read_meta(checkpoint).get("files")
+    return damaged_files(checkpoint, recorded) if recorded is not None else []
+
+
+def _refuse_damaged(checkpoint: str) -> None:
+    damaged = _damage(checkpoint)
+    if damaged:
+        raise MeshfitError(
+            f"checkpoint {checkpoint!r} is damaged: {', '.join(damaged)} do(es) not match "
+            f"the checksum recorded when it was saved (a torn write or a disk error); load "
+            f"an older checkpoint, or give the checkpoint root to take the newest intact one"
+        )
+
+
+def _newest_intact(root: str, newest: str) -> str:
+    """`newest`, or the newest committed step under `root` whose files all verify."""
+    names = sorted(
+        (
+            n
+            for n in os.listdir(root)
+            if n.startswith(STEP_PREFIX) and not n.endswith((PARTIAL_SUFFIX, ".old"))
+        ),
+        reverse=True,
+    )
+    candidates = [newest] + [
+        os.path.join(root, n) for n in names if os.path.join(root, n) != newest
+    ]
+    for candidate in candidates:
+        if not is_checkpoint(candidate):
+            continue
+        damaged = _damage(candidate)
+        if not damaged:
+            return candidate
+        warnings.warn(
+            f"skipping damaged checkpoint {candidate!r}: {', '.join(damaged)} do(es) not "
+            f"match the checksum recorded at save; trying an older one",
+            stacklevel=4,
+        )
+    raise MeshfitError(
+        f"every checkpoint under {root!r} is damaged (their files do not match the "
+        f"checksums recorded at save); nothing was loaded. Start over with resume=False or "
+        f"a new checkpoint directory"
     )
 
 
@@ -191,6 +241,9 @@ def save_checkpoint(
         os.makedirs(os.path.join(partial, "ranks"), exist_ok=True)
         torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{engine.rank:05d}.pt"))
     _barrier()
+    from meshfit.integrity import checkpoint_files, digests
+
+    files = digests(partial, checkpoint_files(partial, skip=(META_FILE,)))
 
     if _is_rank0():
         meta = {
@@ -208,6 +261,7 @@ def save_checkpoint(
                 "lr_scheduler state",
             ),
             "extra": extra_json,
+            "files": files,  # xxh3-64 of every file, verified on load (integrity.py)
             "torch": torch.__version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
