@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,13 +25,16 @@ def replicate(
     marked the gradients ready again and DDP failed at the second step ("rebuilt
     parameter indices size is not same as original model parameters size")."""
     device_ids = [device.index] if device.type == "cuda" else None
-    # A stage module registers its blocks; broadcasting their buffers from dp rank 0
-    # before every micro-batch's forward would add a collective per micro-batch.
+    options = {}
+    if pipeline_stage:
+        # A stage module registers its blocks; syncing their buffers from dp rank 0 before
+        # every micro-batch's forward would add a collective per micro-batch (torch 2.13
+        # names the switch forward_sync_buffers and deprecates broadcast_buffers).
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        options[name] = False
     ddp = DistributedDataParallel(
-        module,
-        device_ids=device_ids,
-        process_group=mesh.get_group("dp"),
-        broadcast_buffers=not pipeline_stage,
+        module, device_ids=device_ids, process_group=mesh.get_group("dp"), **options
     )
     if pipeline_stage:
         ddp.require_backward_grad_sync = False
