@@ -143,20 +143,12 @@ def test_fit_trains_on_collator_dicts_and_counts_real_tokens() -> None:
 def test_model_loss_sums_only_the_shared_token_losses() -> None:
     """num_items_in_batch is passed to the causal-LM and masked-LM token losses alone: a
     classification head's loss (and T5's own) is a mean whatever **kwargs it takes."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-    from workers import build_lm
+    from transformers import LlamaForSequenceClassification
+    from workers import build_lm, llama_config
 
     from meshfit.losses import ModelOwnLoss
 
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
-    )
+    config = llama_config(num_hidden_layers=1, pad_token_id=0)
     kinds = {
         "gpt2": (True, True),
         "llama": (True, True),

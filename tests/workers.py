@@ -52,7 +52,7 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
     if kind == "gpt4":
         return GPT(GPT4), next_token_loss
     if kind == "llama":
-        return hf_llama(), next_token_loss
+        return hf_llama(), next_token_loss_of_output
     raise ValueError(kind)
 
 
@@ -248,12 +248,12 @@ def balance_run(measured: bool) -> dict:
     }
 
 
-def hf_llama():
-    """A tiny Hugging Face Llama built from a config (no download), returning logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(**overrides):
+    """A tiny Hugging Face Llama config (grouped-query attention, rotary positions), the
+    library's defaults otherwise (untied LM head, as LlamaConfig has it)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(1234)
-    config = LlamaConfig(
+    fields = dict(
         vocab_size=32,
         hidden_size=16,
         intermediate_size=32,
@@ -261,21 +261,24 @@ def hf_llama():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=16,
-        tie_word_embeddings=False,
     )
+    config = LlamaConfig(**{**fields, **overrides})
     config._attn_implementation = "sdpa"
-    return HFLogits(LlamaForCausalLM(config))
+    return config
 
 
-class HFLogits(torch.nn.Module):
-    """model(input_ids) -> logits, the call shape meshfit uses (HF returns an output object)."""
+def hf_llama():
+    """A LlamaForCausalLM as the library builds it from a config (no download); called
+    as model(input_ids), it returns its own CausalLMOutputWithPast."""
+    from transformers import LlamaForCausalLM
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(llama_config())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
+
+def next_token_loss_of_output(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """next_token_loss on a model's output object (its .logits)."""
+    return next_token_loss(mf.losses.logits_of(outputs), targets)
 
 
 def memory_run(plan: str) -> dict:
@@ -417,19 +420,7 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             torch.nn.Linear(width, LM_VOCAB),
         )
     elif kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=LM_VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=LM_LEN,
-        )
-        config._attn_implementation = "sdpa"
-        model = LlamaForCausalLM(config)
+        model = hf_llama()
     elif kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -100,13 +100,23 @@ def latest_checkpoint(root: str) -> str | None:
         if name and is_checkpoint(candidate):
             return candidate
     # No (or a stale) pointer: fall back to the highest committed step directory.
-    steps = []
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith(STEP_PREFIX) and not name.endswith(PARTIAL_SUFFIX):
-                if is_checkpoint(os.path.join(root, name)):
-                    steps.append(name)
-    return os.path.join(root, max(steps)) if steps else None
+    steps = _committed_steps(root)
+    return os.path.join(root, steps[-1]) if steps else None
+
+
+def _step_dirs(root: str) -> tuple[list[str], list[str]]:
+    """(committed, stale) step directory names under `root`, oldest first: stale are the
+    leftovers of a crashed save (`.partial`) or replace (`.old`)."""
+    if not os.path.isdir(root):
+        return [], []
+    names = sorted(n for n in os.listdir(root) if n.startswith(STEP_PREFIX))
+    stale = [n for n in names if n.endswith((PARTIAL_SUFFIX, ".old"))]
+    committed = [n for n in names if n not in stale and is_checkpoint(os.path.join(root, n))]
+    return committed, stale
+
+
+def _committed_steps(root: str) -> list[str]:
+    return _step_dirs(root)[0]
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -145,20 +155,8 @@ def _refuse_damaged(checkpoint: str) -> None:
 
 def _newest_intact(root: str, newest: str) -> str:
     """`newest`, or the newest committed step under `root` whose files all verify."""
-    names = sorted(
-        (
-            n
-            for n in os.listdir(root)
-            if n.startswith(STEP_PREFIX) and not n.endswith((PARTIAL_SUFFIX, ".old"))
-        ),
-        reverse=True,
-    )
-    candidates = [newest] + [
-        os.path.join(root, n) for n in names if os.path.join(root, n) != newest
-    ]
-    for candidate in candidates:
-        if not is_checkpoint(candidate):
-            continue
+    older = [os.path.join(root, n) for n in reversed(_committed_steps(root))]
+    for candidate in [newest] + [c for c in older if c != newest]:
         damaged = _damage(candidate)
         if not damaged:
             return candidate
@@ -299,11 +297,9 @@ def prune_checkpoints(root: str, keep: int) -> None:
     """Keep the newest `keep` committed step directories; drop stale partial ones (a
     save that crashed leaves `<step>.partial`, a replace that crashed `<step>.old`).
     Called after a commit, so no save of this run is writing one."""
-    if not _is_rank0() or keep < 1 or not os.path.isdir(root):
+    if not _is_rank0() or keep < 1:
         return
-    names = sorted(n for n in os.listdir(root) if n.startswith(STEP_PREFIX))
-    stale = [n for n in names if n.endswith((PARTIAL_SUFFIX, ".old"))]
-    committed = [n for n in names if n not in stale and is_checkpoint(os.path.join(root, n))]
+    committed, stale = _step_dirs(root)
     for name in stale + committed[:-keep]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 

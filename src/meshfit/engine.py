@@ -204,9 +204,7 @@ class Engine:
         gradients are scaled by dp_size * divisor / count: the gradient of the global
         token mean, as in one process, however the tokens fall on ranks and
         micro-batches. No second forward; float64 keeps counts exact."""
-        local = torch.stack([loss_sum.double(), count.double()])
-        total, items = self.topology.batch_sum(local).unbind()
-        items = items.clamp_min(1)  # a batch with nothing to count has a zero loss
+        mean, items = self._global_token_mean(loss_sum, count)
         factor = self.dp_size * self.runner.sum_gradient_divisor / items
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in self.parallel_model.parameters():
@@ -216,7 +214,17 @@ class Engine:
         with torch.no_grad():  # one kernel per device and dtype
             for (device, dtype), grads in groups.items():
                 torch._foreach_mul_(grads, factor.to(device, dtype))
-        return (total / items).to(loss_sum.dtype)
+        return mean
+
+    def _global_token_mean(
+        self, loss_sum: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global sum / global count, global count) of this rank's (sum, count): one
+        all-reduce, in float64 (exact counts); a batch with nothing to count has loss 0."""
+        local = torch.stack([loss_sum.double(), count.double()])
+        total, items = self.topology.batch_sum(local).unbind()
+        items = items.clamp_min(1)
+        return (total / items).to(loss_sum.dtype), items
 
     def _warn_on_ignored_targets(self, targets: Any) -> None:
         """A mean loss over targets with -100 (ignored) entries weighs tokens unequally
@@ -274,9 +282,7 @@ class Engine:
             self.parallel_model.train()
         if count is None:
             return self.topology.batch_mean(loss)
-        local = torch.stack([loss.double(), count.double()])
-        total, items = self.topology.batch_sum(local).unbind()
-        return (total / items.clamp_min(1)).to(loss.dtype)
+        return self._global_token_mean(loss, count)[0]
 
     # ---- batch handling ----------------------------------------------------------
     def split_batch(self, batch: Any) -> tuple[Any, Any]:

@@ -142,12 +142,16 @@ def apply_data_parallel(
     modules = []
     for part in parts:
         if topology.mesh is not None and plan.uses_fsdp:
-            from meshfit.parallel.fsdp import shard_root, shard_units
+            from meshfit.parallel.fsdp import shard_part
 
-            mesh, stage = topology.data_mesh, part.pipeline_stage
-            shard_units(part.units, mesh, plan, precision, device, pipeline_stage=stage)
-            module = shard_root(
-                part.make_module(), part.units, mesh, plan, precision, device, pipeline_stage=stage
+            module = shard_part(
+                part.units,
+                part.make_module,
+                topology.data_mesh,
+                plan,
+                precision,
+                device,
+                pipeline_stage=part.pipeline_stage,
             )
         else:
             module = part.make_module()

@@ -16,6 +16,7 @@ over "fsdp" (HSDP), with "fsdp" of size 1 for plain replicas.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,33 +27,9 @@ from meshfit.plan import Plan
 from meshfit.precision import Precision
 
 
-def shard_units(
+def shard_part(
     units: list[nn.Module],
-    mesh: DeviceMesh,
-    plan: Plan,
-    precision: Precision,
-    device: torch.device,
-    *,
-    pipeline_stage: bool = False,
-) -> None:
-    """Make each of `units` (that has parameters) its own FSDP unit.
-
-    For a whole model under ZeRO-3 (reshard_after_forward=True) the last unit stays
-    gathered from forward to backward, as torchtitan does: its backward comes right
-    after the head's, and gathering it again would send its parameters once more per
-    step. Pipeline stages keep the plan's flag on every unit."""
-    options = _options(plan, precision, device)
-    units = [u for u in units if any(True for _ in u.parameters())]
-    for i, unit in enumerate(units):
-        last = i == len(units) - 1 and not pipeline_stage
-        fully_shard(
-            unit, mesh=mesh, **({**options, "reshard_after_forward": False} if last else options)
-        )
-
-
-def shard_root(
-    module: nn.Module,
-    units: list[nn.Module],
+    make_module: Callable[[], nn.Module],
     mesh: DeviceMesh,
     plan: Plan,
     precision: Precision,
@@ -60,20 +37,30 @@ def shard_root(
     *,
     pipeline_stage: bool = False,
 ) -> nn.Module:
-    """Put a root FSDP unit over `module`, above its sharded `units`.
+    """Make each of `units` (that has parameters) its own FSDP unit, then put a root
+    unit over the part's module, made by `make_module` once the units are sharded (a
+    stage module lists the parameters sharding replaces). Returns that module.
 
-    Whole model: the root is left to FSDP2's default for it, kept gathered after forward
-    (an explicit reshard_after_forward=True reshards the root too in torch 2.13). With
-    the last unit kept gathered as well, the demo GPT under fsdp=2 sends 6.461 MB per
-    rank and step, against 7.024 MB with both resharded (benchmarks/data_parallel.py).
+    Whole model (ZeRO-3, reshard_after_forward=True): two units stay gathered from
+    forward to backward, as torchtitan does: the last unit, whose backward comes right
+    after the head's, and the root, left to FSDP2's own default for it (an explicit True
+    reshards the root too in torch 2.13). Gathering them again sends their parameters
+    once more per step: the demo GPT under fsdp=2 sends 6.461 MB per rank and step this
+    way, 7.024 MB with both resharded (benchmarks/data_parallel.py).
 
-    Pipeline stage: the root goes over the stage module when the units are its
-    submodules. torch's pipeline schedule then sees an FSDP module and reduce-scatters
-    once per step, after the last micro-batch, instead of in every micro-batch (demo
-    GPT, fsdp=2,pp=2, 8 micro-batches: 10.7 MB per rank and step; 29.2 MB without the
-    root). A stage module that holds no units (a parameter registered on the model
-    itself) stays as it is."""
+    Pipeline stage: every unit keeps the plan's flag, and the root goes over the stage
+    module when the units are its submodules. torch's pipeline schedule then sees an
+    FSDP module and reduce-scatters once per step, after the last micro-batch, instead
+    of in every micro-batch (demo GPT, fsdp=2,pp=2, 8 micro-batches: 10.7 MB per rank
+    and step; 29.2 MB without the root). A stage module that holds no units (a
+    parameter registered on the model itself) stays as it is."""
     options = _options(plan, precision, device)
+    gathered = {**options, "reshard_after_forward": False}
+    sharded = [u for u in units if any(True for _ in u.parameters())]
+    for i, unit in enumerate(sharded):
+        last = i == len(sharded) - 1 and not pipeline_stage
+        fully_shard(unit, mesh=mesh, **(gathered if last else options))
+    module = make_module()
     if pipeline_stage:
         if units and all(_contains(module, u) for u in units):
             fully_shard(module, mesh=mesh, **options)
