@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from helpers import assert_same_run
-from workers import build, dataset, fit_run
+from workers import build, dataset, fit_run, resume_runs
 
 import meshfit as mf
 
@@ -85,6 +85,42 @@ def test_pipeline_run_resumes_exactly_with_adamw(tmp_path) -> None:
     assert resumed["losses"] == straight["losses"]
     for name, value in straight["state"].items():
         assert torch.equal(resumed["state"][name], value), name
+
+
+def _assert_resumed_exactly(results: list[dict], specs: list[dict]) -> None:
+    for spec, result in zip(specs, results, strict=True):
+        straight, resumed = result["straight"], result["resumed"]
+        assert resumed["losses"] == straight["losses"], spec["plan"]
+        for name, value in straight["state"].items():
+            assert torch.equal(resumed["state"][name], value), (spec["plan"], name)
+
+
+RESUME = {"samples": 64, "batch": 8, "steps": 8, "optimizer": "adamw", "lr_scheduler": True}
+
+
+@pytest.mark.slow
+def test_every_form_resumes_exactly_with_adamw(tmp_path) -> None:
+    """fsdp=2, tp=2 and fsdp x pp: 8 steps straight == 4, stop, resume to 8 (dp=2 and pp=2
+    have their own tests above; kills mid-run: test_faults.py and BENCHMARKS.md)."""
+    specs = [
+        {**RESUME, "model": "gpt", "plan": "fsdp=2"},
+        {**RESUME, "model": "gpt", "plan": "tp=2"},
+        {**RESUME, "model": "gpt4", "plan": "tp=2,pp=2"},
+        {**RESUME, "model": "gpt4", "plan": "fsdp=2,pp=2"},
+    ]
+    nproc = [2, 2, 4, 4]
+    two = [s for s, n in zip(specs, nproc, strict=True) if n == 2]
+    four = [s for s, n in zip(specs, nproc, strict=True) if n == 4]
+    dirs = [str(tmp_path / str(i)) for i in range(len(specs))]
+    _assert_resumed_exactly(mf.launch(resume_runs, nproc=2, args=(two, dirs[:2])), two)
+    _assert_resumed_exactly(mf.launch(resume_runs, nproc=4, args=(four, dirs[2:])), four)
+
+
+@pytest.mark.slow
+def test_a_3d_plan_resumes_exactly_with_adamw(tmp_path) -> None:
+    spec = {**RESUME, "model": "gpt4", "plan": "dp=2,tp=2,pp=2"}
+    results = mf.launch(resume_runs, nproc=8, args=([spec], [str(tmp_path)]))
+    _assert_resumed_exactly(results, [spec])
 
 
 def test_resume_with_other_settings_is_refused(tmp_path) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -529,4 +530,41 @@ def many_lm_runs(specs: list[dict]) -> list[dict]:
             results.append(lm_run(spec))
         except mf.MeshfitError as refusal:
             results.append({"refused": str(refusal)})
+    return results
+
+
+def slow_user_code(seconds: float) -> None:
+    """A training script's own code that keeps one rank busy (named in the hang's stack)."""
+    time.sleep(seconds)
+
+
+def hang_run(how: str, stall_rank: int, dump_dir: str, collective_timeout_s: float = 0) -> int:
+    """dp=2 steps where `stall_rank` stops after step 2: `sleep` in the script (peers wait
+    in step 3), `stop` (SIGSTOP: frozen), or `both_sleep` (every rank busy in the script,
+    nobody waits: no hang). Returns the steps taken."""
+    os.environ["MESHFIT_HANG_DIR"] = dump_dir
+    if collective_timeout_s:
+        os.environ["MESHFIT_TIMEOUT_S"] = str(collective_timeout_s)
+    model, loss_fn = build("mlp")
+    engine = mf.parallelize(model, "dp=2", loss_fn=loss_fn, optimizer=optimizer_factory("sgd"))
+    rank = engine.rank
+    for step in range(4):
+        engine.step(make_batch("mlp", 8, step))
+        if step == 1 and (rank == stall_rank or how == "both_sleep"):
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                slow_user_code(60 if how == "sleep" else 3)
+    return engine.step_count
+
+
+def resume_runs(specs: list[dict], dirs: list[str]) -> list[dict]:
+    """For each spec in one set of workers: `steps` straight, then half of them with
+    checkpoints, then a second fit that resumes to `steps` (as a restarted job would)."""
+    results = []
+    for spec, where in zip(specs, dirs, strict=True):
+        straight = fit_run(spec)
+        saved = {**spec, "checkpoint_dir": where, "checkpoint_every": 2}
+        fit_run({**saved, "steps": spec["steps"] // 2})
+        results.append({"straight": straight, "resumed": fit_run(saved)})
     return results

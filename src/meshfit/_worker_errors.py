@@ -34,6 +34,14 @@ def _claim_report() -> bool:
 
 
 def _hook(exc_type, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signature
+    from meshfit import watchdog
+
+    watchdog.wait_if_stopping()
+    timeout_line = watchdog.explain_collective_timeout(exc)
+    if timeout_line is not None:
+        print(f"meshfit: error: {timeout_line}", file=sys.__stderr__, flush=True)
+        sys.stdout.flush()
+        os._exit(watchdog.EXIT_HANG)
     if issubclass(exc_type, MeshfitError):
         # The real stderr: torch's own excepthook (installed by init_process_group)
         # wraps this one and buffers sys.stderr until we return, which we never do.

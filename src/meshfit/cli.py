@@ -59,6 +59,7 @@ def _run(args: argparse.Namespace) -> int:
             master=args.master,
             max_restarts=args.max_restarts,
             threads=args.threads,
+            hang_timeout=args.hang_timeout,
         )
     )
 
@@ -88,6 +89,7 @@ def _demo(args: argparse.Namespace) -> int:
             devices=args.devices,
             max_restarts=args.max_restarts,
             threads=args.threads,
+            hang_timeout=args.hang_timeout,
         )
     )
 
@@ -113,6 +115,14 @@ def _add_worker_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="restart the workers up to K times after a failure (default 0)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop the job when a rank makes no progress for S seconds while its peers "
+        "wait, naming it and saving every rank's stack (default 120; 0 turns it off)",
     )
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from meshfit import watchdog
 from meshfit.errors import MeshfitError
 from meshfit.losses import ModelOwnLoss
 from meshfit.parallel.compose import apply_plan
@@ -172,6 +173,11 @@ class Engine:
     def step_local(self, inputs: Any, targets: Any) -> torch.Tensor:
         """A training step on this rank's share of the global batch (what `fit` feeds;
         every dp rank must pass an equal share)."""
+        step = self.step_count + 1
+        with watchdog.phase("step", f"training step {step}", step=step):
+            return self._train_step(inputs, targets)
+
+    def _train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
         if not self.parallel_model.training:  # train() walks every module: only on change
             self.parallel_model.train()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
@@ -274,6 +280,10 @@ class Engine:
 
     @torch.no_grad()
     def evaluate_local(self, inputs: Any, targets: Any) -> torch.Tensor:
+        with watchdog.phase("evaluate", f"evaluation after step {self.step_count}"):
+            return self._evaluate(inputs, targets)
+
+    def _evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
         self.parallel_model.eval()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
         try:
@@ -317,14 +327,16 @@ class Engine:
         aside then committed, so a crash never leaves a half checkpoint there)."""
         from meshfit.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, extra=extra)
+        with watchdog.phase("save", f"the save of {path}"):
+            return save_checkpoint(self, path, extra=extra)
 
     def load(self, path: str) -> dict[str, Any]:
         """Load a checkpoint saved by `save` (or the newest one under a checkpoint root
         written by `fit`); works across plans of the same model. Returns its metadata."""
         from meshfit.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path)
+        with watchdog.phase("load", f"the load of {path}"):
+            return load_checkpoint(self, path)
 
     def memory_report(self) -> dict[str, int | None]:
         """This rank's memory, in bytes: its share of the parameters, of the gradients
@@ -351,6 +363,10 @@ class Engine:
         """The whole model's state under its own names, as full CPU tensors, on every
         rank: tensor-parallel shards are gathered and pipeline stages merged. For
         exporting or comparing weights (it holds the whole model in CPU memory)."""
+        with watchdog.phase("gather", f"gathering the full state after step {self.step_count}"):
+            return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -437,7 +453,9 @@ def parallelize(
         pp_split=pp_split,
         example_inputs=example_inputs,
     )
-    return Engine(model, topology, options)
+    engine = Engine(model, topology, options)
+    watchdog.mark("script", "the training script before step 1", waiting=False)
+    return engine
 
 
 def create_topology(plan: Plan | str | None) -> Topology:

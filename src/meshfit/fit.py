@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
+from meshfit import watchdog
 from meshfit.checkpoint import (
     latest_checkpoint,
     point_latest,
@@ -125,6 +126,7 @@ def fit(
     if checkpoint_every and not checkpoint_dir:
         raise MeshfitError("checkpoint_every needs checkpoint_dir=... (where to save)")
 
+    watchdog.set_dump_dir(checkpoint_dir)  # stacks of a hang go next to the checkpoints
     topology = create_topology(plan)
     if "example_inputs" not in parallelize_options:
         parallelize_options["example_inputs"] = _pipeline_example(
@@ -293,8 +295,9 @@ class _StepLog:
         """Read the pending losses into records and show the status at `step`."""
         if not self._pending:
             return
-        self._read_pending()
-        self.display.update(step, self._measure(step), log_line=log_line)
+        with watchdog.phase("log", f"the log of step {step}", step=step):  # an all-reduce
+            self._read_pending()
+            self.display.update(step, self._measure(step), log_line=log_line)
 
     def add_eval(self, step: int, eval_loss: float) -> None:
         """Put `step`'s eval loss on its record and print it."""
@@ -546,14 +549,15 @@ def _save(engine: Engine, root: str, step: int, config: _RunConfig, keep: int) -
     rank_state = {"torch_rng": torch.get_rng_state(), "python_random": random.getstate()}
     if engine.device.type == "cuda":
         rank_state["cuda_rng"] = torch.cuda.get_rng_state(engine.device)
-    path = save_checkpoint(
-        engine,
-        os.path.join(root, step_dir_name(step)),
-        extra={"fit": {"step": step, **asdict(config)}},
-        rank_state=rank_state,
-    )
-    point_latest(root, path)
-    prune_checkpoints(root, keep)
+    with watchdog.phase("save", f"the save of the step-{step} checkpoint", step=step):
+        path = save_checkpoint(
+            engine,
+            os.path.join(root, step_dir_name(step)),
+            extra={"fit": {"step": step, **asdict(config)}},
+            rank_state=rank_state,
+        )
+        point_latest(root, path)
+        prune_checkpoints(root, keep)
 
 
 def _check_resume(meta: dict, config: _RunConfig, path: str) -> int:

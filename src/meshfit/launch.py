@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from meshfit import watchdog
 from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
@@ -131,6 +132,7 @@ def launch(
     devices: str | Sequence[int] | None = None,
     max_restarts: int = 0,
     threads: int | None = None,
+    hang_timeout: float | None = None,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` in `nproc` local worker processes and return rank 0's
     result.
@@ -139,7 +141,9 @@ def launch(
     `mf.parallelize` inside `fn` joins the group by itself. `fn` and its arguments must be
     importable and picklable (define `fn` in a module, not a notebook cell). If a worker
     raises, the same exception type is raised here with the worker's rank and traceback
-    attached; if a worker dies (signal, exit), a WorkerError says which one.
+    attached; if a worker dies (signal, exit), a WorkerError says which one. A rank that
+    makes no progress for `hang_timeout` seconds (default 120, 0: off) while its peers
+    wait stops the job with a MeshfitError naming it (watchdog.py).
     """
     if not callable(fn):
         raise MeshfitError(f"launch needs a function to run, not {fn!r}")
@@ -155,6 +159,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     setup = plan_workers(nproc, devices, threads)
+    setup.env.update(hang_timeout_env(hang_timeout))
     error_dir = tempfile.mkdtemp(prefix="meshfit-launch-")
     config = LaunchConfig(
         min_nodes=1,
@@ -183,9 +188,14 @@ def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: s
     threads = int(os.environ.get("MESHFIT_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
+    watchdog.set_on_hang(lambda line: _write_failure(error_dir, MeshfitError(line)))
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+        watchdog.wait_if_stopping()
+        timeout_line = watchdog.explain_collective_timeout(exc)
+        if timeout_line is not None:
+            exc = MeshfitError(timeout_line)
         _write_failure(error_dir, exc)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -259,6 +269,18 @@ class RunOptions:
     master: str | None = None
     max_restarts: int = 0
     threads: int | None = None
+    hang_timeout: float | None = None  # seconds; None: the default, 0: off
+
+
+def hang_timeout_env(seconds: float | None) -> dict[str, str]:
+    """The workers' environment for a hang timeout (watchdog.py reads it)."""
+    if seconds is None:
+        return {}
+    if not seconds >= 0:
+        raise MeshfitError(
+            f"the hang timeout must be >= 0 seconds (0 turns hang detection off), not {seconds}"
+        )
+    return {watchdog.HANG_TIMEOUT_ENV: repr(float(seconds))}
 
 
 def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
@@ -329,6 +351,7 @@ def run(options: RunOptions) -> int:
     if options.max_restarts < 0:
         raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
     setup = plan_workers(options.nproc, options.devices, options.threads)
+    setup.env.update(hang_timeout_env(options.hang_timeout))
     argv = torchrun_argv(options, setup)
     where = (
         f"{setup.nproc} GPU workers"
@@ -345,8 +368,12 @@ def run(options: RunOptions) -> int:
     except ChildFailedError as failed:
         rank, info = failed.get_first_failure()
         code = info.exitcode if info.exitcode and info.exitcode > 0 else 1
-        if code == EXIT_USER_ERROR:
-            return code  # the worker already printed the one-line reason
+        reported = {f.exitcode for f in failed.failures.values()} & {
+            EXIT_USER_ERROR,
+            watchdog.EXIT_HANG,
+        }
+        if reported:
+            return min(reported)  # a worker already printed the one-line reason
         how = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {-info.exitcode}"
         print(
             f"meshfit: worker rank {rank} failed ({how}); its message is above",

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshfit import watchdog
 from meshfit.devices import worker_device
 from meshfit.plan import MESH_DIMS, Plan
 
@@ -46,6 +47,9 @@ def init_distributed(timeout_s: float | None = None, *, alone: bool = False) -> 
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         return device
     atexit.register(_destroy_at_exit)
+    # Hang detection talks to the launcher's store on its own connection, so it works
+    # while a collective is stuck; started before the group, which waits for every rank.
+    watchdog.start(int(os.environ.get("RANK", "0")), env_world_size())
     if timeout_s is None:
         timeout_s = float(os.environ.get("MESHFIT_TIMEOUT_S", "1800"))
     timeout = timedelta(seconds=timeout_s)

@@ -1,0 +1,301 @@
+"""Fault campaign: disturb real training runs and check each ends exact or cleanly refused.
+
+For every plan, one undisturbed run of benchmarks/fault_train.py (mf.fit, AdamW, a
+checkpoint every 4 steps) gives the reference weights (SHA-256). Then each trial starts
+the same run under `meshfit run --max-restarts 3 --hang-timeout S` and, from outside:
+
+- kill:     SIGKILL a random rank at a random moment (start-up, steps and saves alike);
+- kill-save: SIGKILL a random rank while a checkpoint is being written (`.partial` seen);
+- stop:     SIGSTOP a random rank at a random moment (a hang: the watchdog must name it);
+- corrupt:  flip 8 bytes in a random file of the newer of two committed checkpoints,
+            then SIGKILL a rank so the restart has to load (it must fall back to the
+            older, intact one);
+- diskfull: the checkpoint directory is a tmpfs with room for two checkpoints (root
+            only); the third save fails, then the tmpfs grows and the run is started again.
+
+Outcomes: "exact" (finished, weights bit-identical to the reference), "refused+exact"
+(stopped with one meshfit line and nothing lost: a plain re-run resumes to the exact
+weights), and the failures "MISMATCH", "FAILED" (a traceback, no meshfit line), "HANG".
+
+    python benchmarks/faults.py --trials 2                       # every plan and fault
+    python benchmarks/faults.py --plans dp=2 --faults kill --trials 1
+
+Writes a JSON list of trials (default benchmarks/results/faults-cpu.json) and prints the
+table BENCHMARKS.md shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, "fault_train.py")
+PLANS = {"dp=2": 2, "fsdp=2": 2, "tp=2": 2, "pp=2": 2, "dp=2,tp=2,pp=2": 8}
+FAULTS = ("kill", "kill-save", "stop", "corrupt", "diskfull")
+GOOD = ("exact", "refused+exact")
+
+
+@dataclass
+class Trial:
+    plan: str
+    fault: str
+    outcome: str
+    seconds: float
+    rank: int | None = None
+    at_s: float | None = None  # when the fault hit, from the start of the run
+    detail: str = ""
+
+
+def run_training(
+    plan: str, ckpt: str, out: str, hang_timeout: float, restarts: int
+) -> subprocess.Popen:
+    meshfit = os.path.join(os.path.dirname(sys.executable), "meshfit")
+    argv = [meshfit, "run", "--nproc", str(PLANS[plan]), "--max-restarts", str(restarts)]
+    argv += ["--hang-timeout", str(hang_timeout), TRAIN, "--plan", plan]
+    argv += ["--checkpoint-dir", ckpt, "--out", out]
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def workers(launcher: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of the launcher's live training workers."""
+    found = {}
+    try:
+        with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except OSError:
+        return found
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+            found[int(env[b"RANK"])] = pid
+    return found
+
+
+def committed(ckpt: str) -> list[str]:
+    return sorted(
+        d for d in glob.glob(os.path.join(ckpt, "step-*"))
+        if not d.endswith((".partial", ".old")) and os.path.exists(os.path.join(d, "meshfit.json"))
+    )  # fmt: skip
+
+
+def finish(launcher: subprocess.Popen, limit_s: float) -> tuple[int | None, str]:
+    try:
+        _, err = launcher.communicate(timeout=limit_s)
+        return launcher.returncode, err
+    except subprocess.TimeoutExpired:
+        stray = list(workers(launcher).values())  # in sessions of their own
+        for pid in stray:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        _, err = launcher.communicate()
+        return None, err
+
+
+def meshfit_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("meshfit: error:")]
+    return lines[-1][:300] if lines else ""
+
+
+def digest_of(out: str) -> str | None:
+    try:
+        with open(out) as f:
+            return json.load(f)["digest"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def judge(rc: int | None, stderr: str, out: str, reference: str) -> tuple[str, str]:
+    if rc is None:
+        return "HANG", stderr.strip().splitlines()[-1][:300] if stderr.strip() else ""
+    if rc == 0:
+        return ("exact", "") if digest_of(out) == reference else ("MISMATCH", "")
+    line = meshfit_line(stderr)
+    if not line:
+        return "FAILED", stderr.strip().splitlines()[-1][:300] if stderr.strip() else f"rc {rc}"
+    return "refused", line
+
+
+@contextlib.contextmanager
+def checkpoint_dir(fault: str, size_bytes: int) -> tuple[str, bool]:
+    where = tempfile.mkdtemp(prefix="meshfit-faults-")
+    mounted = False
+    if fault == "diskfull":
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", where], check=True
+        )
+        mounted = True
+    try:
+        yield where
+    finally:
+        if mounted:
+            subprocess.run(["umount", where], check=False)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def trial(
+    plan: str, fault: str, reference: str, ref_seconds: float, ckpt_bytes: int, args
+) -> Trial:
+    rng = random.Random(f"{args.seed}-{plan}-{fault}-{time.time_ns()}")
+    started = time.monotonic()
+    with checkpoint_dir(fault, int(2.6 * ckpt_bytes)) as ckpt:
+        out = os.path.join(ckpt, "..", f"{os.path.basename(ckpt)}.json")
+        launcher = run_training(plan, ckpt, out, args.hang_timeout, restarts=3)
+        rank = at = None
+        if fault in ("kill", "stop", "corrupt"):
+            delay = rng.uniform(0.15, 0.9) * ref_seconds
+            if fault == "corrupt":  # the newest of two, so an intact one remains
+                while len(committed(ckpt)) < 2 and launcher.poll() is None:
+                    time.sleep(0.02)
+                newest = committed(ckpt)[-1:] if committed(ckpt) else []
+                files = [
+                    f
+                    for d in newest
+                    for f in glob.glob(os.path.join(d, "**", "*.distcp"), recursive=True)
+                ]
+                if files:
+                    victim = rng.choice(files)
+                    with open(victim, "r+b") as f:
+                        size = os.path.getsize(victim)
+                        f.seek(rng.randrange(max(1, size - 8)))
+                        f.write(bytes(rng.randrange(256) for _ in range(8)))
+                delay = 0.05
+            time.sleep(delay)
+            alive = workers(launcher)
+            if alive:
+                rank = rng.choice(sorted(alive))
+                at = time.monotonic() - started
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(alive[rank], signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+        elif fault == "kill-save":
+            while launcher.poll() is None and not glob.glob(os.path.join(ckpt, "*.partial")):
+                time.sleep(0.002)
+            alive = workers(launcher)
+            if alive:
+                rank = rng.choice(sorted(alive))
+                at = time.monotonic() - started
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(alive[rank], signal.SIGKILL)
+        rc, err = finish(launcher, args.limit)
+        outcome, detail = judge(rc, err, out, reference)
+        detail = detail or meshfit_line(err)  # what the user was told (a hang's naming)
+        if outcome == "refused":
+            if fault == "diskfull":
+                subprocess.run(["mount", "-o", f"remount,size={20 * ckpt_bytes}", ckpt], check=True)
+            again = run_training(plan, ckpt, out, args.hang_timeout, restarts=0)
+            rc2, err2 = finish(again, args.limit)
+            second, _ = judge(rc2, err2, out, reference)
+            outcome = "refused+exact" if second == "exact" else f"refused+{second}"
+        with contextlib.suppress(OSError):
+            os.remove(out)
+    return Trial(
+        plan,
+        fault,
+        outcome,
+        round(time.monotonic() - started, 1),
+        rank,
+        at and round(at, 2),
+        detail,
+    )
+
+
+def reference_run(plan: str, args) -> tuple[str, float, int]:
+    with checkpoint_dir("none", 0) as ckpt:
+        out = ckpt + ".json"
+        started = time.monotonic()
+        rc, err = finish(run_training(plan, ckpt, out, args.hang_timeout, restarts=0), args.limit)
+        seconds = time.monotonic() - started
+        digest = digest_of(out)
+        if rc != 0 or digest is None:
+            raise SystemExit(f"the undisturbed {plan} run failed:\n{err[-3000:]}")
+        size = max(
+            sum(
+                os.path.getsize(f)
+                for f in glob.glob(os.path.join(d, "**", "*"), recursive=True)
+                if os.path.isfile(f)
+            )
+            for d in committed(ckpt)
+        )
+        os.remove(out)
+    return digest, seconds, size
+
+
+def table(trials: list[Trial]) -> str:
+    rows = [
+        "| plan | fault | trials | exact | refused, then exact | other |",
+        "|---|---|---|---|---|---|",
+    ]
+    for plan in dict.fromkeys(t.plan for t in trials):
+        for fault in dict.fromkeys(t.fault for t in trials):
+            cell = [t for t in trials if t.plan == plan and t.fault == fault]
+            if not cell:
+                continue
+            counts = Counter(t.outcome for t in cell)
+            other = ", ".join(f"{k} {v}" for k, v in counts.items() if k not in GOOD) or "0"
+            rows.append(
+                f"| {plan} | {fault} | {len(cell)} | {counts['exact']} | {counts['refused+exact']} | {other} |"
+            )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
+    parser.add_argument("--trials", type=int, default=2, help="trials per plan and fault")
+    parser.add_argument("--hang-timeout", type=float, default=10.0)
+    parser.add_argument(
+        "--limit", type=float, default=300.0, help="seconds before a run counts as a hang"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "faults-cpu.json"))
+    args = parser.parse_args()
+    if "diskfull" in args.faults and os.geteuid() != 0:
+        print("faults: diskfull needs root (a tmpfs mount); skipped", file=sys.stderr)
+        args.faults = [f for f in args.faults if f != "diskfull"]
+    trials: list[Trial] = []
+    for plan in args.plans:
+        reference, seconds, ckpt_bytes = reference_run(plan, args)
+        print(
+            f"{plan}: undisturbed run {seconds:.1f} s, checkpoint {ckpt_bytes / 1e6:.2f} MB",
+            flush=True,
+        )
+        for fault in args.faults:
+            for _ in range(args.trials):
+                t = trial(plan, fault, reference, seconds, ckpt_bytes, args)
+                trials.append(t)
+                print(
+                    f"  {fault:9s} rank {t.rank} at {t.at_s} s -> {t.outcome} ({t.seconds} s) {t.detail[:160]}",
+                    flush=True,
+                )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump([asdict(t) for t in trials], f, indent=1)
+    print(table(trials))
+    return 0 if all(t.outcome in GOOD for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

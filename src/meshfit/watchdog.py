@@ -1,0 +1,429 @@
+"""Hang detection: a stuck rank is named within the hang timeout, not after 30 minutes.
+
+Every rank of a multi-process job runs a daemon thread that publishes a heartbeat to the
+launcher's store through its own client connection (never through the collective that
+may be stuck), and records what the rank is doing: `mark(...)` is called by the engine at
+each training step, evaluation, save and load. A rank that is *waiting* (inside one of
+those, where it needs its peers) and has made no progress for the hang timeout, or whose
+neighbour's heartbeat stopped, asks the store for every rank's state and decides who is
+stuck:
+
+- a rank whose heartbeat stopped: the process is frozen or stopped (SIGSTOP, a hung
+  driver call) - it is killed if it runs on this host, since it cannot exit by itself;
+- else ranks outside any waiting phase: busy in the training script (its loop, its own
+  data loading) while their peers wait for them;
+- else ranks that wait in an earlier step or another phase than the rest;
+- else every rank: all wait in the same phase, so a collective never completes.
+
+The first rank to decide publishes one verdict; every live rank writes its Python stack
+(`faulthandler`, all threads) into the hang directory and exits with EXIT_HANG, so the
+launcher restarts the job from the last checkpoint when --max-restarts allows. The
+deciding rank prints one meshfit line naming the stuck rank(s), the step, what they were
+doing and where the stacks are.
+
+Legitimately long phases: start-up gets at least SETUP_FLOOR_S, and a phase may take up
+to 3x the longest phase of the same kind seen on this rank before the timeout applies (so
+a slow first step does not make every later step suspect, and a save that took 4 minutes
+last time may take 12 now). A collective's own timeout (MESHFIT_TIMEOUT_S, gloo/NCCL) is
+reported the same way by `explain_collective_timeout`.
+
+Set the timeout with `meshfit run --hang-timeout S`, `mf.launch(..., hang_timeout=S)` or
+MESHFIT_HANG_TIMEOUT_S; 0 turns detection off. Store traffic: per rank and interval
+(timeout / 10, between 0.2 and 5 s) one set, one check and one read of its neighbour's
+heartbeat (a ring, so a frozen rank is seen even when nobody waits in a marked phase);
+all ranks' keys are read only when a rank has stalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+HANG_TIMEOUT_ENV = "MESHFIT_HANG_TIMEOUT_S"
+HANG_DIR_ENV = "MESHFIT_HANG_DIR"
+DEFAULT_HANG_TIMEOUT_S = 120.0
+EXIT_HANG = 3  # the deciding rank printed the reason; the launcher adds nothing
+PHASE_MARGIN = 3.0  # a phase may take this many times its kind's longest so far
+# Start-up (imports, joining the group, building the model) waits for the slowest rank's
+# start; 8 workers importing torch on 2 cores take over 10 s, so it gets at least this.
+SETUP_FLOOR_S = 60.0
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What a rank is doing. `waiting`: inside a phase that needs its peers."""
+
+    seq: int
+    step: int
+    kind: str  # "setup", "step", "evaluate", "save", "load", "script"
+    doing: str
+    waiting: bool
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank's heartbeat record in the store."""
+
+    rank: int
+    beat: int
+    seq: int
+    step: int
+    kind: str
+    doing: str
+    waiting: bool
+    stalled_s: float
+    host: str
+    pid: int
+
+
+# `doing` is a noun phrase read after "in": "training step 3", "the training script after
+# training step 2".
+_current = Mark(seq=0, step=0, kind="setup", doing="setup (process group, model)", waiting=True)
+_since = time.monotonic()  # when _current began
+_longest: dict[str, float] = {}  # kind -> longest completed duration on this rank
+_lock = threading.Lock()
+_dump_dir: str | None = None
+_watchdog: _Watchdog | None = None
+_on_hang: Callable[[str], None] | None = None  # mf.launch records the line for the parent
+# Set once a hang verdict is being carried out: the main thread, failing meanwhile in a
+# collective whose peer just exited, leaves the report and the exit to the watchdog.
+stopping = threading.Event()
+
+
+def mark(kind: str, doing: str, *, step: int | None = None, waiting: bool = True) -> None:
+    """Record that this rank now does `doing` (cheap: no I/O; the thread publishes it)."""
+    global _current, _since
+    now = time.monotonic()
+    with _lock:
+        previous = _current
+        took = now - _since
+        if took > _longest.get(previous.kind, 0.0):
+            _longest[previous.kind] = took
+        _current = Mark(
+            seq=previous.seq + 1,
+            step=previous.step if step is None else step,
+            kind=kind,
+            doing=doing,
+            waiting=waiting,
+        )
+        _since = now
+
+
+@contextlib.contextmanager
+def phase(kind: str, doing: str, *, step: int | None = None) -> Iterator[None]:
+    """Mark a waiting phase; when it ends this rank is back in the training script. An
+    exception leaves the mark as it was, so a report says where the rank failed."""
+    mark(kind, doing, step=step)
+    yield
+    mark("script", f"the training script after {doing}", waiting=False)
+
+
+def set_dump_dir(path: str | None) -> None:
+    """Where stacks of a hang go (fit: <checkpoint_dir>/hangs)."""
+    global _dump_dir
+    _dump_dir = path
+
+
+def set_on_hang(callback: Callable[[str], None] | None) -> None:
+    global _on_hang
+    _on_hang = callback
+
+
+def hang_timeout() -> float:
+    raw = os.environ.get(HANG_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_HANG_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        from meshfit.errors import MeshfitError
+
+        raise MeshfitError(
+            f"{HANG_TIMEOUT_ENV} must be a number of seconds (0 turns hang detection off), "
+            f"not {raw!r}"
+        )
+    return value
+
+
+def dump_dir() -> str:
+    if _dump_dir:
+        return os.path.join(_dump_dir, "hangs")
+    if os.environ.get(HANG_DIR_ENV):
+        return os.environ[HANG_DIR_ENV]
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    return os.path.join(tempfile.gettempdir(), f"meshfit-hangs-{run}")
+
+
+def start(rank: int, world_size: int) -> None:
+    """Start this process's watchdog (once) if the job has peers and a launcher store."""
+    global _watchdog
+    if _watchdog is not None or world_size < 2:
+        return
+    timeout = hang_timeout()
+    if timeout == 0:
+        return
+    store = _store_client()
+    if store is None:
+        return
+    _watchdog = _Watchdog(store, rank, world_size, timeout)
+    _watchdog.start()
+
+
+def _store_client():  # noqa: ANN202 - torch.distributed.Store
+    """A client connection of our own to the launcher's store, under this restart
+    attempt's prefix (mesh._attempt_store explains the prefix)."""
+    import torch.distributed as dist
+
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store = dist.TCPStore(
+            host_name=os.environ["MASTER_ADDR"],
+            port=int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=30),
+        )
+    except Exception:  # noqa: BLE001 - no store, no watchdog: training is unaffected
+        return None
+    return dist.PrefixStore(f"meshfit/attempt-{attempt}/watchdog/", store)
+
+
+class _Watchdog(threading.Thread):
+    def __init__(self, store, rank: int, world_size: int, timeout: float) -> None:  # noqa: ANN001
+        super().__init__(name="meshfit-watchdog", daemon=True)
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.interval = min(5.0, max(0.2, timeout / 10))
+        self.beat = 0
+        self.host = socket.gethostname()
+        self._neighbour_beat, self._neighbour_seen = -1, time.monotonic()
+
+    def run(self) -> None:
+        try:
+            while True:
+                state = self._publish()
+                if self.store.check(["verdict"]):
+                    self._obey(json.loads(self.store.get("verdict")))
+                stalled = state.waiting and state.stalled_s > self._allowed(state.kind)
+                if stalled or self._neighbour_frozen():
+                    self._diagnose()
+                time.sleep(self.interval)
+        except Exception:  # noqa: BLE001 - the store is gone (job ending): stop watching
+            return
+
+    def _publish(self) -> RankState:
+        self.beat += 1
+        state = self._own_state()
+        self.store.set(f"rank/{self.rank}", json.dumps(asdict(state)))
+        return state
+
+    def _neighbour_frozen(self) -> bool:
+        """Whether the next rank's heartbeat has not changed for the hang timeout. Each
+        rank watches one neighbour (a ring: O(world) store reads per interval), which
+        catches a frozen rank even while this one is not inside a marked phase."""
+        key = f"rank/{(self.rank + 1) % self.world_size}"
+        if not self.store.check([key]):
+            return False  # not started yet: setup is the launcher's to time out
+        beat = json.loads(self.store.get(key))["beat"]
+        now = time.monotonic()
+        if beat != self._neighbour_beat:
+            self._neighbour_beat, self._neighbour_seen = beat, now
+            return False
+        return now - self._neighbour_seen > self.timeout
+
+    def _own_state(self) -> RankState:
+        with _lock:
+            current, since = _current, _since
+        return RankState(
+            rank=self.rank,
+            beat=self.beat,
+            seq=current.seq,
+            step=current.step,
+            kind=current.kind,
+            doing=current.doing,
+            waiting=current.waiting,
+            stalled_s=round(time.monotonic() - since, 1),
+            host=self.host,
+            pid=os.getpid(),
+        )
+
+    def _allowed(self, kind: str) -> float:
+        floor = SETUP_FLOOR_S if kind == "setup" else 0.0
+        return max(self.timeout, floor, PHASE_MARGIN * _longest.get(kind, 0.0))
+
+    def _read_all(self) -> dict[int, RankState]:
+        states = {}
+        for rank in range(self.world_size):
+            key = f"rank/{rank}"
+            if self.store.check([key]):
+                states[rank] = RankState(**json.loads(self.store.get(key)))
+        return states
+
+    def _diagnose(self) -> None:
+        """Read every rank twice, some heartbeats apart, and publish who is stuck."""
+        first = self._read_all()
+        for _ in range(4):  # keep beating meanwhile: a peer may be diagnosing us too
+            time.sleep(self.interval)
+            self._publish()
+        second = self._read_all()
+        frozen = [
+            r
+            for r in range(self.world_size)
+            if r != self.rank
+            and (r not in second or (r in first and first[r].beat == second[r].beat))
+        ]
+        own = self._own_state()
+        if not frozen and not (own.waiting and own.stalled_s > self._allowed(own.kind)):
+            return  # progress was made meanwhile
+        verdict = {
+            "reporter": self.rank,
+            "line": describe(second, frozen, self.world_size, dump_dir()),
+            "frozen": [[r, second[r].host, second[r].pid] for r in frozen if r in second],
+        }
+        # Only the first verdict counts (compare_set sets a missing key when expected is "").
+        self.store.compare_set("verdict", "", json.dumps(verdict))
+        self._obey(json.loads(self.store.get("verdict")))
+
+    def _obey(self, verdict: dict) -> None:
+        """Write this rank's stack, report (the deciding rank), stop frozen local peers,
+        and exit so the launcher can restart the job."""
+        if verdict["reporter"] == self.rank and verdict.get("main_thread_reports"):
+            return  # a collective timed out here: the main thread reports and exits
+        stopping.set()
+        if verdict["reporter"] == self.rank:
+            if _on_hang is not None:
+                _on_hang(verdict["line"])
+            print(f"meshfit: error: {verdict['line']}", file=sys.__stderr__, flush=True)
+        write_stack(self.rank)
+        if verdict["reporter"] == self.rank:
+            for _rank, host, pid in verdict["frozen"]:
+                if host == self.host and pid != os.getpid():
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)  # frozen: it cannot exit by itself
+            time.sleep(2 * self.interval + 0.5)  # let stuck ranks write their stacks
+        else:
+            time.sleep(0.2)
+        os._exit(EXIT_HANG)
+
+
+def wait_if_stopping() -> None:
+    """Called where an exception would be reported: under a hang verdict the watchdog
+    thread reports and exits, so the (secondary) exception is not reported at all."""
+    if stopping.is_set():
+        time.sleep(60)  # the watchdog exits the process long before this ends
+
+
+def write_stack(rank: int) -> str | None:
+    """This process's Python stacks (all threads) into the hang directory."""
+    where = dump_dir()
+    path = os.path.join(where, f"rank-{rank}.txt")
+    try:
+        os.makedirs(where, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"rank {rank}, pid {os.getpid()}, doing: {_current.doing}\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+    except OSError:
+        return None
+    return path
+
+
+def stuck_ranks(states: dict[int, RankState], frozen: list[int], world_size: int) -> list[int]:
+    """Who holds the others up (the rules in the module docstring)."""
+    if frozen:
+        return frozen
+    busy = [r for r, s in states.items() if not s.waiting]
+    if busy:
+        return busy
+    waiting = [s for s in states.values() if s.waiting]
+    furthest = max((s.step, s.kind) for s in waiting)
+    behind = [s.rank for s in waiting if (s.step, s.kind) != furthest]
+    return behind or list(range(world_size))
+
+
+def describe(states: dict[int, RankState], frozen: list[int], world_size: int, where: str) -> str:
+    """The one line a hang is reported with."""
+    stuck = stuck_ranks(states, frozen, world_size)
+    waiters = sorted(r for r, s in states.items() if s.waiting and r not in stuck)
+    if len(stuck) == world_size and not frozen:
+        s = states[stuck[0]]
+        what = (
+            f"every rank waits in {s.doing} and none has progressed for "
+            f"{s.stalled_s:.0f} s: a collective does not complete (mismatched calls across "
+            f"ranks, or a network fault)"
+        )
+    else:
+        parts = []
+        for r in stuck:
+            s = states.get(r)
+            if r in frozen:
+                since = f", last seen in {s.doing}" if s else ""
+                parts.append(
+                    f"rank {r} stopped responding (no heartbeat: the process is frozen or stopped{since})"
+                )
+            else:
+                parts.append(f"rank {r} has been in {s.doing} for {s.stalled_s:.0f} s")
+        who = "rank" if len(waiters) == 1 else "ranks"
+        verb = "waits" if len(waiters) == 1 else "wait"
+        wait = f"; {who} {', '.join(map(str, waiters))} {verb} for it" if waiters else ""
+        what = "; ".join(parts) + wait
+    return (
+        f"hang detected: {what}. Python stacks of the live ranks: {where}/rank-*.txt. "
+        f"With --max-restarts the job restarts from the last checkpoint; if the phase is "
+        f"just slow, raise --hang-timeout (now {hang_timeout():.0f} s; 0 turns it off)"
+    )
+
+
+def explain_collective_timeout(exc: BaseException) -> str | None:
+    """The meshfit line for a gloo/NCCL collective timeout, naming the stuck rank(s) from
+    the heartbeats when the watchdog runs; None for any other exception."""
+    text = str(exc)
+    if "Timed out" not in text and "timed out" not in text and "Timeout" not in text:
+        return None
+    if not any(w in text for w in ("gloo", "Gloo", "NCCL", "recv", "send", "collective")):
+        return None
+    first_line = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    watchdog = _watchdog
+    who = ""
+    if watchdog is not None:
+        try:
+            states = watchdog._read_all()
+            time.sleep(watchdog.interval * 2 + 0.2)
+            again = watchdog._read_all()
+            frozen = [r for r in states if r in again and states[r].beat == again[r].beat]
+            who = " " + describe(again, frozen, watchdog.world_size, dump_dir())
+            write_stack(watchdog.rank)
+            # The other live ranks write their stacks and exit too (the stuck one would
+            # never reach a timeout of its own).
+            verdict = {
+                "reporter": watchdog.rank,
+                "line": who,
+                "frozen": [],
+                "main_thread_reports": True,
+            }
+            watchdog.store.compare_set("verdict", "", json.dumps(verdict))
+        except Exception:  # noqa: BLE001 - the store is gone too: report what we have
+            who = ""
+    with _lock:
+        doing = _current.doing
+    timeout = os.environ.get("MESHFIT_TIMEOUT_S", "1800")
+    return (
+        f"a collective timed out after {timeout} s (MESHFIT_TIMEOUT_S) while this rank was "
+        f"in {doing}: {first_line}.{who}"
+    )

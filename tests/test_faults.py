@@ -1,0 +1,31 @@
+"""A few trials of the fault campaign (benchmarks/faults.py) on every full run: a rank
+killed mid-save, a rank stopped (a hang) and a corrupted checkpoint, under pp=2 with
+AdamW; each must end with bit-identical weights. The whole campaign's table is in
+BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_fault_campaign_trials_end_exact(tmp_path) -> None:
+    out = tmp_path / "faults.json"
+    argv = [sys.executable, os.path.join(ROOT, "benchmarks", "faults.py"), "--plans", "pp=2"]
+    argv += ["--faults", "kill-save", "stop", "corrupt", "--trials", "1"]
+    argv += ["--hang-timeout", "5", "--limit", "240", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    trials = json.loads(out.read_text())
+    assert [t["fault"] for t in trials] == ["kill-save", "stop", "corrupt"], done.stdout
+    assert all(t["outcome"] == "exact" for t in trials), done.stdout + done.stderr[-3000:]
+    assert all(t["rank"] is not None for t in trials), "a fault came after the run ended"
+    stop = trials[1]
+    assert f"hang detected: rank {stop['rank']} stopped responding" in stop["detail"]
+    assert done.returncode == 0

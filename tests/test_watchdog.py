@@ -1,0 +1,84 @@
+"""Hang detection: a stuck rank is named within the hang timeout (watchdog.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from workers import hang_run
+
+import meshfit as mf
+from meshfit import watchdog
+from meshfit.watchdog import RankState, describe, stuck_ranks
+
+
+def _state(rank: int, **fields) -> RankState:
+    base = dict(
+        rank=rank, beat=5, seq=9, step=3, kind="step", doing="training step 3",
+        waiting=True, stalled_s=12.0, host="h", pid=100 + rank,
+    )  # fmt: skip
+    return RankState(**{**base, **fields})
+
+
+def test_stuck_rank_rules() -> None:
+    waiting = {0: _state(0), 1: _state(1)}
+    assert stuck_ranks(waiting, frozen=[1], world_size=2) == [1]
+    busy = {0: _state(0), 1: _state(1, kind="script", doing="in the script", waiting=False)}
+    assert stuck_ranks(busy, frozen=[], world_size=2) == [1]
+    behind = {0: _state(0), 1: _state(1, step=2, doing="training step 2")}
+    assert stuck_ranks(behind, frozen=[], world_size=2) == [1]
+    assert stuck_ranks(waiting, frozen=[], world_size=2) == [0, 1]
+    line = describe(waiting, [], 2, "/x")
+    assert "every rank waits in training step 3" in line and "\n" not in line
+
+
+def test_phase_marks_and_margin() -> None:
+    watchdog.mark("step", "training step 1", step=1)
+    time.sleep(0.05)
+    watchdog.mark("script", "after", waiting=False)
+    assert watchdog._longest["step"] >= 0.05
+    assert watchdog._current.step == 1 and not watchdog._current.waiting
+
+
+def test_bad_timeout_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv(watchdog.HANG_TIMEOUT_ENV, "soon")
+    with pytest.raises(mf.MeshfitError, match="number of seconds"):
+        watchdog.hang_timeout()
+    with pytest.raises(mf.MeshfitError, match=">= 0"):
+        mf.launch(hang_run, nproc=2, args=("sleep", 1, "/tmp"), hang_timeout=-1)
+
+
+def test_rank_busy_in_the_script_is_named_with_its_stack(tmp_path) -> None:
+    started = time.monotonic()
+    with pytest.raises(mf.MeshfitError) as caught:
+        mf.launch(hang_run, nproc=2, args=("sleep", 1, str(tmp_path)), hang_timeout=2)
+    took = time.monotonic() - started
+    line = str(caught.value)
+    assert "hang detected: rank 1 has been in the training script after training step 2" in line
+    assert "rank 0 waits for it" in line and str(tmp_path) in line
+    assert took < 45, f"took {took:.0f} s, the rank sleeps 60 s"
+    stack = (tmp_path / "rank-1.txt").read_text()
+    assert "slow_user_code" in stack  # the stuck rank's Python stack, saved
+    assert (tmp_path / "rank-0.txt").exists()
+
+
+def test_frozen_rank_is_named_and_killed(tmp_path) -> None:
+    started = time.monotonic()
+    with pytest.raises(mf.MeshfitError, match="rank 1 stopped responding") as caught:
+        mf.launch(hang_run, nproc=2, args=("stop", 1, str(tmp_path)), hang_timeout=2)
+    # Killed by its peer: without that the launcher waits 30 s on the stopped process.
+    assert time.monotonic() - started < 28, str(caught.value)
+
+
+def test_collective_timeout_is_one_meshfit_line(tmp_path) -> None:
+    with pytest.raises(mf.MeshfitError, match="a collective timed out after 2") as caught:
+        mf.launch(hang_run, nproc=2, args=("sleep", 1, str(tmp_path), 2), hang_timeout=600)
+    assert "rank 1 has been in the training script" in str(caught.value)
+
+
+def test_ranks_busy_in_the_script_together_are_not_a_hang(tmp_path) -> None:
+    # Every rank spends 3 s in its own code (longer than the 1 s timeout): nobody waits.
+    steps = mf.launch(hang_run, nproc=2, args=("both_sleep", 1, str(tmp_path)), hang_timeout=1)
+    assert steps == 4
+    assert not os.listdir(tmp_path)
