@@ -90,6 +90,8 @@ class TwoHosts:
     stranger_ns: str
     run_addr: str
     stranger_addr: str
+    run_dev: str  # the veth ends, for GLOO_SOCKET_IFNAME
+    stranger_dev: str
 
     def in_run_host(self, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.run_ns, *argv]
@@ -111,7 +113,7 @@ def netns_unavailable() -> str | None:
 def two_hosts() -> Iterator[TwoHosts]:
     tag = f"{os.getpid() % 100000}"
     a, b = f"mfrun{tag}", f"mfstr{tag}"
-    hosts = TwoHosts(a, b, "10.231.0.1", "10.231.0.2")
+    hosts = TwoHosts(a, b, "10.231.0.1", "10.231.0.2", f"mfa{tag}", f"mfb{tag}")
     commands = [
         ["ip", "netns", "add", a],
         ["ip", "netns", "add", b],

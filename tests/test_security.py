@@ -242,6 +242,38 @@ def test_stranger_who_knows_the_key_stops_the_run_with_one_line(hosts, tmp_path)
     assert not marker.exists()
 
 
+@pytest.mark.slow
+def test_two_hosts_with_the_secret_train_together(hosts, tmp_path) -> None:
+    """The elastic multi-node path across two network namespaces: the signed rendezvous
+    admits the node that has the secret, and the run matches one node's."""
+    master = ["--nnodes", "2", "--nproc", "1", "--master", f"{hosts.run_addr}:{_free_port()}"]
+    script = [os.path.join(SCRIPTS, "fault_train.py"), "--checkpoint-dir", str(tmp_path / "ck")]
+    argv = _meshfit("run", *master, *script, "--out", str(tmp_path / "two.pt"))
+    nodes = []
+    for wrap, dev in (
+        (hosts.in_run_host, hosts.run_dev),
+        (hosts.in_stranger_host, hosts.stranger_dev),
+    ):
+        env = _env(MESHFIT_RUN_SECRET=SECRET, GLOO_SOCKET_IFNAME=dev)
+        nodes.append(subprocess.Popen(wrap(argv), env=env, stderr=subprocess.PIPE, text=True))
+        time.sleep(2)  # node 0 first, as a cluster would start it
+    errors = [node.communicate(timeout=180)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], errors
+    one = subprocess.run(
+        _meshfit("run", "--nproc", "2", *script[:1], "--checkpoint-dir", str(tmp_path / "c1"))
+        + ["--out", str(tmp_path / "one.pt")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    a = torch.load(tmp_path / "two.pt", weights_only=True)
+    b = torch.load(tmp_path / "one.pt", weights_only=True)
+    for name, value in b["state"].items():
+        assert torch.equal(a["state"][name], value), name
+
+
 # ---- several nodes: secrets and reachability, on loopback ---------------------------------
 
 
