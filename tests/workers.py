@@ -187,6 +187,42 @@ def die_on_rank(rank_to_fail: int) -> int:
     return 0
 
 
+def hold(seconds: float) -> int:
+    """Join the process group and hold it: a run whose sockets a test can look at."""
+    from meshfit.mesh import init_distributed
+
+    init_distributed()
+    torch.distributed.barrier()
+    time.sleep(seconds)
+    torch.distributed.barrier()
+    return 0
+
+
+def fit_killed_once(checkpoint_dir: str, kill_at: int | None) -> dict:
+    """fit with checkpoints; with kill_at, rank 1 SIGKILLs itself after that step on the
+    first attempt (mf.launch(max_restarts=1) restarts the group, fit resumes)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def kill_once(step: int, engine: mf.Engine) -> None:
+        if step == kill_at and attempt == 0 and engine.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model, loss_fn = build("mlp")
+    history = mf.fit(
+        model,
+        dataset("mlp", 48),
+        loss_fn=loss_fn,
+        optimizer=optimizer_factory("adamw"),
+        batch_size=8,
+        max_steps=8,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=2,
+        progress=False,
+        callbacks=[kill_once],
+    )
+    return {"attempt": attempt, "losses": history.losses, "state": model.state_dict()}
+
+
 def world_info() -> dict:
     return {
         "rank": int(os.environ["RANK"]),

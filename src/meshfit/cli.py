@@ -148,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_options(run)
     run.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     run.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
-    run.add_argument("--master", default=None, help="ADDR:PORT of node 0 (multi-node)")
+    run.add_argument(
+        "--master",
+        default=None,
+        help="ADDR:PORT of node 0 (multi-node; without --node-rank every node needs the same "
+        "MESHFIT_RUN_SECRET or MESHFIT_RUN_SECRET_FILE, see docs/security.md)",
+    )
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"
     )

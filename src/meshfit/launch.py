@@ -1,9 +1,11 @@
 """Starting workers: `mf.launch(fn)` from Python and `meshfit run script.py` from a shell.
 
 Both are thin layers over torch.distributed's elastic launcher (the engine of torchrun):
-the elastic agent starts the workers, runs the c10d rendezvous, restarts the group when a
+the elastic agent starts the workers, runs the rendezvous, restarts the group when a
 worker dies (up to max_restarts) and tears every worker down when one fails, so a failure
-never leaves the others hanging in a collective.
+never leaves the others hanging in a collective. The rendezvous is torch's dynamic one
+over meshfit's backend (rendezvous.py: signed state, stores on one address); a single
+node listens on loopback only (docs/security.md).
 """
 
 from __future__ import annotations
@@ -18,14 +20,13 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from meshfit import watchdog
+from meshfit import rendezvous, watchdog
 from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
@@ -91,6 +92,16 @@ def plan_workers(
     env["MESHFIT_THREADS"] = str(threads)
     env["MESHFIT_WORKER"] = "1"
     return WorkerSetup(nproc=nproc, env=env, device_kind=kind, threads=threads)
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_env() -> dict[str, str]:
+    """Keep gloo's and NCCL's own listening sockets of a single-node run on loopback:
+    gloo binds the address its host name resolves to, which is not loopback in many
+    containers and clusters."""
+    return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 @contextlib.contextmanager
@@ -161,19 +172,26 @@ def launch(
     setup = plan_workers(nproc, devices, threads)
     setup.env.update(hang_timeout_env(hang_timeout))
     error_dir = tempfile.mkdtemp(prefix="meshfit-launch-")
+    secret = rendezvous.new_secret()
+    rendezvous.register()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=setup.nproc,
-        run_id=f"meshfit-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # a free loopback port, as torchrun --standalone
+        run_id=rendezvous.run_id(secret),
+        rdzv_backend=rendezvous.BACKEND,
+        rdzv_endpoint=f"{LOOPBACK}:0",  # a free port, listening on loopback only
+        local_addr=LOOPBACK,  # MASTER_ADDR of the workers' store
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
     try:
-        with _patched_environ(setup.env), _quiet_elastic_logs(logging.CRITICAL):
+        with (
+            _patched_environ({**setup.env, **loopback_env()}),
+            rendezvous.using_secret(secret),
+            _quiet_elastic_logs(logging.CRITICAL),
+        ):
             results = elastic_launch(config, _worker_main)(
                 fn, tuple(args), dict(kwargs or {}), error_dir
             )
@@ -283,8 +301,9 @@ def hang_timeout_env(seconds: float | None) -> dict[str, str]:
     return {watchdog.HANG_TIMEOUT_ENV: repr(float(seconds))}
 
 
-def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
-    """The torch.distributed.run arguments for these options."""
+def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list[str]:
+    """The torch.distributed.run arguments for these options; `rdzv_id` names the
+    rendezvous (rendezvous.run_id of the run's secret)."""
     argv = [
         "--nproc-per-node",
         str(setup.nproc),
@@ -293,8 +312,18 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
         "--monitor-interval",
         "0.5",
     ]
-    if options.nnodes == 1 and options.master is None:
-        argv.append("--standalone")  # c10d rendezvous on a free loopback port
+    if is_single_node(options):
+        # As torchrun --standalone, but on meshfit's backend: a free port, loopback only.
+        argv += [
+            "--rdzv-backend",
+            rendezvous.BACKEND,
+            "--rdzv-endpoint",
+            f"{LOOPBACK}:0",
+            "--rdzv-id",
+            rdzv_id,
+            "--local-addr",
+            LOOPBACK,
+        ]
     else:
         if options.master is None:
             raise MeshfitError(
@@ -322,20 +351,30 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup) -> list[str]:
                 port,
             ]
         else:
-            # Elastic rendezvous: node ranks are assigned as nodes join.
+            # Elastic rendezvous: node ranks are assigned as nodes join; the state is
+            # signed with the run's secret (rendezvous.py).
             argv += [
                 "--rdzv-backend",
-                "c10d",
+                rendezvous.BACKEND,
                 "--rdzv-endpoint",
                 options.master,
                 "--rdzv-id",
-                "meshfit",
+                rdzv_id,
             ]
     if options.module:
         argv.append("--module")
     argv.append(options.target)
     argv += list(options.target_args)
     return argv
+
+
+def is_single_node(options: RunOptions) -> bool:
+    return options.nnodes == 1 and options.master is None
+
+
+def _uses_signed_rendezvous(options: RunOptions) -> bool:
+    """Every run but the static rendezvous of fixed node ranks (--node-rank)."""
+    return is_single_node(options) or options.node_rank is None
 
 
 def run(options: RunOptions) -> int:
@@ -352,7 +391,12 @@ def run(options: RunOptions) -> int:
         raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
     setup = plan_workers(options.nproc, options.devices, options.threads)
     setup.env.update(hang_timeout_env(options.hang_timeout))
-    argv = torchrun_argv(options, setup)
+    # One node: a secret made here, kept in memory. Several: the one every node was given.
+    secret = rendezvous.new_secret() if is_single_node(options) else None
+    if secret is None and _uses_signed_rendezvous(options):
+        secret = rendezvous.read_secret()  # refuse a missing secret before starting
+    rendezvous.register()
+    argv = torchrun_argv(options, setup, rendezvous.run_id(secret) if secret else "none")
     where = (
         f"{setup.nproc} GPU workers"
         if setup.device_kind == "cuda"
@@ -363,7 +407,14 @@ def run(options: RunOptions) -> int:
     level = logging.WARNING if options.max_restarts else logging.CRITICAL
     markers = tempfile.mkdtemp(prefix="meshfit-markers-")  # workers' one-line-error claims
     try:
-        with _patched_environ({**setup.env, MARKER_DIR_ENV: markers}), _quiet_elastic_logs(level):
+        env = {**setup.env, MARKER_DIR_ENV: markers}
+        if is_single_node(options):
+            env.update(loopback_env())
+        with (
+            _patched_environ(env),
+            rendezvous.using_secret(secret) if secret else contextlib.nullcontext(),
+            _quiet_elastic_logs(level),
+        ):
             torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as failed:
         rank, info = failed.get_first_failure()
