@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from meshfit.checkpoint import (
     latest_checkpoint,
-    point_latest,
     prune_checkpoints,
     save_checkpoint,
     step_dir_name,
@@ -105,7 +104,11 @@ def fit(
         `eval_batches` global batches every `eval_every` steps and at the end.
     checkpoint_dir, checkpoint_every: save every N steps and at the end; with
         resume=True a run finds the newest checkpoint there and continues the exact same
-        run (weights, optimizer, data position, RNG state).
+        run (weights, optimizer, data position, RNG state). A save that fails (disk
+        full, an I/O error, on any rank) stops the run on every rank with one
+        MeshfitError naming the directory and the OS error, rather than training on
+        without checkpoints and risking hours of work unnoticed; the previous checkpoint
+        stays whole and is where the next run resumes.
     report_memory: add rank 0's model-state bytes (parameters + gradients + optimizer
         state, this rank's share) and, on a GPU, peak memory to the log lines and the
         history (Engine.memory_report).
@@ -168,8 +171,7 @@ def fit(
                     log.add_eval(step, eval_loss)
                 if checkpoint_dir and _due(step, checkpoint_every, at_end):
                     log.flush(step, log_line=False)
-                    history.append_new(log.records)
-                    _save(engine, checkpoint_dir, step, config, keep_checkpoints)
+                    _save(engine, checkpoint_dir, step, config, keep_checkpoints, history, log)
             for callback in callbacks:
                 callback(step, engine)
         log.flush(step, log_line=False)
@@ -540,19 +542,32 @@ def _evaluate(
     return float(torch.stack(losses).mean())
 
 
-def _save(engine: Engine, root: str, step: int, config: _RunConfig, keep: int) -> None:
-    """Save a checkpoint of `step` (with this rank's RNG state), point `latest` at it and
-    keep the newest `keep`."""
+def _save(
+    engine: Engine,
+    root: str,
+    step: int,
+    config: _RunConfig,
+    keep: int,
+    history: _HistoryFile,
+    log: _StepLog,
+) -> None:
+    """Append the history, save a checkpoint of `step` (with this rank's RNG state), point
+    `latest` at it and keep the newest `keep`. A full or failing disk stops the run on
+    every rank with a MeshfitError (io_agreement.py); `latest` still names the previous
+    checkpoint, the resume point."""
+    from meshfit.io_agreement import on_every_rank
+
+    on_every_rank(lambda: history.append_new(log.records), f"the history file {history.path!r}")
     rank_state = {"torch_rng": torch.get_rng_state(), "python_random": random.getstate()}
     if engine.device.type == "cuda":
         rank_state["cuda_rng"] = torch.cuda.get_rng_state(engine.device)
-    path = save_checkpoint(
+    save_checkpoint(
         engine,
         os.path.join(root, step_dir_name(step)),
         extra={"fit": {"step": step, **asdict(config)}},
         rank_state=rank_state,
+        latest_root=root,
     )
-    point_latest(root, path)
     prune_checkpoints(root, keep)
 
 
