@@ -599,3 +599,15 @@ def save_fails_on_one_rank(spec: dict, failing_rank: int, points: list[str], out
         with open(os.path.join(out, f"{point}-rank-{rank}.txt"), "w") as f:
             f.write(outcome)
     return first
+
+
+def plan_errors(plans: list[str]) -> list[str | None]:
+    """parallelize under each plan; the MeshfitError message of each (None: it worked)."""
+    errors: list[str | None] = []
+    for plan in plans:
+        try:
+            mf.parallelize(torch.nn.Linear(2, 2), plan, loss_fn=F.mse_loss)
+            errors.append(None)
+        except mf.MeshfitError as exc:
+            errors.append(str(exc))
+    return errors

@@ -123,6 +123,20 @@ def fit(
     """
     _check_parallelize_options(parallelize_options)
     _check_args(batch_size, max_steps, epochs, log_every, checkpoint_every, eval_every)
+    _check_options(
+        eval_batches=eval_batches,
+        keep_checkpoints=keep_checkpoints,
+        seed=seed,
+        num_workers=num_workers,
+        history_file=history_file,
+        callbacks=callbacks,
+        flags={
+            "resume": resume,
+            "shuffle": shuffle,
+            "progress": progress,
+            "report_memory": report_memory,
+        },
+    )
     train_data = as_dataset(dataset, "dataset")
     eval_data = as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     if checkpoint_every and not checkpoint_dir:
@@ -481,6 +495,50 @@ def _check_args(
     for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MeshfitError(f"{name} must be a positive whole number, not {value!r}")
+
+
+def _check_options(
+    *,
+    eval_batches: Any,
+    keep_checkpoints: Any,
+    seed: Any,
+    num_workers: Any,
+    history_file: Any,
+    callbacks: Any,
+    flags: dict[str, Any],
+) -> None:
+    """Refuse, before anything starts, the arguments that would otherwise fail (or
+    quietly do something else) only later in the run."""
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if eval_batches is not None and not (whole(eval_batches) and eval_batches >= 1):
+        raise MeshfitError(f"eval_batches must be a positive whole number, not {eval_batches!r}")
+    if not (whole(keep_checkpoints) and keep_checkpoints >= 1):
+        raise MeshfitError(
+            f"keep_checkpoints must be a whole number >= 1 (how many checkpoints to keep), "
+            f"not {keep_checkpoints!r}"
+        )
+    if not whole(seed):
+        raise MeshfitError(f"seed must be a whole number, not {seed!r}")
+    if not (whole(num_workers) and num_workers >= 0):
+        raise MeshfitError(
+            f"num_workers must be a whole number >= 0 (data-loading processes), not {num_workers!r}"
+        )
+    if history_file is not None and not isinstance(history_file, (str, os.PathLike)):
+        raise MeshfitError(f"history_file must be a path, not {history_file!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise MeshfitError(f"{name} must be True or False, not {value!r}")
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise MeshfitError(f"callbacks must be a list of functions, not {callbacks!r}")
+    # The items of a list or tuple (another iterable is read once, by fit itself).
+    for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
+        if not callable(callback):
+            raise MeshfitError(
+                f"callbacks must be functions called as fn(step, engine), not {callback!r}"
+            )
 
 
 def _pipeline_example(
