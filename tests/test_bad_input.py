@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 import meshfit as mf
 from meshfit.plan import CHECKPOINTING, PRECISIONS, SCHEDULES
@@ -38,6 +39,11 @@ def sweep(examples: int):
     )
 
 
+def count(outcome: str) -> None:
+    if currently_in_test_context():  # a hypothesis example, not a plain test
+        event(outcome)
+
+
 @contextlib.contextmanager
 def works_or_one_meshfit_line():
     """The property: no exception, or a MeshfitError of one line (each sweep asserts
@@ -46,9 +52,9 @@ def works_or_one_meshfit_line():
         warnings.simplefilter("ignore")  # warnings are allowed; they are not the subject
         try:
             yield
-            event("works")  # pytest --hypothesis-show-statistics shows the mix
+            count("works")  # pytest --hypothesis-show-statistics shows the mix
         except mf.MeshfitError as exc:
-            event("refused")
+            count("refused")
             message = str(exc)
             assert message and "\n" not in message and len(message) < 1000, message
         finally:
@@ -78,9 +84,24 @@ def mostly(good, odd, weight: int = 4):
     return st.sampled_from([True] * weight + [False]).flatmap(lambda g: good if g else odd)
 
 
-def option(good: list, odd=ODD_VALUES, weight: int = 4):
-    """An argument: one of the good values, or (1 in weight + 1) an odd one."""
-    return mostly(st.sampled_from(good), odd, weight)
+ABSENT = object()  # an argument left out of the call
+
+
+def one_wrong(spec: dict[str, tuple[list, st.SearchStrategy]]) -> st.SearchStrategy:
+    """Arguments by `spec` ({name: (good values, odd values)}): a good value for each,
+    then, in all but 1 in len(spec) + 1 examples, an odd value for one of them. One
+    argument wrong at a time finds the check that is missing for it; wrong ones side by
+    side would mostly find the first check that exists."""
+
+    @st.composite
+    def arguments(draw) -> dict:
+        chosen = {name: draw(st.sampled_from(good)) for name, (good, _) in spec.items()}
+        wrong = draw(st.sampled_from([None, *spec]))
+        if wrong is not None:
+            chosen[wrong] = draw(spec[wrong][1])
+        return {name: value for name, value in chosen.items() if value is not ABSENT}
+
+    return arguments()
 
 
 FIELDS = (
@@ -198,18 +219,22 @@ ONE_PROCESS_PLANS = st.one_of(
 )
 
 
-PARALLELIZE_OPTIONS = st.fixed_dictionaries(
-    {},
-    optional={
-        "optimizer": option([None, sgd], st.one_of(ODD_VALUES, st.just(lambda p: 5))),
-        "loss_fn": option([F.cross_entropy], st.one_of(ODD_VALUES, st.just(int))),
-        "grad_clip": option([None, 1.0, 0.5]),
-        "lr_scheduler": option([None, step_lr], st.one_of(ODD_VALUES, st.just(lambda o: 5))),
-        "compile": option([False], ODD_VALUES.filter(lambda v: v is not True)),  # not slow
-        "tp_plan": option([None]),
-        "pp_split": option([None]),
-        "example_inputs": option([None]),
-    },
+NOT_TRUE = ODD_VALUES.filter(lambda v: v is not True)  # compile=True, progress=True: slow
+PARALLELIZE_ARGUMENTS = one_wrong(
+    {
+        "plan": (
+            [None, "dp=1", "microbatches=2", "precision=bf16", "offload=true"],
+            ONE_PROCESS_PLANS,
+        ),
+        "optimizer": ([None, sgd], st.one_of(ODD_VALUES, st.just(lambda p: 5))),
+        "loss_fn": ([F.cross_entropy], st.one_of(ODD_VALUES, st.just(int))),
+        "grad_clip": ([None, 1.0, 0.5], ODD_VALUES),
+        "lr_scheduler": ([None, step_lr], st.one_of(ODD_VALUES, st.just(lambda o: 5))),
+        "compile": ([False], NOT_TRUE),
+        "tp_plan": ([None], ODD_VALUES),
+        "pp_split": ([None], ODD_VALUES),
+        "example_inputs": ([None], ODD_VALUES),
+    }
 )
 
 
@@ -218,12 +243,11 @@ def assert_no_gradients_left(engine) -> None:
     assert all(p.grad is None for p in engine.parallel_model.parameters())
 
 
-@sweep(120)
-@given(plan=ONE_PROCESS_PLANS, options=PARALLELIZE_OPTIONS, batch=st.integers(1, 6))
-def test_parallelize_arguments(plan, options: dict, batch: int) -> None:
-    options.setdefault("loss_fn", F.cross_entropy)
+@sweep(150)
+@given(arguments=PARALLELIZE_ARGUMENTS, batch=st.integers(1, 6))
+def test_parallelize_arguments(arguments: dict, batch: int) -> None:
     with works_or_one_meshfit_line():
-        engine = mf.parallelize(tiny_mlp(), plan, **options)
+        engine = mf.parallelize(tiny_mlp(), **arguments)
         loss = engine.step(good_batch(batch))
         assert math.isfinite(float(loss))
         engine.evaluate(good_batch(batch))
@@ -267,7 +291,12 @@ def batches(draw):
     targets = draw(
         mostly(
             good_targets,
-            st.one_of(tensors(target_batch), good_targets.map(lambda y: {"y": y}), ODD_VALUES),
+            st.one_of(
+                tensors(target_batch),
+                good_targets.map(lambda y: {"y": y}),
+                good_targets.map(lambda y: y * 2),  # class ids out of range, in some rows
+                ODD_VALUES,
+            ),
         )
     )
     shape = draw(st.sampled_from(["pair"] * 6 + ["list", "triple", "one", "dict", "other"]))
@@ -303,6 +332,26 @@ def test_batches(batch, micro: int, evaluate: bool) -> None:
             assert torch.equal(value, before[name]), name
 
 
+def test_a_step_that_fails_halfway_leaves_no_gradients() -> None:
+    """Labels out of range in the second micro-batch only: the first micro-batch's
+    backward has run when the step fails. The next step must train as a fresh engine's
+    first step does, not on the leftover gradients (the sweep meets this case rarely)."""
+    inputs, targets = good_batch(4)
+    bad = targets.clone()
+    bad[2:] = 7  # 3 classes
+    engine, fresh = (
+        mf.parallelize(tiny_mlp(), "microbatches=2", optimizer=sgd, loss_fn=F.cross_entropy)
+        for _ in range(2)
+    )
+    with pytest.raises(mf.MeshfitError, match="out of bounds"):
+        engine.step((inputs, bad))
+    assert_no_gradients_left(engine)
+    engine.step((inputs, targets))
+    fresh.step((inputs, targets))
+    for name, value in fresh.user_model.state_dict().items():
+        assert torch.equal(engine.user_model.state_dict()[name], value), name
+
+
 # ---- fit -------------------------------------------------------------------------
 
 
@@ -317,6 +366,8 @@ def fit_data(kind: str):
         "float targets": (inputs, targets.float()),
         "empty": (inputs[:0], targets[:0]),
         "three tensors": (inputs, targets, targets),
+        "dict of tensors": {"inputs": inputs, "targets": targets},
+        "ragged": [(inputs[i, : 3 + i % 2], targets[i]) for i in range(12)],  # unpadded
         "text": "not a dataset",
         "number": 12,
         "iterable": _Stream(),
@@ -331,38 +382,38 @@ class _Stream(torch.utils.data.IterableDataset):
 FIT_DATA = ["pair", "dataset", "samples", "short targets", "wrong width", "float targets"] + [
     "empty",
     "three tensors",
+    "dict of tensors",
+    "ragged",
     "text",
     "number",
     "iterable",
 ]
-SMALL = [1, 2, 3]
-FIT_ARGUMENTS = st.fixed_dictionaries(
+NO_WORKERS = ODD_VALUES.filter(lambda v: not isinstance(v, int) or v < 1)  # slow to start
+FIT_ARGUMENTS = one_wrong(
     {
-        "batch_size": option([2, 4, 12, 13]),
-        "length": st.sampled_from(["max_steps"] * 4 + ["epochs"] * 2 + ["both", "neither"]),
-        "count": option(SMALL),
-    },
-    optional={
-        "plan": ONE_PROCESS_PLANS,
-        "eval_every": option([None, 1, 2]),
-        "eval_batches": option([None, 1, 2]),
-        "use_eval": st.booleans(),
-        "checkpoint_every": option([None, 1, 2]),
-        "use_checkpoint_dir": st.booleans(),
-        "keep_checkpoints": option([1, 2]),
-        "resume": option([True, False]),
-        "log_every": option([1, 10]),
-        "seed": option([0, 7]),
-        "shuffle": option([True, False]),
-        # Data-loading processes are slow to start for every example: none or odd values.
-        "num_workers": option([0], ODD_VALUES.filter(lambda v: not isinstance(v, int) or v < 1)),
-        "progress": option([False]),
-        "report_memory": option([False, True]),
-        "callbacks": option([(), [lambda step, engine: None]]),
-        "history_file": option([None]),
-        "grad_clip": option([None, 1.0]),
-        "unknown_keyword": st.just(1),
-    },
+        "dataset": (["pair", "dataset", "samples"], st.sampled_from(FIT_DATA)),
+        "plan": ([None, "dp=1", "microbatches=2"], ONE_PROCESS_PLANS),
+        "batch_size": ([2, 4, 12], st.one_of(ODD_VALUES, st.just(13))),
+        "max_steps": ([1, 2, 3], ODD_VALUES),
+        "epochs": ([ABSENT], ODD_VALUES),
+        "eval_dataset": ([ABSENT, "pair"], st.one_of(ODD_VALUES, st.sampled_from(FIT_DATA))),
+        "eval_every": ([None, 1, 2], ODD_VALUES),
+        "eval_batches": ([None, 1, 2], ODD_VALUES),
+        "checkpoint_dir": ([None, "ROOT"], ODD_VALUES),
+        "checkpoint_every": ([None, 2], ODD_VALUES),
+        "keep_checkpoints": ([1, 2], ODD_VALUES),
+        "resume": ([True, False], ODD_VALUES),
+        "log_every": ([1, 10], ODD_VALUES),
+        "seed": ([0, 7], ODD_VALUES),
+        "shuffle": ([True, False], ODD_VALUES),
+        "num_workers": ([0], NO_WORKERS),
+        "progress": ([False], NOT_TRUE),
+        "report_memory": ([False, True], ODD_VALUES),
+        "callbacks": ([(), [lambda step, engine: None]], ODD_VALUES),
+        "history_file": ([None], ODD_VALUES),
+        "grad_clip": ([None, 1.0], ODD_VALUES),
+        "learning_rate": ([ABSENT], st.just(0.1)),  # not a keyword of fit or parallelize
+    }
 )
 
 
@@ -372,37 +423,41 @@ def stale_checkpoints(root: str) -> list[str]:
     return [n for n in os.listdir(root) if n.endswith((".partial", ".old", ".tmp"))]
 
 
-@sweep(150)
-@given(arguments=FIT_ARGUMENTS, data=st.sampled_from(["pair"] * 6 + FIT_DATA))
-def test_fit_arguments(arguments: dict, data: str) -> None:
-    arguments = dict(arguments)
-    length, count = arguments.pop("length"), arguments.pop("count")
-    if length in ("max_steps", "both"):
-        arguments["max_steps"] = count
-    if length in ("epochs", "both"):
-        arguments["epochs"] = count
-    if isinstance(arguments.get("max_steps"), int) and arguments["max_steps"] > 50:
-        arguments["max_steps"] = 3  # a huge but valid length is only slow, not wrong
-    if isinstance(arguments.get("epochs"), int) and arguments["epochs"] > 5:
-        arguments["epochs"] = 2
-    if arguments.pop("use_eval", False):
-        arguments["eval_dataset"] = fit_data("pair")
-    if arguments.pop("unknown_keyword", None):
-        arguments["learning_rate"] = 0.1
-    arguments.setdefault("progress", False)
+@sweep(250)
+@given(arguments=FIT_ARGUMENTS)
+def test_fit_arguments(arguments: dict) -> None:
+    for name, limit in (("max_steps", 3), ("epochs", 2)):  # huge but valid is only slow
+        if isinstance(arguments.get(name), int) and arguments[name] > limit:
+            arguments[name] = limit
+    data = fit_data(arguments.pop("dataset"))
+    if isinstance(arguments.get("eval_dataset"), str) and arguments["eval_dataset"] in FIT_DATA:
+        arguments["eval_dataset"] = fit_data(arguments["eval_dataset"])
     with tempfile.TemporaryDirectory() as root:
-        if arguments.pop("use_checkpoint_dir", False):
+        if arguments.get("checkpoint_dir") == "ROOT":
             arguments["checkpoint_dir"] = os.path.join(root, "run")
         with works_or_one_meshfit_line():
-            history = mf.fit(
-                tiny_mlp(),
-                fit_data(data),
-                loss_fn=F.cross_entropy,
-                optimizer=sgd,
-                **arguments,
-            )
+            history = mf.fit(tiny_mlp(), data, loss_fn=F.cross_entropy, optimizer=sgd, **arguments)
             assert len(history) >= 1
         assert stale_checkpoints(os.path.join(root, "run")) == []
+
+
+@pytest.mark.parametrize("kind", FIT_DATA)
+@pytest.mark.parametrize("as_eval", [False, True])
+def test_every_kind_of_dataset(kind: str, as_eval: bool) -> None:
+    """Each dataset form, as the training or the evaluation set, with good arguments
+    otherwise (the sweep draws each of them only now and then)."""
+    data, eval_data = (fit_data("pair"), fit_data(kind)) if as_eval else (fit_data(kind), None)
+    with works_or_one_meshfit_line():
+        mf.fit(
+            tiny_mlp(),
+            data,
+            eval_dataset=eval_data,
+            loss_fn=F.cross_entropy,
+            optimizer=sgd,
+            batch_size=4,
+            max_steps=2,
+            progress=False,
+        )
 
 
 # ---- several processes -----------------------------------------------------------

@@ -13,7 +13,7 @@ matters.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,14 +40,35 @@ def explain_first_failure(first: bool, what: str, inputs: Any, targets: Any) -> 
     except _INPUT_ERRORS as exc:
         if isinstance(exc, getattr(dist, "DistBackendError", ())):
             raise
-        original = " ".join(f"{type(exc).__name__}: {exc}".split())
-        if len(original) > 300:
-            original = original[:297] + "..."
         raise MeshfitError(
             f"the first {what} failed inside the model or loss_fn on inputs "
-            f"{describe(inputs)} and targets {describe(targets)}: {original}; give batches "
-            f"the model and loss_fn take (shapes, dtypes, keys)"
+            f"{describe(inputs)} and targets {describe(targets)}: {one_line(exc)}; give "
+            f"batches the model and loss_fn take (shapes, dtypes, keys)"
         ) from exc
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: message` of an exception on one line, at most `limit` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def first_batch_explained(batches: Iterable[Any], what: str) -> Iterator[Any]:
+    """The batches of a DataLoader; when its first batch cannot be made (samples of
+    different shapes do not stack, samples that are not (inputs, targets)), one
+    MeshfitError naming `what` (the dataset) says so."""
+    iterator = iter(batches)
+    try:
+        first = next(iterator)
+    except StopIteration:
+        return
+    except _INPUT_ERRORS as exc:
+        raise MeshfitError(
+            f"could not make a batch of {what}'s samples: {one_line(exc)}; give samples "
+            f"of one shape, (inputs, targets) of tensors (pad sequences to one length)"
+        ) from exc
+    yield first
+    yield from iterator
 
 
 def describe(tree: Any, depth: int = 0) -> str:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
+from meshfit.batch_errors import first_batch_explained
 from meshfit.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
@@ -129,6 +130,7 @@ def fit(
         seed=seed,
         num_workers=num_workers,
         history_file=history_file,
+        checkpoint_dir=checkpoint_dir,
         callbacks=callbacks,
         flags={
             "resume": resume,
@@ -164,7 +166,9 @@ def fit(
     _announce(display, engine, batch_size, steps_per_epoch, total_steps, start.checkpoint)
     history.rewrite(start.records)
 
-    loader = _train_loader(train_data, engine, config, start.step, total_steps, num_workers)
+    loader = first_batch_explained(
+        _train_loader(train_data, engine, config, start.step, total_steps, num_workers), "dataset"
+    )
     callbacks = list(callbacks)
     log = _StepLog(engine, display, batch_size, report_memory, start.records, start.step)
     step = start.step
@@ -449,6 +453,21 @@ def as_dataset(data: Any, what: str) -> Dataset:
             f"{what} is an IterableDataset; fit needs a map-style dataset (with __len__ "
             f"and __getitem__) so it can give each rank its own samples and resume exactly"
         )
+    if isinstance(data, Mapping) and not isinstance(data, Dataset):
+        raise MeshfitError(
+            f"{what} is a {type(data).__name__}; give a torch Dataset of (inputs, targets) "
+            f"samples or a pair of tensors (inputs, targets)"
+        )
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) != 2
+        and data
+        and all(isinstance(t, torch.Tensor) for t in data)
+    ):
+        raise MeshfitError(
+            f"{what} is a {type(data).__name__} of {len(data)} tensors; give the pair "
+            f"(inputs, targets), or a Dataset of (inputs, targets) samples"
+        )
     if (
         isinstance(data, (tuple, list))
         and len(data) == 2
@@ -504,6 +523,7 @@ def _check_options(
     seed: Any,
     num_workers: Any,
     history_file: Any,
+    checkpoint_dir: Any,
     callbacks: Any,
     flags: dict[str, Any],
 ) -> None:
@@ -526,8 +546,9 @@ def _check_options(
         raise MeshfitError(
             f"num_workers must be a whole number >= 0 (data-loading processes), not {num_workers!r}"
         )
-    if history_file is not None and not isinstance(history_file, (str, os.PathLike)):
-        raise MeshfitError(f"history_file must be a path, not {history_file!r}")
+    for name, path in (("history_file", history_file), ("checkpoint_dir", checkpoint_dir)):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise MeshfitError(f"{name} must be a path, not {path!r}")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise MeshfitError(f"{name} must be True or False, not {value!r}")
@@ -596,7 +617,8 @@ def _evaluate(
     loader = DataLoader(
         data, batch_sampler=sampler, num_workers=workers, generator=torch.Generator().manual_seed(0)
     )
-    losses = [engine.evaluate_local(*engine.split_batch(batch)) for batch in loader]
+    batches = first_batch_explained(loader, "eval_dataset")
+    losses = [engine.evaluate_local(*engine.split_batch(batch)) for batch in batches]
     return float(torch.stack(losses).mean())
 
 
