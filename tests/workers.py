@@ -7,6 +7,7 @@ training run in one process or in many.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -604,3 +605,83 @@ def resume_runs(specs: list[dict], dirs: list[str]) -> list[dict]:
         fit_run({**saved, "steps": spec["steps"] // 2})
         results.append({"straight": straight, "resumed": fit_run(saved)})
     return results
+
+
+# ---- failing disks (test_save_failures.py) ---------------------------------------
+
+
+def no_space(*args, **kwargs):
+    """What a write on a full disk raises."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def io_error(*args, **kwargs):
+    """What a read from a failing disk raises."""
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+@contextlib.contextmanager
+def disk_full_at(where: str):
+    """Make one kind of checkpoint write fail with ENOSPC inside the block: "dcp" (DCP's
+    data files), "rank_state" (meshfit's per-rank file), or EIO at "hash" (reading the
+    files back for their checksums)."""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    from meshfit import checkpoint, integrity
+
+    real_save = torch.save
+
+    def save_failing_on_rank_files(obj, f, *args, **kwargs):
+        if isinstance(f, str) and os.sep + "ranks" + os.sep in f:
+            no_space()
+        return real_save(obj, f, *args, **kwargs)
+
+    real_digest = integrity.file_digest
+
+    def digest_failing_while_saving(path):
+        if checkpoint.PARTIAL_SUFFIX + os.sep in path:  # not when resuming (a load)
+            io_error()
+        return real_digest(path)
+
+    module, name, replacement = {
+        "dcp": (dcp_files, "_write_item", no_space),
+        "rank_state": (checkpoint.torch, "save", save_failing_on_rank_files),
+        "hash": (integrity, "file_digest", digest_failing_while_saving),
+    }[where]
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def save_fails_on_one_rank(spec: dict, failing_rank: int, points: list[str], out: str) -> dict:
+    """Train and checkpoint at step 2 under spec's plan, then for each failure point
+    continue to step 4 with that write failing on `failing_rank` only. Every rank writes
+    what it ended with to `out/<point>-rank-<r>.txt`: the MeshfitError line, or "ok"."""
+    first = fit_run({**spec, "steps": 2})
+    rank = int(os.environ["RANK"])
+    for point in points:
+        failing = disk_full_at(point) if rank == failing_rank else contextlib.nullcontext()
+        try:
+            with failing:
+                fit_run({**spec, "steps": 4})
+            outcome = "ok"
+        except mf.MeshfitError as exc:
+            outcome = f"MeshfitError: {exc}"
+        with open(os.path.join(out, f"{point}-rank-{rank}.txt"), "w") as f:
+            f.write(outcome)
+    return first
+
+
+def plan_errors(plans: list[str]) -> list[str | None]:
+    """parallelize under each plan; the MeshfitError message of each (None: it worked)."""
+    errors: list[str | None] = []
+    for plan in plans:
+        try:
+            mf.parallelize(torch.nn.Linear(2, 2), plan, loss_fn=F.mse_loss)
+            errors.append(None)
+        except mf.MeshfitError as exc:
+            errors.append(str(exc))
+    return errors

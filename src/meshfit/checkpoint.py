@@ -7,9 +7,11 @@ Layout of one checkpoint directory:
     <dir>/ranks/rank-00000.pt        per-rank state (RNG), tensors only
 
 A checkpoint is written into `<dir>.partial` and renamed into place only when every rank
-has finished, so a crash during a save leaves the previous checkpoint whole. A checkpoint
-root (what `fit` writes) holds `step-00000100/` directories and a `latest` file naming the
-newest committed one, replaced atomically.
+has finished, so a crash during a save leaves the previous checkpoint whole; a failed
+write (a full disk) stops the save on every rank with one MeshfitError and removes the
+partial directory (io_agreement.py). A checkpoint root (what `fit` writes) holds
+`step-00000100/` directories and a `latest` file naming the newest committed one,
+replaced atomically.
 
 Safety: DCP would unpickle its metadata and any non-tensor values with full pickle. We
 read metadata with an allow-listed unpickler and non-tensor values with
@@ -189,11 +191,6 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _barrier() -> None:
-    if is_distributed():
-        dist.barrier()
-
-
 def _is_rank0() -> bool:
     return not is_distributed() or dist.get_rank() == 0
 
@@ -204,13 +201,23 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     rank_state: dict[str, Any] | None = None,
+    latest_root: str | None = None,
 ) -> str:
     """Write `engine`'s model, optimizer and progress to the directory `path`.
 
     extra: JSON-able values stored once (e.g. fit's data position).
     rank_state: tensors/plain values stored per rank (e.g. RNG state).
+    latest_root: after the commit, point `<latest_root>/latest` at `path` (fit's root).
     Every rank must call this (it is collective). Returns `path`.
+
+    A disk that is full or fails (any OSError, on any rank, DCP's writes included) stops
+    the save on every rank (io_agreement.py: the ranks agree after each step, so none is
+    left waiting) with one MeshfitError naming the directory, the OS error and the fix;
+    the unfinished `<path>.partial` is removed where the disk allows, and the previous
+    checkpoint and `latest` are left as they were.
     """
+    from meshfit.io_agreement import on_every_rank
+
     path = os.path.abspath(path)
     partial = path + PARTIAL_SUFFIX
     if os.path.exists(path) and not is_checkpoint(path) and os.listdir(path):
@@ -219,64 +226,100 @@ def save_checkpoint(
             f"Save to a new or empty directory"
         )
     extra_json = _json_or_error(extra, "extra")
-    if _is_rank0():
-        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
-        os.makedirs(partial)
-    _barrier()
+    existed = os.path.exists(path)
+    what = f"checkpoint {path!r}"
 
-    import torch.distributed.checkpoint as dcp  # here: importing DCP costs ~1.5 s
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    def prepare() -> None:
+        if _is_rank0():
+            shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+            os.makedirs(partial)
 
-    options = _state_dict_options(OPTIMIZER_LAYOUT)
-    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer, options=options)
-    with _single_process_quiet():
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=partial,
-            no_dist=not is_distributed(),
+    def write() -> None:
+        import torch.distributed.checkpoint as dcp  # here: importing DCP costs ~1.5 s
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        options = _state_dict_options(OPTIMIZER_LAYOUT)
+        model_sd, optim_sd = get_state_dict(
+            engine.parallel_model, engine.optimizer, options=options
         )
-    if rank_state is not None:
-        os.makedirs(os.path.join(partial, "ranks"), exist_ok=True)
-        torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{engine.rank:05d}.pt"))
-    _barrier()
-    from meshfit.integrity import checkpoint_files, digests
+        with _single_process_quiet():
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=partial,
+                no_dist=not is_distributed(),
+            )
+        if rank_state is not None:
+            os.makedirs(os.path.join(partial, "ranks"), exist_ok=True)
+            torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{engine.rank:05d}.pt"))
 
-    files = digests(partial, checkpoint_files(partial, skip=(META_FILE,)))
+    def hash_my_share() -> dict[str, str]:
+        from meshfit.integrity import checkpoint_files, share_digests
 
-    if _is_rank0():
-        meta = {
-            "format": FORMAT,
-            "step": engine.step_count,
-            "plan": str(engine.plan),
-            "world_size": engine.world_size,
-            "model": engine.fingerprint,
-            "model_digest": fingerprint_digest(engine.fingerprint),
-            "optimizer": type(engine.optimizer).__name__,
-            "optimizer_layout": OPTIMIZER_LAYOUT,
-            "scaler": engine.scaler.state_dict() if engine.scaler else None,
-            "lr_scheduler": _json_or_error(
-                engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                "lr_scheduler state",
-            ),
-            "extra": extra_json,
-            "files": files,  # xxh3-64 of every file, verified on load (integrity.py)
-            "torch": torch.__version__,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        _write_json_atomic(os.path.join(partial, META_FILE), meta)
+        return share_digests(partial, checkpoint_files(partial, skip=(META_FILE,)))
+
+    def commit(files: dict[str, str]) -> None:
+        if not _is_rank0():
+            return
+        _write_json_atomic(os.path.join(partial, META_FILE), _meta(engine, extra_json, files))
         _commit(partial, path)
-    _barrier()
+        if latest_root is not None:
+            try:
+                point_latest(latest_root, path)
+            except OSError:
+                if not existed:  # nothing names it: all or nothing
+                    shutil.rmtree(path, ignore_errors=True)
+                raise
+
+    try:
+        on_every_rank(prepare, what)
+        on_every_rank(write, what)
+        shares = on_every_rank(hash_my_share, what)
+        files = {name: digest for share in shares for name, digest in share.items()}
+        on_every_rank(lambda: commit(files), what)
+    except BaseException:
+        if _is_rank0():  # what the failed save left; the next save removes it otherwise
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     return path
+
+
+def _meta(engine: Any, extra_json: Any, files: dict[str, str]) -> dict[str, Any]:
+    """What meshfit.json records of a checkpoint."""
+    return {
+        "format": FORMAT,
+        "step": engine.step_count,
+        "plan": str(engine.plan),
+        "world_size": engine.world_size,
+        "model": engine.fingerprint,
+        "model_digest": fingerprint_digest(engine.fingerprint),
+        "optimizer": type(engine.optimizer).__name__,
+        "optimizer_layout": OPTIMIZER_LAYOUT,
+        "scaler": engine.scaler.state_dict() if engine.scaler else None,
+        "lr_scheduler": _json_or_error(
+            engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            "lr_scheduler state",
+        ),
+        "extra": extra_json,
+        "files": files,  # xxh3-64 of every file, verified on load (integrity.py)
+        "torch": torch.__version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def _commit(partial: str, path: str) -> None:
     """Move the finished checkpoint into place. When replacing an older checkpoint at
-    the same path, the old one is renamed aside first and removed only afterwards."""
+    the same path, the old one is renamed aside first and removed only afterwards (and
+    put back if the new one cannot be moved in)."""
     old = path + ".old"
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
-    os.rename(partial, path)
+    try:
+        os.rename(partial, path)
+    except OSError:
+        if os.path.exists(old) and not os.path.exists(path):
+            os.rename(old, path)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(os.path.dirname(path))
 

@@ -13,6 +13,7 @@ holds autocast / FSDP2 policy / gradient scaler, and the Engine drives them.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from meshfit import watchdog
+from meshfit.batch_errors import explain_first_failure
 from meshfit.errors import MeshfitError
 from meshfit.losses import ModelOwnLoss
 from meshfit.parallel.compose import apply_plan
@@ -107,10 +109,11 @@ class Engine:
                 stacklevel=3,
             )
         self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
-        self.lr_scheduler = options.lr_scheduler(self.optimizer) if options.lr_scheduler else None
+        self.lr_scheduler = _build_scheduler(options.lr_scheduler, self.optimizer)
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
-        self._batch_checked = False
+        self._batch_checked = False  # until a training step has worked
+        self._evaluated = False  # until an evaluation has worked
         self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
         self._measure_gradients = False
 
@@ -188,7 +191,14 @@ class Engine:
                 f"this rank's {size} samples do not split into {micro} micro-batches; "
                 f"make the global batch a multiple of {micro * self.dp_size}"
             )
-        loss, count = self.runner.train(inputs, targets)
+        try:
+            with explain_first_failure(not self._batch_checked, "training step", inputs, targets):
+                loss, count = self.runner.train(inputs, targets)
+        except BaseException:
+            # Gradients of micro-batches that ran before the failure: the next step
+            # would add its own to them.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
         if not self._batch_checked:
             self._batch_checked = True
             if count is None:
@@ -287,9 +297,11 @@ class Engine:
         self.parallel_model.eval()
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
         try:
-            loss, count = self.runner.evaluate(inputs, targets)
+            with explain_first_failure(not self._evaluated, "evaluation", inputs, targets):
+                loss, count = self.runner.evaluate(inputs, targets)
         finally:
             self.parallel_model.train()
+        self._evaluated = True
         if count is None:
             return self.topology.batch_mean(loss)
         return self._global_token_mean(loss, count)[0]
@@ -440,8 +452,17 @@ def parallelize(
         )
     if optimizer is not None and not callable(optimizer):
         raise MeshfitError(f"optimizer must be a function of the parameters, not {optimizer!r}")
-    if grad_clip is not None and not grad_clip > 0:
+    if grad_clip is not None and not (
+        isinstance(grad_clip, numbers.Real) and not isinstance(grad_clip, bool) and grad_clip > 0
+    ):
         raise MeshfitError(f"grad_clip must be a positive number, not {grad_clip!r}")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise MeshfitError(
+            f"lr_scheduler must be a function of the optimizer, e.g. lambda optimizer: "
+            f"torch.optim.lr_scheduler.StepLR(optimizer, 100), not {lr_scheduler!r}"
+        )
+    if not isinstance(compile, bool):
+        raise MeshfitError(f"compile must be True or False, not {compile!r}")
     topology = plan if isinstance(plan, Topology) else create_topology(plan)
     options = EngineOptions(
         loss_fn=loss_fn,
@@ -520,6 +541,20 @@ def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim
             f"torch.optim.Optimizer; return e.g. torch.optim.AdamW(params, lr=3e-4)"
         )
     return optimizer
+
+
+def _build_scheduler(factory: SchedulerFactory | None, optimizer: torch.optim.Optimizer) -> Any:
+    if factory is None:
+        return None
+    scheduler = factory(optimizer)
+    # What the engine calls on it: step() each step, state_dict() at each checkpoint.
+    if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict")):
+        raise MeshfitError(
+            f"the lr_scheduler function returned {type(scheduler).__name__}, not a scheduler "
+            f"(with step() and state_dict()); return e.g. "
+            f"torch.optim.lr_scheduler.StepLR(optimizer, 100)"
+        )
+    return scheduler
 
 
 def _local_bytes(t: torch.Tensor) -> int:

@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from meshfit import watchdog
+from meshfit.batch_errors import first_batch_explained
 from meshfit.checkpoint import (
     latest_checkpoint,
-    point_latest,
     prune_checkpoints,
     save_checkpoint,
     step_dir_name,
@@ -106,7 +106,11 @@ def fit(
         `eval_batches` global batches every `eval_every` steps and at the end.
     checkpoint_dir, checkpoint_every: save every N steps and at the end; with
         resume=True a run finds the newest checkpoint there and continues the exact same
-        run (weights, optimizer, data position, RNG state).
+        run (weights, optimizer, data position, RNG state). A save that fails (disk
+        full, an I/O error, on any rank) stops the run on every rank with one
+        MeshfitError naming the directory and the OS error, rather than training on
+        without checkpoints and risking hours of work unnoticed; the previous checkpoint
+        stays whole and is where the next run resumes.
     report_memory: add rank 0's model-state bytes (parameters + gradients + optimizer
         state, this rank's share) and, on a GPU, peak memory to the log lines and the
         history (Engine.memory_report).
@@ -121,6 +125,21 @@ def fit(
     """
     _check_parallelize_options(parallelize_options)
     _check_args(batch_size, max_steps, epochs, log_every, checkpoint_every, eval_every)
+    _check_options(
+        eval_batches=eval_batches,
+        keep_checkpoints=keep_checkpoints,
+        seed=seed,
+        num_workers=num_workers,
+        history_file=history_file,
+        checkpoint_dir=checkpoint_dir,
+        callbacks=callbacks,
+        flags={
+            "resume": resume,
+            "shuffle": shuffle,
+            "progress": progress,
+            "report_memory": report_memory,
+        },
+    )
     train_data = as_dataset(dataset, "dataset")
     eval_data = as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     if checkpoint_every and not checkpoint_dir:
@@ -149,7 +168,9 @@ def fit(
     _announce(display, engine, batch_size, steps_per_epoch, total_steps, start.checkpoint)
     history.rewrite(start.records)
 
-    loader = _train_loader(train_data, engine, config, start.step, total_steps, num_workers)
+    loader = first_batch_explained(
+        _train_loader(train_data, engine, config, start.step, total_steps, num_workers), "dataset"
+    )
     callbacks = list(callbacks)
     log = _StepLog(engine, display, batch_size, report_memory, start.records, start.step)
     step = start.step
@@ -170,8 +191,7 @@ def fit(
                     log.add_eval(step, eval_loss)
                 if checkpoint_dir and _due(step, checkpoint_every, at_end):
                     log.flush(step, log_line=False)
-                    history.append_new(log.records)
-                    _save(engine, checkpoint_dir, step, config, keep_checkpoints)
+                    _save(engine, checkpoint_dir, step, config, keep_checkpoints, history, log)
             for callback in callbacks:
                 callback(step, engine)
         log.flush(step, log_line=False)
@@ -436,6 +456,21 @@ def as_dataset(data: Any, what: str) -> Dataset:
             f"{what} is an IterableDataset; fit needs a map-style dataset (with __len__ "
             f"and __getitem__) so it can give each rank its own samples and resume exactly"
         )
+    if isinstance(data, Mapping) and not isinstance(data, Dataset):
+        raise MeshfitError(
+            f"{what} is a {type(data).__name__}; give a torch Dataset of (inputs, targets) "
+            f"samples or a pair of tensors (inputs, targets)"
+        )
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) != 2
+        and data
+        and all(isinstance(t, torch.Tensor) for t in data)
+    ):
+        raise MeshfitError(
+            f"{what} is a {type(data).__name__} of {len(data)} tensors; give the pair "
+            f"(inputs, targets), or a Dataset of (inputs, targets) samples"
+        )
     if (
         isinstance(data, (tuple, list))
         and len(data) == 2
@@ -482,6 +517,52 @@ def _check_args(
     for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MeshfitError(f"{name} must be a positive whole number, not {value!r}")
+
+
+def _check_options(
+    *,
+    eval_batches: Any,
+    keep_checkpoints: Any,
+    seed: Any,
+    num_workers: Any,
+    history_file: Any,
+    checkpoint_dir: Any,
+    callbacks: Any,
+    flags: dict[str, Any],
+) -> None:
+    """Refuse, before anything starts, the arguments that would otherwise fail (or
+    quietly do something else) only later in the run."""
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if eval_batches is not None and not (whole(eval_batches) and eval_batches >= 1):
+        raise MeshfitError(f"eval_batches must be a positive whole number, not {eval_batches!r}")
+    if not (whole(keep_checkpoints) and keep_checkpoints >= 1):
+        raise MeshfitError(
+            f"keep_checkpoints must be a whole number >= 1 (how many checkpoints to keep), "
+            f"not {keep_checkpoints!r}"
+        )
+    if not whole(seed):
+        raise MeshfitError(f"seed must be a whole number, not {seed!r}")
+    if not (whole(num_workers) and num_workers >= 0):
+        raise MeshfitError(
+            f"num_workers must be a whole number >= 0 (data-loading processes), not {num_workers!r}"
+        )
+    for name, path in (("history_file", history_file), ("checkpoint_dir", checkpoint_dir)):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise MeshfitError(f"{name} must be a path, not {path!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise MeshfitError(f"{name} must be True or False, not {value!r}")
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise MeshfitError(f"callbacks must be a list of functions, not {callbacks!r}")
+    # The items of a list or tuple (another iterable is read once, by fit itself).
+    for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
+        if not callable(callback):
+            raise MeshfitError(
+                f"callbacks must be functions called as fn(step, engine), not {callback!r}"
+            )
 
 
 def _pipeline_example(
@@ -539,24 +620,38 @@ def _evaluate(
     loader = DataLoader(
         data, batch_sampler=sampler, num_workers=workers, generator=torch.Generator().manual_seed(0)
     )
-    losses = [engine.evaluate_local(*engine.split_batch(batch)) for batch in loader]
+    batches = first_batch_explained(loader, "eval_dataset")
+    losses = [engine.evaluate_local(*engine.split_batch(batch)) for batch in batches]
     return float(torch.stack(losses).mean())
 
 
-def _save(engine: Engine, root: str, step: int, config: _RunConfig, keep: int) -> None:
-    """Save a checkpoint of `step` (with this rank's RNG state), point `latest` at it and
-    keep the newest `keep`."""
+def _save(
+    engine: Engine,
+    root: str,
+    step: int,
+    config: _RunConfig,
+    keep: int,
+    history: _HistoryFile,
+    log: _StepLog,
+) -> None:
+    """Append the history, save a checkpoint of `step` (with this rank's RNG state), point
+    `latest` at it and keep the newest `keep`. A full or failing disk stops the run on
+    every rank with a MeshfitError (io_agreement.py); `latest` still names the previous
+    checkpoint, the resume point."""
+    from meshfit.io_agreement import on_every_rank
+
+    on_every_rank(lambda: history.append_new(log.records), f"the history file {history.path!r}")
     rank_state = {"torch_rng": torch.get_rng_state(), "python_random": random.getstate()}
     if engine.device.type == "cuda":
         rank_state["cuda_rng"] = torch.cuda.get_rng_state(engine.device)
     with watchdog.phase("save", f"the save of the step-{step} checkpoint", step=step):
-        path = save_checkpoint(
+        save_checkpoint(
             engine,
             os.path.join(root, step_dir_name(step)),
             extra={"fit": {"step": step, **asdict(config)}},
             rank_state=rank_state,
+            latest_root=root,
         )
-        point_latest(root, path)
         prune_checkpoints(root, keep)
 
 

@@ -42,13 +42,19 @@ def checkpoint_files(root: str, skip: tuple[str, ...] = ()) -> list[str]:
 def digests(root: str, files: list[str]) -> dict[str, str]:
     """{file: digest} of `files` under `root`. With several ranks each hashes every
     world_size-th file and the results are gathered, so all ranks return all of them."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
-    mine = {f: file_digest(os.path.join(root, f)) for f in files[rank::world]}
+    mine = share_digests(root, files)
+    world = dist.get_world_size() if is_distributed() else 1
     if world == 1:
         return mine
     parts: list[dict[str, str] | None] = [None] * world
     dist.all_gather_object(parts, mine)
     return {f: d for part in parts for f, d in (part or {}).items()}
+
+
+def share_digests(root: str, files: list[str]) -> dict[str, str]:
+    """{file: digest} of this rank's share of `files`: every world_size-th one."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+    return {f: file_digest(os.path.join(root, f)) for f in files[rank::world]}
 
 
 def damaged_files(root: str, recorded: dict[str, str]) -> list[str]:

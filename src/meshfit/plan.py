@@ -189,6 +189,11 @@ class Plan:
     @classmethod
     def parse(cls, text: str) -> Plan:
         """Read a plan from "dp=2,tp=2,precision=bf16" (the form `str(plan)` writes)."""
+        if not isinstance(text, str):
+            raise MeshfitError(
+                f"a plan's text form is a string such as 'dp=2,tp=2', not "
+                f"{type(text).__name__}; pass a Plan(...) for the plan itself"
+            )
         known = {f.name: f for f in fields(cls)}
         values: dict[str, object] = {}
         for item in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
