@@ -240,6 +240,12 @@ def reference_run(plan: str, args) -> tuple[str, float, int]:
     return digest, seconds, size
 
 
+def save(trials: list[Trial], out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump([asdict(t) for t in trials], f, indent=1)
+
+
 def table(trials: list[Trial]) -> str:
     rows = [
         "| plan | fault | trials | exact | refused, then exact | other |",
@@ -286,13 +292,11 @@ def main() -> int:
             for _ in range(args.trials):
                 t = trial(plan, fault, reference, seconds, ckpt_bytes, args)
                 trials.append(t)
+                save(trials, args.out)  # as it goes: a long campaign cut short keeps its trials
                 print(
                     f"  {fault:9s} rank {t.rank} at {t.at_s} s -> {t.outcome} ({t.seconds} s) {t.detail[:160]}",
                     flush=True,
                 )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump([asdict(t) for t in trials], f, indent=1)
     print(table(trials))
     return 0 if all(t.outcome in GOOD for t in trials) else 1
 

@@ -49,11 +49,14 @@ def test_bad_timeout_is_refused(monkeypatch) -> None:
         mf.launch(hang_run, nproc=2, args=("sleep", 1, "/tmp"), hang_timeout=-1)
 
 
+def _since_stall(where) -> float:
+    return time.time() - float((where / "stalled-1").read_text())
+
+
 def test_rank_busy_in_the_script_is_named_with_its_stack(tmp_path) -> None:
-    started = time.monotonic()
     with pytest.raises(mf.MeshfitError) as caught:
         mf.launch(hang_run, nproc=2, args=("sleep", 1, str(tmp_path)), hang_timeout=2)
-    took = time.monotonic() - started
+    took = _since_stall(tmp_path)
     line = str(caught.value)
     assert "hang detected: rank 1 has been in the training script after training step 2" in line
     assert "rank 0 waits for it" in line and str(tmp_path) in line
@@ -64,11 +67,11 @@ def test_rank_busy_in_the_script_is_named_with_its_stack(tmp_path) -> None:
 
 
 def test_frozen_rank_is_named_and_killed(tmp_path) -> None:
-    started = time.monotonic()
     with pytest.raises(mf.MeshfitError, match="rank 1 stopped responding") as caught:
         mf.launch(hang_run, nproc=2, args=("stop", 1, str(tmp_path)), hang_timeout=2)
-    # Killed by its peer: without that the launcher waits 30 s on the stopped process.
-    assert time.monotonic() - started < 28, str(caught.value)
+    # Killed by its peer: without that the launcher waits 30 s on the stopped process
+    # after the hang is reported (detection itself takes about 3 s here).
+    assert _since_stall(tmp_path) < 28, str(caught.value)
 
 
 def test_collective_timeout_is_one_meshfit_line(tmp_path) -> None:
@@ -81,4 +84,4 @@ def test_ranks_busy_in_the_script_together_are_not_a_hang(tmp_path) -> None:
     # Every rank spends 3 s in its own code (longer than the 1 s timeout): nobody waits.
     steps = mf.launch(hang_run, nproc=2, args=("both_sleep", 1, str(tmp_path)), hang_timeout=1)
     assert steps == 4
-    assert not os.listdir(tmp_path)
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("rank-")]

@@ -588,6 +588,8 @@ def hang_run(how: str, stall_rank: int, dump_dir: str, collective_timeout_s: flo
     for step in range(4):
         engine.step(make_batch("mlp", 8, step))
         if step == 1 and (rank == stall_rank or how == "both_sleep"):
+            with open(os.path.join(dump_dir, f"stalled-{rank}"), "w") as f:
+                f.write(repr(time.time()))  # when the stall began, for the test's clock
             if how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
