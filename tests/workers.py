@@ -55,14 +55,34 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return GPT(GPT4), next_token_loss
     if kind == "llama":
         return hf_llama(), next_token_loss_of_output
+    if kind == "root_param":
+        return RootScaled(), F.cross_entropy
     raise ValueError(kind)
+
+
+class RootScaled(torch.nn.Module):
+    """A parameter on the model itself, used before the blocks (under fsdp x pp it lands
+    in the root FSDP unit of the first stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        sizes = [(8, 32), (32, 32), (32, 32), (32, 32)]
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in sizes)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.scale
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
 
 
 def make_batch(
     kind: str, batch: int, step: int, dtype: str = "float64"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 + step)
-    if kind in ("mlp", "deep_mlp"):
+    if kind in ("mlp", "deep_mlp", "root_param"):
         inputs = torch.randn(batch, 8, generator=g).to(getattr(torch, dtype))
         return inputs, torch.randint(0, 5, (batch,), generator=g)
     tokens = torch.randint(0, TINY_GPT.vocab_size, (batch, TINY_GPT.block_size + 1), generator=g)

@@ -113,6 +113,8 @@ def _apply_pipeline(
         split=pp_split,
         example_inputs=example,
     )
+    if plan.uses_fsdp:
+        _refuse_enclosing_owners(model, split)
     parts = [
         ModelPart(
             units=split.owners(s),
@@ -131,6 +133,29 @@ def _apply_pipeline(
         device=device,
     )
     return model, runner
+
+
+def _refuse_enclosing_owners(model: nn.Module, split: Any) -> None:
+    """fsdp x pp cannot shard a parameter registered on a module around the blocks (the
+    model itself, say): FSDP2 over that module would take every block's parameters too,
+    and sharding it alone leaves the model reading the unsharded original. Refuse it
+    before anything is changed (measured: torch raised "Cannot concatenate overlapping
+    meshes" from fully_shard)."""
+    from meshfit.parallel.pipeline.cut import _encloses
+
+    names = {id(m): n for n, m in model.named_modules()}
+    found = []
+    for module, _, _ in [*split.head, *split.tail]:  # known on every rank
+        if _encloses(module, split.stack.container):
+            prefix = names.get(id(module), "")
+            own = [n for n, _ in module.named_parameters(recurse=False)]
+            found += [f"{prefix}.{n}" if prefix else n for n in own]
+    if found:
+        raise MeshfitError(
+            f"fsdp x pp cannot shard {', '.join(sorted(set(found)))}: a parameter registered "
+            f"on a module that holds the pipeline's blocks; use dp instead of fsdp with pp "
+            f"(e.g. 'dp=2,pp=2'), or fsdp without pp"
+        )
 
 
 def apply_data_parallel(
