@@ -226,6 +226,7 @@ def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: s
 def _shutdown_process_group() -> None:
     import torch.distributed as dist
 
+    watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -72,6 +72,7 @@ def _destroy_at_exit() -> None:
     destructors, a gloo worker occasionally aborted at exit ("terminate called without
     an active exception", seen once in CI after a finished run); PyTorch asks for
     destroy_process_group before exiting. It is local: no collective, no waiting."""
+    watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

@@ -36,6 +36,7 @@ all ranks' keys are read only when a rank has stalled.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -180,6 +181,22 @@ def start(rank: int, world_size: int) -> None:
         return
     _watchdog = _Watchdog(store, rank, world_size, timeout)
     _watchdog.start()
+    atexit.register(stop)
+
+
+def stop() -> None:
+    """Stop the watchdog thread and drop its store connection before the interpreter
+    exits. Left running, a daemon thread inside a TCPStore call while the interpreter
+    tears down aborted a finished worker ("terminate called without an active
+    exception", signal 6: seen in CI after a clean run)."""
+    global _watchdog
+    watchdog, _watchdog = _watchdog, None
+    if watchdog is None or watchdog is threading.current_thread():
+        return
+    watchdog.halt.set()
+    watchdog.join(timeout=10)
+    if not watchdog.is_alive():
+        watchdog.store = None
 
 
 def _store_client():  # noqa: ANN202 - torch.distributed.Store
@@ -211,6 +228,7 @@ class _Watchdog(threading.Thread):
         self.timeout = timeout
         self.interval = min(5.0, max(0.2, timeout / 10))
         self.beat = 0
+        self.halt = threading.Event()
         self.host = socket.gethostname()
         self._neighbour_beat, self._neighbour_seen = -1, time.monotonic()
 
@@ -223,7 +241,8 @@ class _Watchdog(threading.Thread):
                 stalled = state.waiting and state.stalled_s > self._allowed(state.kind)
                 if stalled or self._neighbour_frozen():
                     self._diagnose()
-                time.sleep(self.interval)
+                if self.halt.wait(self.interval):
+                    return
         except Exception:  # noqa: BLE001 - the store is gone (job ending): stop watching
             return
 
