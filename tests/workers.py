@@ -62,7 +62,8 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
 
 class RootScaled(torch.nn.Module):
     """A parameter on the model itself, used before the blocks (under fsdp x pp it lands
-    in the root FSDP unit of the first stage)."""
+    in the root FSDP unit of the first stage), and a loop that computes between blocks
+    (the tanh after each one), which a pipeline cut must keep on the stage before it."""
 
     def __init__(self) -> None:
         super().__init__()

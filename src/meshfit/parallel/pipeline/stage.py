@@ -2,7 +2,9 @@
 
 Every stage runs the model's OWN `forward`, with the block container narrowed to the
 stage's blocks: the first block's input is replaced by the activation received from the
-previous stage, and the forward is left right after the stage's last block. So whatever
+previous stage, and the forward is left where the next stage's first block would be
+called, with what it would be called with (so code the forward runs between blocks,
+an activation after each block say, runs on the stage before the cut). So whatever
 the forward does before the blocks (embeddings, position tables, masks) is computed on
 every stage, and whatever it does after them (final norm, head) runs on the last one.
 The prologue runs on later stages too, but only for the values the blocks take besides
@@ -56,12 +58,14 @@ class StageModule(nn.Module):
         autocast: Callable[[], contextlib.AbstractContextManager],
         outside: list[tuple[str, nn.Module, str]] = (),
         units: list[nn.Module] | None = None,
+        next_key: str | None = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_stack", stack)
         self.keys = keys
         self.is_first, self.is_last = is_first, is_last
+        self.next_key = next_key  # the next stage's first block (None on the last stage)
         if units is None:
             self.params = nn.ParameterList(params)
         else:
@@ -90,8 +94,9 @@ class StageModule(nn.Module):
         if checking:
             self._checked = True
             handles += _check_the_split(blocks, self._stack, self._outside)
-        if not self.is_last:  # after the checks: hooks run in the order they were added
-            handles.append(blocks[self.keys[-1]].register_forward_hook(_leave_forward))
+        if not self.is_last:
+            # In the next block's place: the loop calls it with the next stage's input.
+            blocks[self.next_key] = _NextStageInput()
         # The checks read requires_grad, so they need autograd on, also in an evaluation.
         untracked = checking and not torch.is_grad_enabled()
         container._modules = blocks  # the forward's loop sees only this stage's blocks
@@ -216,8 +221,19 @@ def _refuse_trained_side_inputs(name: str) -> Callable:
     return hook
 
 
-def _leave_forward(module, args, output):
-    raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+class _NextStageInput(nn.Module):
+    """Stands where the next stage's first block is in the narrowed container: the
+    forward's loop calls it with that block's input, which is what this stage sends.
+    Leaving after the stage's last block instead would lose what the loop does between
+    two blocks (measured: a loop applying tanh after each block trained another run)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not args:
+            raise MeshfitError(
+                "pipeline parallel needs the blocks to take the hidden state as their "
+                "first positional argument; the model's forward passes keywords only"
+            )
+        raise _StageExit(args[0])
 
 
 def _modules_outside(
@@ -254,4 +270,5 @@ def build_stage_module(
         units=None if encloses_blocks else owners,
         autocast=autocast,
         outside=_modules_outside(model, split.stack, split.head, split.tail),
+        next_key=None if stage == split.num_stages - 1 else split.stage_keys[stage + 1][0],
     )
