@@ -480,14 +480,14 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
         )
     elif kind == "llama":
         model = hf_llama()
-    elif kind == "gpt2":
+    elif kind in ("gpt2", "gpt2_4"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
             vocab_size=LM_VOCAB,
             n_positions=LM_LEN,
             n_embd=16,
-            n_layer=2,
+            n_layer=4 if kind == "gpt2_4" else 2,
             n_head=2,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
@@ -535,7 +535,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
         return ids, targets
     if kind == "llama":
         return {"input_ids": ids, "attention_mask": mask}, labels
-    if kind == "gpt2":  # loss_fn="model": the labels travel in the batch
+    if kind.startswith("gpt2"):  # loss_fn="model": the labels travel in the batch
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if kind == "t5":  # the answer is the decoder's target
         decoder_ids = torch.zeros_like(ids)
@@ -547,7 +547,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
 def lm_loss(kind: str, mean: bool = False):
     """How each family is trained: the token-weighted pair, or the model's own loss.
     `mean=True`: a per-micro-batch mean instead (the negative control)."""
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):
         return "model"
     loss = mf.losses.cross_entropy(shift=kind == "llama")
     if not mean:
@@ -572,6 +572,8 @@ def lm_run(spec: dict) -> dict:
     )
     if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
         engine.model_loss.sums = False
+    if spec.get("tied_unsummed"):  # negative control: tied copies under pp apart
+        engine.pipeline.tied.sum_gradients = lambda: None
     losses = [
         float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
         for step in range(spec.get("steps", 3))

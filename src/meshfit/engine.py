@@ -280,7 +280,12 @@ class Engine:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         from meshfit.parallel.grad_norm import clip_grad_norm
 
-        return clip_grad_norm(params, max_norm, self.topology.pipeline_groups)
+        return clip_grad_norm(
+            params,
+            max_norm,
+            self.topology.pipeline_groups,
+            counted_elsewhere=self.runner.counted_elsewhere(),
+        )
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> torch.Tensor:

@@ -49,6 +49,11 @@ class Runner(Protocol):
         """The whole model's state from this rank's (full-tensor) state dict."""
         ...
 
+    def counted_elsewhere(self) -> set[int]:
+        """ids of this rank's parameters whose gradient another rank holds too and
+        counts in the gradient norm (a tied weight's second copy under pp)."""
+        ...
+
 
 class LocalRunner:
     """Forward and backward of the whole model in this process, cut into micro-batches.
@@ -111,6 +116,9 @@ class LocalRunner:
 
     def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return local  # this rank's full-tensor state dict is the whole model's
+
+    def counted_elsewhere(self) -> set[int]:
+        return set()
 
     def _loss(self, inputs: Any, targets: Any) -> LocalLoss:
         return split_loss(self.forward_loss(self.model, inputs, targets))

@@ -112,6 +112,7 @@ def _apply_pipeline(
         schedule=plan.schedule,
         split=pp_split,
         example_inputs=example,
+        root_mesh=topology.mesh,
     )
     if plan.uses_fsdp:
         _refuse_enclosing_owners(model, split)

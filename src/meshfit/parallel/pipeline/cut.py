@@ -28,6 +28,7 @@ from meshfit.parallel.pipeline.costs import (
     measure_costs,
     parameter_costs,
 )
+from meshfit.parallel.pipeline.tied import TiedWeights, check_placements, find_tied, tie_stages
 
 T = TypeVar("T")
 
@@ -39,7 +40,8 @@ VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2
 def _head_tail_parameters(
     model: nn.Module, stack: BlockStack
 ) -> tuple[list[tuple[nn.Module, str, nn.Parameter]], list[tuple[nn.Module, str, nn.Parameter]]]:
-    """(module, name, parameter) registered before / after the block container."""
+    """(module, name, parameter) registered before / after the block container. A
+    parameter used on both sides (a tied LM head) is in both lists (see `tied`)."""
     prefix = f"{stack.name}." if stack.name else ""
     head, tail = [], []
     seen_blocks = False
@@ -52,13 +54,6 @@ def _head_tail_parameters(
         owner_name, _, leaf = qualified.rpartition(".")
         entry = (modules[owner_name], leaf, param)
         (tail if seen_blocks else head).append(entry)
-    head_ids = {id(p) for _, _, p in head}
-    if any(id(param) in head_ids for _, _, param in tail):
-        raise MeshfitError(
-            "a parameter is used both before and after the blocks (tied weights, e.g. "
-            "an LM head sharing the token embedding), so it cannot live on one pipeline "
-            "stage; untie it (e.g. tie_word_embeddings=False) to use pp"
-        )
     return head, tail
 
 
@@ -76,6 +71,7 @@ class PipelineSplit:
     schedule: str
     group: dist.ProcessGroup
     pp: int
+    tied: TiedWeights | None = None  # weights held by the first and the last stage
 
     @property
     def num_stages(self) -> int:
@@ -122,10 +118,13 @@ def split_model(
     schedule: str,
     split: list[int] | None = None,
     example_inputs: Any = None,
+    root_mesh: DeviceMesh | None = None,
 ) -> PipelineSplit:
     """Choose the cut points over `mesh` (a 1-D pp mesh) and prune `model` in place to
     this rank's stages (blocks kept under their original names; head/tail parameters
-    that another rank trains become frozen, non-persistent buffers)."""
+    that another rank trains become frozen, non-persistent buffers; a weight tied
+    across the blocks is kept by the first and the last stage, see `tied`).
+    `root_mesh` is the whole job's mesh (only needed for tied weights with pp > 2)."""
     pp = mesh.size()
     rank = mesh.get_local_rank()
     virtual = VIRTUAL_STAGES[schedule]
@@ -139,6 +138,8 @@ def split_model(
             f"use pp <= {n // virtual}" + (" or schedule='1f1b'" if virtual > 1 else "")
         )
     head, tail = _head_tail_parameters(model, stack)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    tied = find_tied(head, tail, names)
 
     if split is not None:
         starts = _check_split(split, n, num_stages)
@@ -180,6 +181,10 @@ def split_model(
                 if leaf in module._parameters:
                     del module._parameters[leaf]
                     module.register_buffer(leaf, _placeholder(param), persistent=False)
+    if tied:
+        check_placements(tied)
+        result.tied = tie_stages(tied, root_mesh or mesh, mesh, mine)
+        result.tied.broadcast_values()
     model.register_forward_pre_hook(_refuse_direct_call)
     for s in mine:
         if not result.stage_parameters(s):

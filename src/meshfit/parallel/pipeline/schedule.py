@@ -27,6 +27,7 @@ from meshfit.losses import split_loss
 from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
 from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES, PipelineSplit
 from meshfit.parallel.pipeline.stage import OutputForm
+from meshfit.parallel.pipeline.tied import TiedWeights
 from meshfit.runners import LocalLoss
 from meshfit.trees import tensors_in
 
@@ -56,6 +57,7 @@ class PipelineRunner:
     block_names: list[str]
     microbatches: int
     stage_loss: _StageLoss
+    tied: TiedWeights | None = None  # weights the first and the last stage both hold
     pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
 
     @property
@@ -90,7 +92,15 @@ class PipelineRunner:
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
         """Forward and backward of every micro-batch; gradients are then ready (the
         schedule scales them and triggers the data-parallel reduction)."""
-        return self._run(inputs, targets, train=True)
+        result = self._run(inputs, targets, train=True)
+        if self.tied is not None:
+            self.tied.sum_gradients()
+        return result
+
+    def counted_elsewhere(self) -> set[int]:
+        """The last stage's copies of tied weights: the first stage counts their gradient
+        in the norm."""
+        return self.tied.last_stage_copies() if self.tied is not None else set()
 
     def evaluate(self, inputs: Any, targets: Any) -> LocalLoss:
         return self._run(inputs, targets, train=False)
@@ -176,6 +186,7 @@ def build_pipeline(
         block_names=split.block_names,
         microbatches=microbatches,
         stage_loss=checked_loss,
+        tied=split.tied,
     )
 
 

@@ -96,7 +96,7 @@ class StageModule(nn.Module):
             handles += _check_the_split(blocks, self._stack, self._outside)
         if not self.is_last:
             # In the next block's place: the loop calls it with the next stage's input.
-            blocks[self.next_key] = _NextStageInput()
+            blocks[self.next_key] = _NextStageInput(self._stack.qualified(self.next_key), checking)
         # The checks read requires_grad, so they need autograd on, also in an evaluation.
         untracked = checking and not torch.is_grad_enabled()
         container._modules = blocks  # the forward's loop sees only this stage's blocks
@@ -118,25 +118,33 @@ class OutputForm:
     """The model's own output object (a Hugging Face ModelOutput, a dict, a tuple) made
     into what a PipelineStage can return, a tuple of tensors, and back for loss_fn: the
     last stage's output never travels, so it goes to the loss on the same rank in the
-    model's own form. Leaves that are not tensors (a KV cache object) become None."""
+    model's own form. Leaves that are not tensors (a KV cache object) become None; a
+    0-d tensor (the model's own loss) travels as shape (1,), since the schedule
+    concatenates the micro-batches' outputs after a step."""
 
     def __init__(self) -> None:
         self.spec: TreeSpec | None = None
         self.kept: list[bool] = []  # which leaves were tensors
+        self.scalars: list[bool] = []  # which of the kept ones were 0-d
 
     def flatten(self, output: Any) -> Any:
-        if isinstance(output, torch.Tensor):
+        if isinstance(output, torch.Tensor) and output.dim() > 0:
             self.spec = None
             return output
         leaves, self.spec = tree_flatten(output)
         self.kept = [isinstance(leaf, torch.Tensor) for leaf in leaves]
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self.scalars = [t.dim() == 0 for t in tensors]
+        return tuple(t.reshape(1) if t.dim() == 0 else t for t in tensors)
 
     def restore(self, flat: Any) -> Any:
         """The output object from what `flatten` returned (unchanged for a tensor)."""
         if self.spec is None:
             return flat
-        tensors = iter(flat if isinstance(flat, (tuple, list)) else (flat,))
+        given = flat if isinstance(flat, (tuple, list)) else (flat,)
+        tensors = iter(
+            t.reshape(()) if scalar else t for t, scalar in zip(given, self.scalars, strict=True)
+        )
         leaves = [next(tensors) if kept else None for kept in self.kept]
         return tree_unflatten(leaves, self.spec)
 
@@ -212,9 +220,10 @@ def _refuse_trained_side_inputs(name: str) -> Callable:
                 raise MeshfitError(
                     f"pipeline parallel cannot split this model: block {name!r} takes "
                     f"{where} besides the hidden state, and it depends on trained weights "
-                    f"outside the blocks (e.g. a skip connection from the embeddings); a "
-                    f"pipeline stage receives only the hidden state. Compute that input "
-                    f"inside the blocks, or train with dp/fsdp/tp instead of pp"
+                    f"outside the block (e.g. a skip connection from the embeddings, or a "
+                    f"position bias an earlier block computes, as in T5); a pipeline stage "
+                    f"receives only the hidden state. Compute that input inside each "
+                    f"block, or train with dp/fsdp/tp instead of pp"
                 )
         return None
 
@@ -227,12 +236,18 @@ class _NextStageInput(nn.Module):
     Leaving after the stage's last block instead would lose what the loop does between
     two blocks (measured: a loop applying tanh after each block trained another run)."""
 
+    def __init__(self, name: str, checking: bool) -> None:
+        super().__init__()
+        self.name, self.checking = name, checking
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not args:
             raise MeshfitError(
                 "pipeline parallel needs the blocks to take the hidden state as their "
                 "first positional argument; the model's forward passes keywords only"
             )
+        if self.checking:  # what the next block gets besides the hidden state stays here
+            _refuse_trained_side_inputs(self.name)(self, args, kwargs)
         raise _StageExit(args[0])
 
 
