@@ -57,7 +57,29 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return hf_llama(), next_token_loss_of_output
     if kind == "root_param":
         return RootScaled(), F.cross_entropy
+    if kind == "bn_cnn":  # BatchNorm: statistics over the batch
+        return bn_cnn(), F.cross_entropy
     raise ValueError(kind)
+
+
+def bn_cnn() -> torch.nn.Sequential:
+    """A small CNN with BatchNorm after each convolution (2-D and 1-D), as vision code
+    builds them."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8, momentum=None),  # cumulative running average
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Linear(16, 5),
+    )
 
 
 class RootScaled(torch.nn.Module):
@@ -86,6 +108,9 @@ def make_batch(
     if kind in ("mlp", "deep_mlp", "root_param"):
         inputs = torch.randn(batch, 8, generator=g).to(getattr(torch, dtype))
         return inputs, torch.randint(0, 5, (batch,), generator=g)
+    if kind == "bn_cnn":
+        images = (torch.randn(batch, 3, 6, 6, generator=g) * 2 + 1).to(getattr(torch, dtype))
+        return images, torch.randint(0, 5, (batch,), generator=g)
     tokens = torch.randint(0, TINY_GPT.vocab_size, (batch, TINY_GPT.block_size + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 

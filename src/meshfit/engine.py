@@ -65,6 +65,7 @@ class EngineOptions:
     tp_plan: TPPlan | None = None
     pp_split: list[int] | None = None
     example_inputs: Any = None
+    sync_batchnorm: bool = True
 
 
 class Engine:
@@ -100,6 +101,7 @@ class Engine:
             tp_plan=options.tp_plan,
             pp_split=options.pp_split,
             example_inputs=options.example_inputs,
+            sync_batchnorm=options.sync_batchnorm,
         )
         if options.compile and self.plan.pp > 1:
             warnings.warn(
@@ -410,6 +412,7 @@ def parallelize(
     tp_plan: TPPlan | None = None,
     pp_split: list[int] | None = None,
     example_inputs: Any = None,
+    sync_batchnorm: bool = True,
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
@@ -436,6 +439,11 @@ def parallelize(
         the balanced cut meshfit chooses.
     example_inputs: one micro-batch of inputs; with pp > 1 meshfit times each block
         on it and balances the stages by measured time (else by parameter count).
+    sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global
+        batch, over the data-parallel ranks, as in one process (default). A BatchNorm
+        model is then refused with more than one micro-batch, which BatchNorm would
+        normalise one by one. False: each rank and micro-batch uses its own statistics
+        (no communication; not the one-process run).
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
@@ -468,6 +476,8 @@ def parallelize(
         )
     if not isinstance(compile, bool):
         raise MeshfitError(f"compile must be True or False, not {compile!r}")
+    if not isinstance(sync_batchnorm, bool):
+        raise MeshfitError(f"sync_batchnorm must be True or False, not {sync_batchnorm!r}")
     topology = plan if isinstance(plan, Topology) else create_topology(plan)
     options = EngineOptions(
         loss_fn=loss_fn,
@@ -478,6 +488,7 @@ def parallelize(
         tp_plan=tp_plan,
         pp_split=pp_split,
         example_inputs=example_inputs,
+        sync_batchnorm=sync_batchnorm,
     )
     engine = Engine(model, topology, options)
     watchdog.mark("script", "the training script before step 1", waiting=False)

@@ -56,6 +56,7 @@ def apply_plan(
     tp_plan: TPPlan | None = None,
     pp_split: list[int] | None = None,
     example_inputs: Any = None,
+    sync_batchnorm: bool = True,
 ) -> tuple[nn.Module, Runner]:
     """Parallelize `model` as `topology.plan` says; return what runs forward (the model,
     wrapped for data parallel, or this rank's pruned model under pp) and its runner."""
@@ -68,6 +69,11 @@ def apply_plan(
             )
     else:
         model = model.to(device)
+    if sync_batchnorm:
+        from meshfit.parallel.batchnorm import refuse_microbatches, synchronise_batchnorm
+
+        refuse_microbatches(model, plan.num_microbatches)
+        model = synchronise_batchnorm(model, topology.batch_groups, device)
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 

@@ -163,6 +163,11 @@ def build_pipeline(
     checked_loss = _StageLoss(loss_fn, forms)
     schedule, pp = split.schedule, split.pp
     if VIRTUAL_STAGES[schedule] == 1:
+        if schedule == "1f1b" and microbatches < pp:  # torch raised a ValueError
+            raise MeshfitError(
+                f"schedule '1f1b' needs at least as many micro-batches as stages (pp={pp}), "
+                f"not {microbatches}; use microbatches={pp} or more, or schedule='gpipe'"
+            )
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = cls(stages[0], microbatches, loss_fn=checked_loss)
     else:

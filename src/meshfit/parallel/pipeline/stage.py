@@ -16,6 +16,7 @@ registered, is refused at the stage's first forward rather than trained wrongly.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,12 @@ class StageModule(nn.Module):
         self.output_form = OutputForm()
 
     def forward(self, hidden_or_inputs: Any, model_inputs: Any = None) -> Any:
+        if _in_torch_metadata_inference():
+            with _side_effects_undone(self._model):
+                return self._forward(hidden_or_inputs, model_inputs)
+        return self._forward(hidden_or_inputs, model_inputs)
+
+    def _forward(self, hidden_or_inputs: Any, model_inputs: Any) -> Any:
         model, container = self._model, self._stack.container
         # The first stage takes the batch's inputs: from `model_inputs` when the runner
         # passes them (a mapping cannot be a stage's positional input), else positional.
@@ -112,6 +119,47 @@ class StageModule(nn.Module):
         if self.is_last:
             output = self.output_form.flatten(output)
         return map_tensors(output, torch.Tensor.detach) if untracked else output
+
+
+# What torch's PipelineStage calls its first forward in (2.13: `_forward_metadata_inference`;
+# earlier releases: `_shape_inference`): a forward on the first micro-batch (on later
+# stages, on uninitialised tensors) to learn the shapes that travel between stages.
+_METADATA_INFERENCE = {"_forward_metadata_inference", "_shape_inference"}
+
+
+def _in_torch_metadata_inference() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(8):  # the stage's method calls the module a few frames up
+        if frame is None:
+            return False
+        if frame.f_code.co_name in _METADATA_INFERENCE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def _side_effects_undone(model: nn.Module):
+    """Run a forward without leaving a trace: BatchNorm layers do not update their
+    running statistics (the metadata forward on uninitialised tensors made them NaN,
+    measured) and the random-number state (dropout) is put back afterwards. Buffers
+    are not copied back: torch keeps this forward's graph for a backward of its own,
+    and an in-place restore would break it."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    tracking = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    for layer in tracking:
+        layer.track_running_stats = False
+    try:
+        yield
+    finally:
+        for layer in tracking:
+            layer.track_running_stats = True
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 class OutputForm:

@@ -1,0 +1,48 @@
+"""BatchNorm keeps the promise: statistics over the whole global batch under dp, fsdp
+and pp (SyncBatchNorm semantics, on gloo CPU workers), running statistics included;
+micro-batches, which BatchNorm would normalise one by one, are refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_same_run, check_against_one_process, make_spec
+from workers import build, engine_run, many_engine_runs
+
+import meshfit as mf
+
+
+def test_batchnorm_matches_one_process_under_dp_fsdp_and_pp() -> None:
+    specs = [
+        make_spec("bn_cnn", "dp=2"),
+        make_spec("bn_cnn", "fsdp=2"),
+        # one micro-batch: GPipe (1F1B needs one per stage at least)
+        make_spec("bn_cnn", "pp=2,microbatches=1,schedule=gpipe"),
+    ]
+    # Negative control in the same launch: each rank normalising its own half-batch.
+    control = make_spec("bn_cnn", "dp=2", options={"sync_batchnorm": False})
+    results = mf.launch(many_engine_runs, nproc=2, args=([*specs, control],))
+    # check_against_one_process also compares the evaluation loss, which uses the
+    # running statistics: they too must be the one-process ones.
+    check_against_one_process(specs, results[: len(specs)])
+    with pytest.raises(AssertionError):
+        assert_same_run(results[-1], engine_run({**control, "plan": None}), 1e-6)
+
+
+def test_batchnorm_with_micro_batches_is_refused_with_the_fix() -> None:
+    model, loss_fn = build("bn_cnn")
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"^layer '1' is a BatchNorm2d .*microbatches=1, or sync_batchnorm=False",
+    ):
+        mf.parallelize(model, "microbatches=2", loss_fn=loss_fn)
+    # The opt-out trains, with each micro-batch normalised on its own.
+    engine = mf.parallelize(
+        build("bn_cnn")[0], "microbatches=2", loss_fn=loss_fn, sync_batchnorm=False
+    )
+    assert engine.step(engine_batch()) > 0
+
+
+def engine_batch():
+    from workers import make_batch
+
+    return make_batch("bn_cnn", 8, 0)
