@@ -735,3 +735,43 @@ def plan_errors(plans: list[str]) -> list[str | None]:
         except mf.MeshfitError as exc:
             errors.append(str(exc))
     return errors
+
+
+# ---- Keras 3 models on the torch backend (issue 11) ------------------------------------
+def keras_model(kind: str):
+    """A Keras 3 model (torch backend), built as Keras users build them."""
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    import keras
+
+    keras.utils.set_random_seed(1234)
+    layers = [keras.Input((8,)), keras.layers.Dense(32, activation="tanh")]
+    if kind == "keras_bn":
+        layers.append(keras.layers.BatchNormalization())
+    layers += [keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(5)]
+    return keras.Sequential(layers)
+
+
+def keras_run(spec: dict) -> dict:
+    """engine.step on a Keras model; losses and final weights in the model's order
+    (Keras names layers from a process-wide counter, so a second build in one process
+    has other names: compare by position)."""
+    model = keras_model(spec["model"])
+    engine = mf.parallelize(
+        model, spec.get("plan"), loss_fn=F.cross_entropy, optimizer=optimizer_factory("sgd")
+    )
+    losses = []
+    for step in range(4):
+        x, y = make_batch("mlp", 16, step, "float32")
+        losses.append(float(engine.step((x, y))))
+    return {"losses": losses, "weights": list(engine.full_state_dict().values())}
+
+
+def many_keras_runs(specs: list[dict]) -> list[dict]:
+    """keras_run for each spec; a spec the plan refuses gives {"refused": its message}."""
+    results = []
+    for spec in specs:
+        try:
+            results.append(keras_run(spec))
+        except mf.MeshfitError as refusal:
+            results.append({"refused": str(refusal)})
+    return results

@@ -75,6 +75,7 @@ class Engine:
         from meshfit.checkpoint import model_fingerprint
 
         self.user_model = model  # the user's model (its parameters may be sharded)
+        self.model_class = type(model).__name__  # before FSDP2 renames the class
         self.topology = topology
         self.plan = topology.plan
         self.device = topology.device
@@ -205,12 +206,47 @@ class Engine:
             self._batch_checked = True
             if count is None:
                 self._warn_on_ignored_targets(targets)
+            self._check_gradients_reached_the_optimizer()
         if count is None:
             loss = self.topology.batch_mean(loss)
         else:
             loss = self._normalise_by_count(loss, count)
         self._optimizer_step()
         return loss
+
+    def _check_gradients_reached_the_optimizer(self) -> None:
+        """Before the first update: the parameters the optimizer steps must be the ones
+        the model computed with. A model whose layers keep their own references to
+        their weights (Keras layers do) computes with the originals after FSDP2 or
+        DTensor replaced them, and its optimizer would step parameters no loss reaches:
+        measured, a Keras model under fsdp=2 trained another run with no error."""
+        params = [
+            p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad
+        ]
+        missing = [p for p in params if p.grad is None]
+        if not params or not missing:
+            return
+        names = {id(p): n for n, p in self.parallel_model.named_parameters()}
+        if len(missing) == len(params):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise MeshfitError(
+                f"the first training step gave none of the {len(params)} parameters under "
+                f"plan {self.plan} a gradient: {self.model_class} computes "
+                f"with other tensors than the ones the plan put in its modules (its layers "
+                f"keep their own references to their weights, as Keras layers do, which "
+                f"{'FSDP2' if self.plan.uses_fsdp else 'the plan'} replaces). Use a plan "
+                f"that keeps the parameters in place (dp), or a model whose layers read "
+                f"their weights from the module"
+            )
+        if self.rank == 0:
+            listed = ", ".join(names.get(id(p), "?") for p in missing[:5])
+            warnings.warn(
+                f"{len(missing)} of {len(params)} trainable parameters got no gradient in "
+                f"the first training step ({listed}{', ...' if len(missing) > 5 else ''}): "
+                f"unused by this loss, or computed around the plan's parameters. If they get "
+                f"one in a single process, the plan lost them: check with mf.verify",
+                stacklevel=4,
+            )
 
     def _normalise_by_count(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """For a (sum, count) loss: the global mean, sum over the global batch / count over

@@ -47,6 +47,37 @@ def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
     ]
 
 
+def refuse_unsynchronisable(model: nn.Module, batch_parts: int) -> None:
+    """Keras's BatchNormalization computes its statistics with Keras ops that meshfit
+    cannot reach: refuse it when the batch is split (over ranks or micro-batches)."""
+    for layer in _keras_layers(model):
+        kind = type(layer)
+        if kind.__name__ == "BatchNormalization" and kind.__module__.startswith("keras"):
+            if batch_parts > 1:
+                raise MeshfitError(
+                    f"layer {layer.name!r} is a Keras BatchNormalization, whose batch statistics "
+                    f"meshfit cannot compute over the whole batch once it is split over "
+                    f"{batch_parts} ranks x micro-batches (each part would be normalised "
+                    f"on its own: not the one-process run); train it in one process, or "
+                    f"{OPT_OUT}"
+                )
+
+
+def _keras_layers(model: nn.Module) -> list[object]:
+    """A Keras model's layers, nested models included (Keras keeps them in `layers`
+    lists, not as torch sub-modules); nothing for other models."""
+    found, todo = [], [model]
+    while todo:
+        layer = todo.pop()
+        found.append(layer)
+        children = (
+            getattr(layer, "layers", None) if type(layer).__module__.startswith("keras") else None
+        )
+        if isinstance(children, list):
+            todo.extend(children)
+    return found
+
+
 def refuse_microbatches(model: nn.Module, microbatches: int) -> None:
     """Micro-batches are normalised one by one: refuse, naming the fix."""
     layers = batchnorm_layers(model)

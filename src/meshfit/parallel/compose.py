@@ -70,9 +70,14 @@ def apply_plan(
     else:
         model = model.to(device)
     if sync_batchnorm:
-        from meshfit.parallel.batchnorm import refuse_microbatches, synchronise_batchnorm
+        from meshfit.parallel.batchnorm import (
+            refuse_microbatches,
+            refuse_unsynchronisable,
+            synchronise_batchnorm,
+        )
 
         refuse_microbatches(model, plan.num_microbatches)
+        refuse_unsynchronisable(model, topology.dp_size * plan.num_microbatches)
         model = synchronise_batchnorm(model, topology.batch_groups, device)
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
