@@ -113,7 +113,9 @@ def test_model_without_repeated_blocks_is_refused_with_the_way_out() -> None:
             self.encoder = torch.nn.Linear(4, 8)
             self.decoder = torch.nn.Conv1d(8, 4, 1)
 
-    with pytest.raises(mf.MeshfitError, match="cannot find repeated blocks.*pp_split.*tp_plan"):
+    with pytest.raises(
+        mf.MeshfitError, match="cannot find repeated blocks.*blocks='model.layers'.*tp_plan"
+    ):
         find_blocks(TwoHeads())
 
 

@@ -59,7 +59,41 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return RootScaled(), F.cross_entropy
     if kind == "bn_cnn":  # BatchNorm: statistics over the batch
         return bn_cnn(), F.cross_entropy
+    if kind == "titan":  # layers in a ModuleDict, and a larger stack that is not them
+        return TitanStyle(), F.cross_entropy
     raise ValueError(kind)
+
+
+class TitanBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class TitanStyle(torch.nn.Module):
+    """Layers in a ModuleDict keyed "0".."3", as torchtitan keeps them, after a stem of
+    six same-type modules (a larger stack, so meshfit's guess is the stem; the user
+    names the layers with blocks="layers")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(6))
+        self.proj = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleDict({str(i): TitanBlock(16) for i in range(4)})
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.stem:
+            x = torch.tanh(layer(x))
+        h = self.proj(x)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(h)
 
 
 def bn_cnn() -> torch.nn.Sequential:
@@ -105,7 +139,7 @@ def make_batch(
     kind: str, batch: int, step: int, dtype: str = "float64"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 + step)
-    if kind in ("mlp", "deep_mlp", "root_param"):
+    if kind in ("mlp", "deep_mlp", "root_param", "titan"):
         inputs = torch.randn(batch, 8, generator=g).to(getattr(torch, dtype))
         return inputs, torch.randint(0, 5, (batch,), generator=g)
     if kind == "bn_cnn":

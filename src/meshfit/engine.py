@@ -449,6 +449,7 @@ def parallelize(
     pp_split: list[int] | None = None,
     example_inputs: Any = None,
     sync_batchnorm: bool = True,
+    blocks: str | None = None,
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
@@ -480,6 +481,10 @@ def parallelize(
         model is then refused with more than one micro-batch, which BatchNorm would
         normalise one by one. False: each rank and micro-batch uses its own statistics
         (no communication; not the one-process run).
+    blocks: the qualified name of the container (nn.ModuleList / Sequential /
+        ModuleDict) that holds the model's repeated blocks, e.g. "model.layers", where
+        meshfit's guess (the largest container of same-type modules) is not the one
+        to split. tp, pp, recomputation and fsdp all use it.
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
@@ -514,6 +519,15 @@ def parallelize(
         raise MeshfitError(f"compile must be True or False, not {compile!r}")
     if not isinstance(sync_batchnorm, bool):
         raise MeshfitError(f"sync_batchnorm must be True or False, not {sync_batchnorm!r}")
+    if blocks is not None:
+        if not isinstance(blocks, str):
+            raise MeshfitError(
+                f"blocks must be the name of the container of the model's blocks, e.g. "
+                f"'model.layers', not {blocks!r}"
+            )
+        from meshfit.parallel.blocks import use_blocks
+
+        use_blocks(model, blocks)
     topology = plan if isinstance(plan, Topology) else create_topology(plan)
     options = EngineOptions(
         loss_fn=loss_fn,
