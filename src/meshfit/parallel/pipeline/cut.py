@@ -11,6 +11,7 @@ keeps a frozen, non-persistent placeholder of the same shape instead (see
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -148,9 +149,21 @@ def split_model(
         if example_inputs is not None:
             # Every rank must cut at the same place, so rank 0 measures (alone, so that
             # workers sharing its cores do not disturb the timing) and tells the others.
+            # Its forward also runs the checks a stage's first forward would run, so a
+            # model the cut would train wrongly is refused here, on every rank alike
+            # (at a stage's first forward only that stage's rank can refuse, and the
+            # others wait for its activation until the launcher stops them).
             measures = _measures_with_rank0(model)
-            shared = [measure_costs(model, stack, example_inputs) if measures else None]
+            shared: list[Any] = [None]
+            if measures:
+                try:
+                    with _checked(model, stack, head, tail):
+                        shared[0] = measure_costs(model, stack, example_inputs)
+                except MeshfitError as refusal:
+                    shared[0] = str(refusal)
             dist.broadcast_object_list(shared, src=0)
+            if isinstance(shared[0], str):
+                raise MeshfitError(shared[0])
             costs = shared[0]
         else:
             costs = parameter_costs(stack, head, tail)
@@ -194,6 +207,22 @@ def split_model(
                 f"on every stage (pp_split=[...]) or use a smaller pp"
             )
     return result
+
+
+@contextlib.contextmanager
+def _checked(model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[tuple]):
+    """The whole model's forward with the checks of a stage's first forward, over all
+    the blocks (see stage._check_the_split)."""
+    from meshfit.parallel.pipeline.stage import _check_the_split, _modules_outside
+
+    blocks = dict(zip(stack.keys, stack.blocks, strict=True))
+    outside = _modules_outside(model, stack, head, tail)
+    handles = _check_the_split(blocks, stack, outside, model=model)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _refuse_direct_call(module, args):

@@ -210,7 +210,10 @@ def _replace_first_arg(hidden: torch.Tensor) -> Callable:
 
 
 def _check_the_split(
-    blocks: dict[str, nn.Module], stack: BlockStack, outside: list[tuple[str, nn.Module, str]]
+    blocks: dict[str, nn.Module],
+    stack: BlockStack,
+    outside: list[tuple[str, nn.Module, str]],
+    model: nn.Module | None = None,
 ) -> list[Any]:
     """Hooks that refuse, at a stage's first forward (before any update), a model that
     the cut would train wrongly instead of letting it run: a module outside the blocks
@@ -227,6 +230,8 @@ def _check_the_split(
 
     handles = [blocks[keys[0]].register_forward_pre_hook(enter)]
     handles.append(blocks[keys[-1]].register_forward_hook(leave))
+    if model is not None:  # checked over several forwards: each starts before the blocks
+        handles.append(model.register_forward_pre_hook(lambda m, a: phase.__setitem__(0, "before")))
     for key, block in blocks.items():
         check = _refuse_trained_side_inputs(stack.qualified(key))
         handles.append(block.register_forward_pre_hook(check, with_kwargs=True))

@@ -1,0 +1,357 @@
+"""The model zoo: model families people bring, built from their libraries' own configs
+(nothing downloaded), each with a batch in the form its library yields and the loss it
+is trained with. Dropout is off in every config: with it on, no two runs share random
+numbers, in one process or many.
+
+Sources: Hugging Face transformers (causal LMs, an encoder-decoder, a masked-LM encoder,
+a vision transformer, a mixture of experts), Keras 3 (torch backend), torchvision-style
+vision code (BatchNorm CNNs, a ResNet whose stages differ in width) and meshfit's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshfit as mf
+
+VOCAB, LENGTH = 32, 12
+
+
+@dataclass
+class Family:
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, int], Any]  # (batch size, step) -> a batch
+    loss: Callable[[], Any]  # -> loss_fn
+    dtype: str = "float64"
+    options: dict | None = None  # parallelize options the family needs (blocks=...)
+
+
+def _lm_batch(batch: int, step: int, masked_lm: bool = False) -> tuple[dict, torch.Tensor]:
+    """A collator's batch: right-padded ids with their mask, -100 where no loss is
+    taken (the prompt and padding for a causal LM; unmasked tokens for a masked LM)."""
+    g = torch.Generator().manual_seed(30_000 + step)
+    ids = torch.zeros(batch, LENGTH, dtype=torch.long)
+    mask = torch.zeros(batch, LENGTH, dtype=torch.long)
+    labels = torch.full((batch, LENGTH), -100)
+    for i in range(batch):
+        n = int(torch.randint(4, LENGTH + 1, (), generator=g))
+        ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[i, :n] = 1
+        if masked_lm:
+            chosen = torch.rand(n, generator=g) < 0.3
+            chosen[0] = True
+            labels[i, :n][chosen] = ids[i, :n][chosen]
+            ids[i, :n][chosen] = 1  # the [MASK] id
+        else:
+            prompt = int(torch.randint(1, n - 1, (), generator=g))
+            labels[i, prompt:n] = ids[i, prompt:n]
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def _images(batch: int, step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(40_000 + step)
+    return torch.randn(batch, 3, size, size, generator=g) * 2 + 1, torch.randint(
+        0, 5, (batch,), generator=g
+    )
+
+
+def _logits_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(getattr(outputs, "logits", outputs), targets)
+
+
+# ---- transformers --------------------------------------------------------------------
+def hf_llama() -> nn.Module:  # grouped-query attention: 4 heads, 2 key/value heads
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=LENGTH,
+        )
+    )
+
+
+def hf_gpt2() -> nn.Module:  # Conv1D projections, fused q/k/v, tied LM head
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=LENGTH,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
+
+
+def hf_gpt_neox() -> nn.Module:  # q/k/v fused per head
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=LENGTH,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+    )
+
+
+def hf_mixtral() -> nn.Module:  # mixture of experts: 4 experts, 2 per token
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=LENGTH,
+        )
+    )
+
+
+def hf_t5() -> nn.Module:  # encoder-decoder: two stacks
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=VOCAB,
+            d_model=16,
+            d_kv=4,
+            d_ff=32,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+    )
+
+
+def _t5_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
+    inputs, labels = _lm_batch(batch, step)
+    decoder_ids = torch.zeros_like(labels)
+    decoder_ids[:, 1:] = labels[:, :-1].clamp_min(0)
+    return {**inputs, "decoder_input_ids": decoder_ids}, labels
+
+
+def hf_bert() -> nn.Module:  # a masked-LM encoder; its decoder is tied to the embedding
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=LENGTH,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
+
+
+def hf_vit() -> nn.Module:  # a vision transformer classifier
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(
+        ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=5,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
+
+
+def _vit_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
+    images, labels = _images(batch, step)
+    return {"pixel_values": images}, labels
+
+
+# ---- torchvision-style vision code -----------------------------------------------------
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock, small: conv-BN-ReLU-conv-BN plus a shortcut
+    (a 1x1 conv where the width changes)."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Conv2d(cin, cout, 1, bias=False) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A ResNet whose stages differ in width (8, 8, 16, 16 channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+        widths = [8, 8, 16, 16]
+        self.layers = nn.Sequential(
+            *(BasicBlock(a, b) for a, b in zip([8, *widths[:-1]], widths, strict=True))
+        )
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(F.relu(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+# ---- Keras 3 ---------------------------------------------------------------------------
+def keras_mlp() -> nn.Module:
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    import keras
+
+    keras.utils.set_random_seed(1234)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(5),
+        ]
+    )
+
+
+def _vectors(batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50_000 + step)
+    return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)
+
+
+def _own(kind: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from workers import _build
+
+        return _build(kind)[0]
+
+    return build
+
+
+def _own_batch(kind: str) -> Callable[[int, int], Any]:
+    def batch(size: int, step: int) -> Any:
+        from workers import make_batch
+
+        return make_batch(kind, size, step)
+
+    return batch
+
+
+def _causal() -> Any:
+    return mf.losses.cross_entropy(shift=True)
+
+
+def _masked() -> Any:
+    return mf.losses.cross_entropy()
+
+
+def _own_loss(kind: str) -> Callable[[], Any]:
+    def loss() -> Any:
+        from workers import _build
+
+        return _build(kind)[1]
+
+    return loss
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(hf_llama, _lm_batch, _causal),
+    "gpt2": Family(hf_gpt2, _lm_batch, _causal),
+    "gpt_neox": Family(hf_gpt_neox, _lm_batch, _causal),
+    # float32: its experts run on torch._grouped_mm, which takes no float64
+    "mixtral": Family(hf_mixtral, _lm_batch, _causal, dtype="float32"),
+    "t5": Family(hf_t5, _t5_batch, _masked),
+    "bert": Family(hf_bert, lambda b, s: _lm_batch(b, s, masked_lm=True), _masked),
+    "vit": Family(hf_vit, _vit_batch, lambda: _logits_loss),
+    "resnet": Family(SmallResNet, _images, lambda: F.cross_entropy),
+    "bn_cnn": Family(_own("bn_cnn"), _own_batch("bn_cnn"), _own_loss("bn_cnn")),
+    "keras_mlp": Family(keras_mlp, _vectors, lambda: F.cross_entropy, dtype="float32"),
+    "gpt": Family(_own("gpt4"), _own_batch("gpt4"), _own_loss("gpt4")),
+    "titan": Family(
+        _own("titan"), _own_batch("titan"), _own_loss("titan"), options={"blocks": "layers"}
+    ),
+}
+
+
+def zoo_run(spec: dict) -> dict:
+    """Train family `spec["model"]` under `spec["plan"]` for 3 SGD steps on batches of
+    8; its losses and final weights (a Keras model's by position: Keras names layers
+    from a process-wide counter)."""
+    family = FAMILIES[spec["model"]]
+    torch.manual_seed(1234)
+    dtype = getattr(torch, family.dtype)
+    model = family.build().to(dtype)
+
+    def batch(step: int) -> Any:
+        inputs, targets = family.batch(8, step)
+        as_dtype = mf.trees.map_tensors(
+            inputs, lambda t: t.to(dtype) if t.is_floating_point() else t
+        )
+        return as_dtype, targets
+
+    # As fit does: an example micro-batch, on which pp times the blocks (and checks the
+    # cut before any rank trains).
+    example = mf.trees.map_tensors(batch(0)[0], lambda t: t[:2])
+    engine = mf.parallelize(
+        model,
+        spec.get("plan"),
+        loss_fn=family.loss(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        example_inputs=example,
+        **(family.options or {}),
+    )
+    losses = [float(engine.step(batch(step))) for step in range(3)]
+    state = engine.full_state_dict()
+    if spec["model"].startswith("keras"):
+        state = {str(i): v for i, v in enumerate(state.values())}
+    return {"losses": losses, "state": state}
+
+
+def many_zoo_runs(specs: list[dict]) -> list[dict]:
+    """zoo_run for each spec; a refusal gives {"refused": its one line}."""
+    results = []
+    for spec in specs:
+        try:
+            results.append(zoo_run(spec))
+        except mf.MeshfitError as refusal:
+            results.append({"refused": str(refusal)})
+    return results
