@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -13,7 +16,23 @@ import torch.nn.functional as F
 import verify_targets as vt
 
 import meshfit as mf
+from meshfit.cli import _verify_status
 from meshfit.verify import VerifyReport, _Objects, tolerance, verify_many, weight_differences
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def meshfit_cli(*args: str, cwd: str | None = None, timeout: float = 240):
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "meshfit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+
 
 # ---- through worker processes ------------------------------------------------------
 
@@ -167,3 +186,51 @@ def test_report_verdicts_and_exit_status() -> None:
     assert same.ok and not loss_off.ok and not nan.ok and not refused.ok
     assert loss_off.verdict == "DIFFERENT run: the loss differs at step 2"
     assert nan.verdict == "DIFFERENT run: largest difference in w"
+    assert [_verify_status(r) for r in ([same], [loss_off], [refused], [same, refused])] == [
+        0,
+        1,
+        2,
+        2,
+    ]
+    assert _verify_status([refused, loss_off]) == 1
+
+
+# ---- the command line ---------------------------------------------------------------
+
+USER_MODULE = """
+import torch, torch.nn.functional as F
+
+def build_model_and_batch():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+    # a lambda is fine here: every worker imports this module itself
+    return model.double(), (batch[0].double(), batch[1]), lambda out, y: F.cross_entropy(out, y)
+"""
+
+
+def test_cli_same_run_exits_0(tmp_path) -> None:
+    """The user's module is found from the current directory, as with python -m."""
+    (tmp_path / "mytrain.py").write_text(textwrap.dedent(USER_MODULE))
+    result = meshfit_cli("verify", "--plan", "dp=2", "mytrain:build_model_and_batch", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        lines[0] == "meshfit verify: plan dp=2 on 2 processes against 1 process, 3 steps, float64"
+    )
+    assert lines[-1] == "verdict: same run"
+
+
+def test_cli_refusal_and_bad_input_exit_2() -> None:
+    refused = meshfit_cli(
+        "verify", "--plan", "dp=4", "--nproc", "2", "verify_targets:model_and_batch"
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stdout.splitlines()[-1].startswith("verdict: refused: plan dp=4 uses 4")
+    assert "Traceback" not in refused.stdout + refused.stderr
+    missing = meshfit_cli("verify", "--plan", "dp=2", "no_such_module:build")
+    assert missing.returncode == 2
+    assert "meshfit: error: cannot import 'no_such_module'" in missing.stderr
+    wrong = meshfit_cli("verify", "--plan", "dp=2", "verify_targets:small_batch")
+    assert wrong.returncode == 2
+    assert "must return (model, batch, loss_fn)" in wrong.stderr
