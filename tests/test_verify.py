@@ -234,3 +234,23 @@ def test_cli_refusal_and_bad_input_exit_2() -> None:
     wrong = meshfit_cli("verify", "--plan", "dp=2", "verify_targets:small_batch")
     assert wrong.returncode == 2
     assert "must return (model, batch, loss_fn)" in wrong.stderr
+
+
+def test_demo_verify_prints_every_plan_as_the_same_run() -> None:
+    result = meshfit_cli("demo", "--verify")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    assert "(the reference)" in rows["1"]  # "1 process"
+    for plan in ("dp=2", "dp=1,fsdp=2", "dp=1,tp=2", "dp=1,pp=2"):
+        assert rows[plan].endswith("same run"), result.stdout
+    # every plan's losses are the one-process losses, to the 12 digits printed
+    reference = [float(v) for v in rows["1"].split()[3:6]]
+    for plan in ("dp=2", "dp=1,fsdp=2", "dp=1,tp=2", "dp=1,pp=2"):
+        losses = [float(v) for v in rows[plan].split()[2:5]]
+        assert losses == pytest.approx(reference, rel=1e-11), plan
+
+
+def test_demo_verify_refuses_training_flags() -> None:
+    result = meshfit_cli("demo", "--verify", "--layers", "8")
+    assert result.returncode == 2
+    assert "--layers would change nothing" in result.stderr

@@ -69,6 +69,8 @@ def _run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from meshfit.launch import RunOptions, run
 
+    if args.verify:
+        return _demo_verify(args)
     demo_args: list[str] = []
     for action in args.demo_actions:
         value = getattr(args, action.dest)
@@ -94,6 +96,36 @@ def _demo(args: argparse.Namespace) -> int:
             hang_timeout=args.hang_timeout,
         )
     )
+
+
+def _demo_verify(args: argparse.Namespace) -> int:
+    """`meshfit demo --verify`: the demo's plans against one process, as one table."""
+    from meshfit.demo import VERIFY_OPTIONS, verify_plans
+    from meshfit.verify import reports_table
+
+    ignored = [
+        action.option_strings[0]
+        for action in args.demo_actions
+        if action.dest not in VERIFY_OPTIONS and getattr(args, action.dest) != action.default
+    ]
+    if args.max_restarts:
+        ignored.append("--max-restarts")
+    if ignored:
+        raise MeshfitError(
+            f"--verify trains its own small demo GPT for a few steps, so {', '.join(ignored)} "
+            f"would change nothing; drop them (it takes --nproc, --plan, --steps, --seed, "
+            f"--devices, --threads)"
+        )
+    title, reports = verify_plans(
+        nproc=2 if args.nproc is None else args.nproc,
+        steps=3 if args.steps is None else args.steps,
+        plan=args.plan,
+        seed=args.seed,
+        devices=args.devices,
+        threads=args.threads,
+    )
+    print(reports_table(reports, title), flush=True)
+    return _verify_status(reports)
 
 
 def _verify_status(reports: list) -> int:
@@ -236,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a byte-level GPT on the standard library's source, then sample from it.",
     )
     _add_worker_options(demo)
+    demo.add_argument(
+        "--verify",
+        action="store_true",
+        help="instead of training: a few steps of a small demo GPT under dp, fsdp, tp and pp "
+        "(or --plan), each beside one process, as a table of losses and weight differences",
+    )
     demo.set_defaults(handler=_demo, demo_actions=add_demo_arguments(demo))
 
     verify = commands.add_parser(
