@@ -6,8 +6,12 @@ import argparse
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from meshfit.errors import MeshfitError
+
+if TYPE_CHECKING:
+    from meshfit.verify import VerifyReport
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -128,7 +132,7 @@ def _demo_verify(args: argparse.Namespace) -> int:
     return _verify_status(reports)
 
 
-def _verify_status(reports: list) -> int:
+def _verify_status(reports: list[VerifyReport]) -> int:
     """0: every plan the same run; 1: some plan a different run; 2: refused."""
     if any(not r.ok and r.refused is None for r in reports):
         return 1

@@ -112,7 +112,7 @@ class VerifyReport:
     plan: str
     nproc: int
     rtol: float
-    dtype: str = "float32"
+    dtype: str = ""  # the model's, once the one-process run has run
     losses: list[float] = field(default_factory=list)  # under the plan
     reference_losses: list[float] = field(default_factory=list)  # in one process
     max_weight_diff: float = math.nan
@@ -424,6 +424,7 @@ def verify(
     optimizer: a function of the parameters (default SGD, lr 0.1, momentum 0.9: it keeps
         the gradient's scale in the update, where Adam would hide a wrongly scaled one).
     rtol: the relative tolerance (default `tolerance(model dtype, plan precision)`).
+    seed: ``torch.manual_seed(seed)`` before each build (default 0).
     devices, threads: as for `mf.launch`.
     parallelize_options: any other `mf.parallelize` keyword (grad_clip, tp_plan, ...),
         given to both runs.
@@ -529,7 +530,9 @@ def verify_many(
     reports = []
     for i, (shown, count, resolved, refused) in enumerate(planned):
         if resolved is None:
-            report = VerifyReport(plan=shown, nproc=count, rtol=rtol or math.nan, refused=refused)
+            report = VerifyReport(
+                plan=shown, nproc=count, rtol=math.nan if rtol is None else rtol, refused=refused
+            )
             reports.append(report)
             continue
         reports.append(_compare(shown, count, results[i], references[resolved.precision], rtol))
