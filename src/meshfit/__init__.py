@@ -7,6 +7,7 @@ from meshfit.fit import History, fit
 from meshfit.launch import WorkerError, launch
 from meshfit.placement import place
 from meshfit.plan import Plan
+from meshfit.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ __all__ = [
     "History",
     "MeshfitError",
     "Plan",
+    "VerifyReport",
     "WorkerError",
     "__version__",
     "fit",
@@ -24,4 +26,5 @@ __all__ = [
     "losses",
     "parallelize",
     "place",
+    "verify",
 ]

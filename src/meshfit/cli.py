@@ -1,11 +1,17 @@
-"""The `meshfit` command: devices, run, demo."""
+"""The `meshfit` command: devices, run, demo, verify."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+from typing import TYPE_CHECKING
 
 from meshfit.errors import MeshfitError
+
+if TYPE_CHECKING:
+    from meshfit.verify import VerifyReport
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -67,6 +73,8 @@ def _run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from meshfit.launch import RunOptions, run
 
+    if args.verify:
+        return _demo_verify(args)
     demo_args: list[str] = []
     for action in args.demo_actions:
         value = getattr(args, action.dest)
@@ -92,6 +100,104 @@ def _demo(args: argparse.Namespace) -> int:
             hang_timeout=args.hang_timeout,
         )
     )
+
+
+def _demo_verify(args: argparse.Namespace) -> int:
+    """`meshfit demo --verify`: the demo's plans against one process, as one table."""
+    from meshfit.demo import VERIFY_OPTIONS, verify_plans
+    from meshfit.verify import reports_table
+
+    ignored = [
+        action.option_strings[0]
+        for action in args.demo_actions
+        if action.dest not in VERIFY_OPTIONS and getattr(args, action.dest) != action.default
+    ]
+    if args.max_restarts:
+        ignored.append("--max-restarts")
+    if ignored:
+        raise MeshfitError(
+            f"--verify trains its own small demo GPT for a few steps, so {', '.join(ignored)} "
+            f"would change nothing; drop them (it takes --nproc, --plan, --steps, --seed, "
+            f"--devices, --threads)"
+        )
+    title, reports = verify_plans(
+        nproc=2 if args.nproc is None else args.nproc,
+        steps=3 if args.steps is None else args.steps,
+        plan=args.plan,
+        seed=args.seed,
+        devices=args.devices,
+        threads=args.threads,
+    )
+    print(reports_table(reports, title), flush=True)
+    return _verify_status(reports)
+
+
+def _verify_status(reports: list[VerifyReport]) -> int:
+    """0: every plan the same run; 1: some plan a different run; 2: refused."""
+    if any(not r.ok and r.refused is None for r in reports):
+        return 1
+    return 2 if any(r.refused is not None for r in reports) else 0
+
+
+VERIFY_HELP = """\
+Train a model a few steps under PLAN on worker processes and in this one process, then
+print both runs' per-step losses, the largest relative weight difference and a verdict.
+
+TARGET is module:function (the current directory is on the import path), e.g.
+mypkg.train:build_model_and_batch. The function takes no arguments and returns
+
+    (model, batch, loss_fn)   or   (model, batch, loss_fn, options)
+
+  model    a fresh torch.nn.Module, or a function that builds one
+  batch    the global batch (inputs, targets), used at every step; or a list of
+           batches (tuples), one per step
+  loss_fn  loss_fn(outputs, targets) as mf.parallelize takes it ("model": the
+           model's own loss)
+  options  a dict of other mf.parallelize keywords: optimizer, grad_clip,
+           tp_plan, pp_split, ... (the optimizer by default: SGD, lr 0.1,
+           momentum 0.9, which keeps a wrongly scaled gradient visible)
+
+meshfit calls it after torch.manual_seed(SEED), in this process for the one-process
+run and in every worker for the plan's run, so both start from the same weights and
+nothing of yours needs to pickle (a lambda loss_fn is fine); the workers train on the
+batch it returned here. The tolerance follows the model's dtype (1.9e-12 relative in
+float64, 1.0e-3 in float32: build the model in float64 for the sharpest check).
+
+exit status: 0 same run; 1 different run; 2 the plan was refused, bad input, or
+an error in the model (its traceback is printed)
+"""
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from meshfit.verify import verify_target
+
+    # As `python -m` does: the user's module is found from the current directory (and
+    # the spawned workers inherit this path).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        report = verify_target(
+            args.target,
+            args.plan,
+            steps=args.steps,
+            nproc=args.nproc,
+            rtol=args.rtol,
+            seed=args.seed,
+            devices=args.devices,
+            threads=args.threads,
+        )
+    except MeshfitError:
+        raise  # main prints it as one line, exit status 2
+    except Exception as exc:  # noqa: BLE001 - the model's own error: shown, then status 2
+        traceback.print_exc()
+        print(
+            f"meshfit: error: verify stopped by an error in the model or its data "
+            f"({type(exc).__name__}: {exc}); its traceback is above",
+            file=sys.stderr,
+        )
+        return 2
+    print(report, flush=True)
+    return _verify_status([report])
 
 
 def _add_worker_options(parser: argparse.ArgumentParser) -> None:
@@ -166,7 +272,46 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a byte-level GPT on the standard library's source, then sample from it.",
     )
     _add_worker_options(demo)
+    demo.add_argument(
+        "--verify",
+        action="store_true",
+        help="instead of training: a few steps of a small demo GPT under dp, fsdp, tp and pp "
+        "(or --plan), each beside one process, as a table of losses and weight differences",
+    )
     demo.set_defaults(handler=_demo, demo_actions=add_demo_arguments(demo))
+
+    verify = commands.add_parser(
+        "verify",
+        help="check that your model trains the same under a plan as in one process",
+        description=VERIFY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify.add_argument("--plan", required=True, help="the plan to check, e.g. tp=2,pp=2")
+    verify.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="worker processes (default: the plan's world size, with dp=1 when it leaves dp "
+        "open; for dp alone the launcher's default)",
+    )
+    verify.add_argument(
+        "--steps", type=int, default=None, help="training steps (default 3, or one per batch)"
+    )
+    verify.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="relative tolerance (default: from the model's dtype and the plan's precision)",
+    )
+    verify.add_argument("--seed", type=int, default=0, help="torch.manual_seed before each build")
+    verify.add_argument(
+        "--devices", default=None, help="GPUs to use, e.g. 0,2 ('all' by default; 'cpu' for none)"
+    )
+    verify.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads per worker (default 1 on CPU)"
+    )
+    verify.add_argument("target", metavar="TARGET", help="module:function, see above")
+    verify.set_defaults(handler=_verify)
     return parser
 
 

@@ -1,13 +1,15 @@
 """The main job: train a small GPT on the Python standard library's source, byte by byte.
 
 `meshfit demo` starts this module on the workers (2 CPU processes by default, every GPU
-when there are some); `python -m meshfit.demo` runs it in one process.
+when there are some); `python -m meshfit.demo` runs it in one process. `meshfit demo
+--verify` runs `verify_plans` instead: the promise, shown on a small demo GPT.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import math
 
 import torch
@@ -33,7 +35,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]
     def option(*names: str, **kwargs) -> None:
         actions.append(parser.add_argument(*names, **kwargs))
 
-    option("--steps", type=int, default=200, help="training steps (default 200)")
+    option("--steps", type=int, default=None, help="training steps (default 200; 3 with --verify)")
     option("--plan", default=None, help="e.g. 'dp=2' (default: dp over all workers)")
     option("--batch-size", type=int, default=32, help="GLOBAL batch in sequences (default 32)")
     option("--block-size", type=int, default=128, help="context length in bytes (default 128)")
@@ -103,8 +105,65 @@ def warmup_cosine(total_steps: int, warmup: int):
     return factor
 
 
+# With --verify: the options that still apply (the others size the training run).
+VERIFY_OPTIONS = ("steps", "plan", "seed")
+
+
+def verify_model(config: GPTConfig) -> GPT:
+    """The model `verify_plans` trains: float64, where a correct plan is 1e-16-ish away
+    from one process and a gradient off by one part in a million is not (a module-level
+    function, so the workers can unpickle it)."""
+    return GPT(config).double()
+
+
+def verify_plans(
+    nproc: int = 2,
+    steps: int = 3,
+    plan: str | None = None,
+    seed: int = 0,
+    devices: str | None = None,
+    threads: int | None = None,
+) -> tuple[str, list[mf.VerifyReport]]:
+    """dp, fsdp, tp and pp on `nproc` processes each (or only `plan`), against one
+    process, on a small demo GPT and real batches of the standard library's source; the
+    plans share one launch. Returns the table's title and the reports."""
+    from meshfit.verify import _Objects, sgd_momentum, verify_many
+
+    if nproc < 2:
+        raise mf.MeshfitError(f"--verify compares plans of 2 or more processes, not {nproc}")
+    # Enough heads and blocks for tp=nproc and pp=nproc.
+    heads = max(2, nproc)
+    config = GPTConfig(
+        vocab_size=256, block_size=32, n_layer=max(2, nproc), n_head=heads, n_embd=16 * heads
+    )
+    batch_size = 4 * nproc  # splits over dp=nproc and pp=nproc's 2*nproc micro-batches
+    data = ByteTextDataset(
+        python_stdlib_text(steps * batch_size * config.block_size + 1), config.block_size
+    )
+    batches = []
+    for step in range(steps):
+        samples = [data[step * batch_size + i] for i in range(batch_size)]
+        batches.append(tuple(torch.stack(part) for part in zip(*samples, strict=True)))
+    plans = [plan] if plan else [f"{form}={nproc}" for form in ("dp", "fsdp", "tp", "pp")]
+    source = _Objects(
+        functools.partial(verify_model, config), next_token_loss, {"optimizer": sgd_momentum}
+    )
+    reports = verify_many(
+        source, plans, batches, nproc=nproc, seed=seed, devices=devices, threads=threads
+    )
+    params = sum(p.numel() for p in verify_model(config).parameters())
+    title = (
+        f"The demo GPT ({params:,} parameters, float64), {steps} steps of SGD (lr 0.1, "
+        f"momentum 0.9) on batches of {batch_size} x {config.block_size} bytes of Python "
+        f"source: each plan on {nproc} processes against one process"
+    )
+    return title, reports
+
+
 def main(argv: list[str] | None = None) -> mf.fit.History:
     args = build_parser().parse_args(argv)
+    if args.steps is None:
+        args.steps = 200
     torch.manual_seed(args.seed)  # same initial weights on every rank
     config = GPTConfig(
         vocab_size=256,

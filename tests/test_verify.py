@@ -1,0 +1,256 @@
+"""mf.verify, meshfit verify and meshfit demo --verify: the user's own proof that a plan
+trains the same run as one process, and that the proof can fail."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+import verify_targets as vt
+
+import meshfit as mf
+from meshfit.cli import _verify_status
+from meshfit.verify import VerifyReport, _Objects, tolerance, verify_many, weight_differences
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def meshfit_cli(*args: str, cwd: str | None = None, timeout: float = 240):
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "meshfit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+
+
+# ---- through worker processes ------------------------------------------------------
+
+
+def test_dp2_is_the_same_run() -> None:
+    report = mf.verify(vt.small_mlp, "dp=2", vt.small_batch(), loss_fn=F.cross_entropy)
+    assert report.ok, report
+    assert report.verdict == "same run"
+    assert (report.plan, report.nproc, report.dtype) == ("dp=2", 2, "float64")
+    assert report.rtol == tolerance(torch.float64)  # from the model's dtype
+    assert len(report.losses) == len(report.reference_losses) == 3  # the default steps
+    assert report.max_weight_diff <= report.rtol and report.max_weight_name is not None
+    assert report.weights_moved > 1e-2  # it trained, so equal weights prove something
+    assert "verdict: same run" in str(report)
+
+
+def test_a_gradient_wrong_on_one_rank_is_a_different_run() -> None:
+    """Negative control: rank 1's gradient one part in a million too large, its loss
+    value unchanged. The losses of step 1 agree; the weights must not."""
+    model = vt.small_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [vt.small_batch(seed=seed) for seed in (1, 2, 3)]
+    report = mf.verify(model, "dp=2", batches, loss_fn=vt.loss_wrong_on_rank_1)
+    assert not report.ok
+    assert report.verdict.startswith("DIFFERENT run: largest difference in ")
+    assert len(report.losses) == 3  # one step per batch given
+    assert report.loss_diffs[0] <= report.rtol  # the first loss is right
+    assert report.rtol < report.max_weight_diff < 1e-3  # invisible at float32's tolerance
+    assert "DIFFERENT run" in str(report)
+    for name, value in model.state_dict().items():  # the caller's model is not trained
+        assert torch.equal(value, before[name]), name
+
+
+@pytest.mark.slow
+def test_a_plan_refused_in_the_workers_gets_its_own_verdict() -> None:
+    """tp=2 cannot split a hidden width of 33: the workers refuse it; the dp=2 launched
+    beside it still gets its verdict (the plans are then run one launch each)."""
+    source = _Objects(functools.partial(vt.small_mlp, 33), F.cross_entropy, {})
+    dp, tp = verify_many(source, ["dp=2", "tp=2"], vt.small_batch(), nproc=2)
+    assert dp.ok, dp
+    assert not tp.ok and tp.refused is not None
+    assert "does not divide" in tp.refused and "33" in tp.refused
+    assert tp.verdict == f"refused: {tp.refused}"
+    assert "Traceback" not in str(tp)
+
+
+# ---- refused before any worker starts ------------------------------------------------
+
+
+def test_a_plan_that_does_not_fit_is_a_refusal_not_a_traceback() -> None:
+    report = mf.verify(vt.small_mlp, "dp=4", vt.small_batch(), loss_fn=F.cross_entropy, nproc=2)
+    assert not report.ok
+    assert report.verdict.startswith("refused: plan dp=4 uses 4 processes but 2 were started")
+    assert str(report).splitlines()[-1] == f"verdict: {report.verdict}"
+    bad = mf.verify(vt.small_mlp, "tp=two", vt.small_batch(), loss_fn=F.cross_entropy)
+    assert bad.refused == "plan field tp needs a whole number, not 'two'"
+
+
+def _notebook_build() -> torch.nn.Module:
+    return vt.small_mlp()
+
+
+def test_what_cannot_reach_the_workers_is_refused_by_name() -> None:
+    batch = vt.small_batch()
+
+    def local_loss(out, y):
+        return F.cross_entropy(out, y)
+
+    with pytest.raises(mf.MeshfitError, match=r"^build cannot be sent .*not a lambda"):
+        mf.verify(lambda: vt.small_mlp(), "dp=2", batch, loss_fn=F.cross_entropy)
+    with pytest.raises(mf.MeshfitError, match=r"^loss_fn cannot be sent .*functools.partial"):
+        mf.verify(vt.small_mlp, "dp=2", batch, loss_fn=local_loss)
+    with pytest.raises(mf.MeshfitError, match=r"^optimizer cannot be sent"):
+        mf.verify(vt.small_mlp, "dp=2", batch, loss_fn=F.cross_entropy, optimizer=lambda p: None)
+    # A notebook cell's function pickles by name, but a worker cannot import it.
+    import types
+
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__: interactive
+    _notebook_build.__module__ = "__main__"
+    try:
+        with pytest.raises(
+            mf.MeshfitError, match="build: _notebook_build is defined interactively"
+        ):
+            mf.verify(_notebook_build, "dp=2", batch, loss_fn=F.cross_entropy)
+    finally:
+        sys.modules["__main__"] = saved
+        _notebook_build.__module__ = __name__
+
+
+def test_bad_arguments_are_refused() -> None:
+    batch = vt.small_batch()
+    with pytest.raises(mf.MeshfitError, match="verify does not take 'lr'"):
+        mf.verify(vt.small_mlp, "dp=2", batch, loss_fn=F.cross_entropy, lr=0.1)
+    with pytest.raises(mf.MeshfitError, match="a function that returns a fresh model"):
+        mf.verify("model", "dp=2", batch, loss_fn=F.cross_entropy)
+    with pytest.raises(mf.MeshfitError, match="2 batches were given, one per step, but steps=3"):
+        mf.verify(vt.small_mlp, "dp=2", [batch, batch], loss_fn=F.cross_entropy, steps=3)
+    with pytest.raises(mf.MeshfitError, match="steps must be a whole number"):
+        mf.verify(vt.small_mlp, "dp=2", batch, loss_fn=F.cross_entropy, steps=0)
+
+
+# ---- the comparison itself ----------------------------------------------------------
+
+
+def test_tolerance_follows_the_format() -> None:
+    assert math.isclose(tolerance(torch.float64), 1.9e-12, rel_tol=0.01)
+    assert math.isclose(tolerance(torch.float32), 1.02e-3, rel_tol=0.01)
+    assert tolerance(torch.float32, "bf16") == 2 * 2.0**-8  # autocast's rounding
+
+
+def test_weight_differences() -> None:
+    ref = {"w": torch.ones(4, 4, dtype=torch.float64), "k_bias": torch.full((4,), 1e-17)}
+    # Noise in a tensor of noise (a key bias) is not a difference; 1e-6 in a weight is.
+    got = {"w": ref["w"] * (1 + 1e-6), "k_bias": torch.full((4,), -1e-17)}
+    diffs = weight_differences(got, ref)
+    assert math.isclose(diffs["w"], 1e-6, rel_tol=1e-6)
+    assert diffs["k_bias"] < 1e-16
+    assert weight_differences({"w": ref["w"]}, ref)["k_bias"] == math.inf  # missing
+
+
+def test_report_verdicts_and_exit_status() -> None:
+    same = VerifyReport(
+        "dp=2",
+        2,
+        1e-9,
+        losses=[1.0, 0.5],
+        reference_losses=[1.0, 0.5],
+        max_weight_diff=1e-12,
+        max_weight_name="w",
+    )
+    loss_off = VerifyReport(
+        "dp=2",
+        2,
+        1e-9,
+        losses=[1.0, 0.6],
+        reference_losses=[1.0, 0.5],
+        max_weight_diff=1e-12,
+        max_weight_name="w",
+    )
+    nan = VerifyReport(
+        "dp=2",
+        2,
+        1e-9,
+        losses=[math.nan],
+        reference_losses=[math.nan],
+        max_weight_diff=math.nan,
+        max_weight_name="w",
+    )
+    refused = VerifyReport("tp=3", 3, 1e-9, refused="no")
+    assert same.ok and not loss_off.ok and not nan.ok and not refused.ok
+    assert loss_off.verdict == "DIFFERENT run: the loss differs at step 2"
+    assert nan.verdict == "DIFFERENT run: largest difference in w"
+    assert [_verify_status(r) for r in ([same], [loss_off], [refused], [same, refused])] == [
+        0,
+        1,
+        2,
+        2,
+    ]
+    assert _verify_status([refused, loss_off]) == 1
+
+
+# ---- the command line ---------------------------------------------------------------
+
+USER_MODULE = """
+import torch, torch.nn.functional as F
+
+def build_model_and_batch():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+    # a lambda is fine here: every worker imports this module itself
+    return model.double(), (batch[0].double(), batch[1]), lambda out, y: F.cross_entropy(out, y)
+"""
+
+
+def test_cli_same_run_exits_0(tmp_path) -> None:
+    """The user's module is found from the current directory, as with python -m."""
+    (tmp_path / "mytrain.py").write_text(textwrap.dedent(USER_MODULE))
+    result = meshfit_cli("verify", "--plan", "dp=2", "mytrain:build_model_and_batch", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        lines[0] == "meshfit verify: plan dp=2 on 2 processes against 1 process, 3 steps, float64"
+    )
+    assert lines[-1] == "verdict: same run"
+
+
+def test_cli_refusal_and_bad_input_exit_2() -> None:
+    refused = meshfit_cli(
+        "verify", "--plan", "dp=4", "--nproc", "2", "verify_targets:model_and_batch"
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stdout.splitlines()[-1].startswith("verdict: refused: plan dp=4 uses 4")
+    assert "Traceback" not in refused.stdout + refused.stderr
+    missing = meshfit_cli("verify", "--plan", "dp=2", "no_such_module:build")
+    assert missing.returncode == 2
+    assert "meshfit: error: cannot import 'no_such_module'" in missing.stderr
+    wrong = meshfit_cli("verify", "--plan", "dp=2", "verify_targets:small_batch")
+    assert wrong.returncode == 2
+    assert "must return (model, batch, loss_fn)" in wrong.stderr
+
+
+def test_demo_verify_prints_every_plan_as_the_same_run() -> None:
+    result = meshfit_cli("demo", "--verify")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    assert "(the reference)" in rows["1"]  # "1 process"
+    for plan in ("dp=2", "dp=1,fsdp=2", "dp=1,tp=2", "dp=1,pp=2"):
+        assert rows[plan].endswith("same run"), result.stdout
+    # every plan's losses are the one-process losses, to the 12 digits printed
+    reference = [float(v) for v in rows["1"].split()[3:6]]
+    for plan in ("dp=2", "dp=1,fsdp=2", "dp=1,tp=2", "dp=1,pp=2"):
+        losses = [float(v) for v in rows[plan].split()[2:5]]
+        assert losses == pytest.approx(reference, rel=1e-11), plan
+
+
+def test_demo_verify_refuses_training_flags() -> None:
+    result = meshfit_cli("demo", "--verify", "--layers", "8")
+    assert result.returncode == 2
+    assert "--layers would change nothing" in result.stderr
