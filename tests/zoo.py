@@ -331,10 +331,15 @@ def zoo_run(spec: dict) -> dict:
     # As fit does: an example micro-batch, on which pp times the blocks (and checks the
     # cut before any rank trains).
     example = mf.trees.map_tensors(batch(0)[0], lambda t: t[:2])
+    loss_fn = family.loss()
+    if "grad_scale" in spec:  # the negative control: a deliberately wrong gradient
+        from workers import scaled_gradient
+
+        loss_fn = scaled_gradient(loss_fn, spec["grad_scale"])
     engine = mf.parallelize(
         model,
         spec.get("plan"),
-        loss_fn=family.loss(),
+        loss_fn=loss_fn,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         example_inputs=example,
         **(family.options or {}),

@@ -1,0 +1,89 @@
+"""The model zoo matrix: every family of `zoo.py` (transformers, Keras 3, torchvision-style
+vision code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
+Every cell either trains the one-process run (losses and final weights) or is refused
+with one meshfit line naming the cause; none trains another run. Each column is one
+launch of workers running all its cells."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+os.environ.setdefault("KERAS_BACKEND", "torch")
+pytest.importorskip("keras")
+
+from zoo import FAMILIES, many_zoo_runs, zoo_run  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+from meshfit.verify import tolerance, weight_differences  # noqa: E402
+
+# The cells refused, with the words of their refusal that name the cause.
+REFUSED = {
+    **{(f, "tp=2"): "cannot derive a tensor-parallel plan" for f in ("gpt2", "t5", "bert")},
+    **{(f, "tp=2"): "cannot derive a tensor-parallel plan" for f in ("resnet", "bn_cnn")},
+    ("keras_mlp", "fsdp=2"): "gave none of the 6 parameters",
+    **{("keras_mlp", p): "cannot find repeated blocks" for p in ("tp=2", "pp=2", "dp=2,pp=2")},
+    # T5's first encoder block hands a position bias from its weights to the others
+    **{
+        ("t5", p): "block 'encoder.block.1' takes positional argument 3"
+        for p in ("pp=2", "dp=2,pp=2")
+    },
+    # pp's micro-batches, which BatchNorm would normalise one by one
+    **{(f, p): "is a BatchNorm2d" for f in ("resnet", "bn_cnn") for p in ("pp=2", "dp=2,pp=2")},
+}
+
+
+def _rtol(family: str) -> float:
+    dtype = getattr(torch, FAMILIES[family].dtype)
+    # float32 at 1e-5 (the issue's bar; measured: 1.4e-7 at most); float64 at its own
+    return 1e-5 if dtype == torch.float32 else tolerance(dtype)
+
+
+def _verdict(spec: dict, got: dict, ref: dict) -> str:
+    refusal = REFUSED.get((spec["model"], spec["plan"]))
+    if refusal is not None:
+        assert "refused" in got, f"{spec}: expected the refusal {refusal!r}, it trained"
+        assert refusal in got["refused"] and "\n" not in got["refused"], (spec, got["refused"])
+        return "refused: " + refusal
+    assert "refused" not in got, (spec, got["refused"])
+    rtol = _rtol(spec["model"])
+    losses = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    weights = max(weight_differences(got["state"], ref["state"]).values())
+    assert losses <= rtol and weights <= rtol, f"{spec}: losses {losses:.1e}, weights {weights:.1e}"
+    return f"same run (losses {losses:.0e}, weights {weights:.0e})"
+
+
+def _check(specs: list[dict], results: list[dict], references: dict[str, dict]) -> None:
+    for spec, got in zip(specs, results, strict=True):
+        if spec["model"] not in references:
+            references[spec["model"]] = zoo_run({**spec, "plan": None})
+        print(
+            f"{spec['model']:10s} {spec['plan']:10s} {_verdict(spec, got, references[spec['model']])}"
+        )
+
+
+@pytest.mark.slow
+def test_every_family_under_dp_fsdp_tp_and_pp_matches_one_process_or_is_refused() -> None:
+    specs = [{"model": f, "plan": p} for f in FAMILIES for p in ("dp=2", "fsdp=2", "tp=2", "pp=2")]
+    control = {"model": "gpt", "plan": "dp=2", "grad_scale": 1.001}  # must differ
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_zoo_runs, nproc=2, args=([*specs, control],))
+    references: dict[str, dict] = {}
+    _check(specs, results[:-1], references)
+    wrong = max(weight_differences(results[-1]["state"], references["gpt"]["state"]).values())
+    assert wrong > 100 * _rtol("gpt") and math.isfinite(wrong)
+
+
+@pytest.mark.slow
+def test_every_family_under_a_2d_plan_matches_one_process_or_is_refused() -> None:
+    specs = [{"model": f, "plan": "dp=2,pp=2"} for f in FAMILIES]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_zoo_runs, nproc=4, args=(specs,))
+    _check(specs, results, {})
