@@ -286,3 +286,11 @@ def test_pipeline_with_a_parameter_on_the_model_itself_matches_one_process() -> 
     # block would be called with.
     specs = [make_spec("root_param", "pp=2")]
     check_against_one_process(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+
+
+def test_tp_plan_and_pp_split_without_their_form_are_refused_not_ignored() -> None:
+    model, loss_fn = build("mlp")
+    with pytest.raises(mf.MeshfitError, match=r"tp_plan is for tp > 1.*add tp=N"):
+        mf.parallelize(model, None, loss_fn=loss_fn, tp_plan={"0": "colwise"})
+    with pytest.raises(mf.MeshfitError, match=r"pp_split is for pp > 1.*drop pp_split"):
+        mf.parallelize(model, None, loss_fn=loss_fn, pp_split=[2])

@@ -529,6 +529,13 @@ def parallelize(
 
         use_blocks(model, blocks)
     topology = plan if isinstance(plan, Topology) else create_topology(plan)
+    for option, value, form in (("tp_plan", tp_plan, "tp"), ("pp_split", pp_split, "pp")):
+        degree = getattr(topology.plan, form)
+        if value is not None and degree == 1:  # it would be ignored: say so
+            raise MeshfitError(
+                f"{option} is for {form} > 1, and plan {topology.plan} has {form}=1; add "
+                f"{form}=N to the plan (e.g. '{form}=2'), or drop {option}"
+            )
     options = EngineOptions(
         loss_fn=loss_fn,
         optimizer=optimizer or default_optimizer,
