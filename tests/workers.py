@@ -301,7 +301,12 @@ def fit_killed_once(checkpoint_dir: str, kill_at: int | None) -> dict:
         progress=False,
         callbacks=[kill_once],
     )
-    return {"attempt": attempt, "losses": history.losses, "state": model.state_dict()}
+    return {
+        "attempt": attempt,
+        "losses": history.losses,
+        "state": model.state_dict(),
+        "rank": history.engine.rank,
+    }
 
 
 def world_info() -> dict:

@@ -2,16 +2,13 @@
 
 With --kill-at S, rank 1 SIGKILLs itself right after step S on the first attempt
 (after the checkpoint at step S-1... whichever came last); the restarted workers resume
-from the newest checkpoint and must end with the weights of an undisturbed run."""
+from the newest checkpoint and must end with the weights of an undisturbed run. The
+training itself is `workers.fit_killed_once`, which mf.launch tests run too."""
 
 import argparse
-import os
-import signal
 
 import torch
-from workers import build, dataset, optimizer_factory
-
-import meshfit as mf
+from workers import fit_killed_once
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--checkpoint-dir", required=True)
@@ -19,28 +16,6 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--kill-at", type=int, default=None)
 args = parser.parse_args()
 
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def kill_once(step: int, engine: mf.Engine) -> None:
-    if args.kill_at == step and attempt == 0 and engine.rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-model, loss_fn = build("mlp")
-history = mf.fit(
-    model,
-    dataset("mlp", 48),
-    loss_fn=loss_fn,
-    optimizer=optimizer_factory("adamw"),
-    batch_size=8,
-    max_steps=8,
-    checkpoint_dir=args.checkpoint_dir,
-    checkpoint_every=2,
-    progress=False,
-    callbacks=[kill_once],
-)
-if history.engine.rank == 0:
-    torch.save(
-        {"state": model.state_dict(), "attempt": attempt, "losses": history.losses}, args.out
-    )
+result = fit_killed_once(args.checkpoint_dir, args.kill_at)
+if result.pop("rank") == 0:
+    torch.save(result, args.out)
