@@ -301,12 +301,7 @@ class _Watchdog(threading.Thread):
             time.sleep(self.interval)
             self._publish()
         second = self._read_all()
-        frozen = [
-            r
-            for r in range(self.world_size)
-            if r != self.rank
-            and (r not in second or (r in first and first[r].beat == second[r].beat))
-        ]
+        frozen = frozen_ranks(first, second, self.world_size, self.rank)
         own = self._own_state()
         if not frozen and not (own.waiting and own.stalled_s > self._allowed(own.kind)):
             return  # progress was made meanwhile
@@ -361,6 +356,18 @@ def write_stack(rank: int) -> str | None:
     except OSError:
         return None
     return path
+
+
+def frozen_ranks(
+    first: dict[int, RankState], second: dict[int, RankState], world_size: int, me: int
+) -> list[int]:
+    """The ranks besides `me` whose heartbeat did not move between two reads of the
+    store some beats apart, or that vanished from it."""
+    return [
+        r
+        for r in range(world_size)
+        if r != me and (r not in second or (r in first and first[r].beat == second[r].beat))
+    ]
 
 
 def stuck_ranks(states: dict[int, RankState], frozen: list[int], world_size: int) -> list[int]:
@@ -425,7 +432,7 @@ def explain_collective_timeout(exc: BaseException) -> str | None:
             states = watchdog._read_all()
             time.sleep(watchdog.interval * 2 + 0.2)
             again = watchdog._read_all()
-            frozen = [r for r in states if r in again and states[r].beat == again[r].beat]
+            frozen = frozen_ranks(states, again, watchdog.world_size, watchdog.rank)
             who = " " + describe(again, frozen, watchdog.world_size, dump_dir())
             write_stack(watchdog.rank)
             # The other live ranks write their stacks and exit too (the stuck one would
