@@ -139,6 +139,41 @@ def test_resume_with_other_settings_is_refused(tmp_path) -> None:
         )
 
 
+def test_resume_with_another_learning_rate_uses_it_and_says_so(tmp_path, capsys) -> None:
+    # Loading the optimizer state restored the old learning rate without a word.
+    def run(lr: float, steps: int, **extra) -> mf.History:
+        model, loss_fn = build("mlp")
+        return mf.fit(
+            model,
+            dataset("mlp", 32),
+            loss_fn=loss_fn,
+            batch_size=8,
+            max_steps=steps,
+            checkpoint_dir=str(tmp_path),
+            optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9),
+            log_every=1,
+            **extra,
+        )
+
+    run(0.1, 2)
+    history = run(0.05, 4)
+    assert [r["lr"] for r in history.records] == [0.1, 0.1, 0.05, 0.05]
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "changed: lr 0.1 -> 0.05" in out
+    # the same settings: nothing changed, and it says that too
+    run(0.05, 5)
+    assert "no setting changed" in capsys.readouterr().out
+    # adding an lr_scheduler is refused (DCP failed on the key it adds to the groups)
+    step_lr = {"lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)}
+    with pytest.raises(mf.MeshfitError, match=r"saved without an lr_scheduler and this engine"):
+        run(0.05, 6, **step_lr)
+    # under an lr_scheduler, whose state would set the rate again, a change is refused
+    tmp_path = tmp_path / "scheduled"
+    run(0.05, 2, **step_lr)
+    with pytest.raises(mf.MeshfitError, match=r"other optimizer settings \(initial_lr 0\.05 -> 0\.01\)"):
+        run(0.01, 4, **step_lr)
+
+
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         yield from ()

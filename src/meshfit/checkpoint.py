@@ -383,6 +383,13 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
             f"checkpoint {checkpoint!r} holds {meta['optimizer']} state but this engine "
             f"uses {here}; use the same optimizer to resume, or a new checkpoint directory"
         )
+    saved_scheduler = meta.get("lr_scheduler") is not None
+    if saved_scheduler != (engine.lr_scheduler is not None):  # DCP failed on initial_lr
+        raise MeshfitError(
+            f"checkpoint {checkpoint!r} was saved {'with' if saved_scheduler else 'without'} "
+            f"an lr_scheduler and this engine has {'none' if saved_scheduler else 'one'}; "
+            f"resume with the same lr_scheduler setting, or use a new checkpoint directory"
+        )
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

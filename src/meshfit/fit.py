@@ -165,7 +165,7 @@ def fit(
     history = _HistoryFile.of_run(history_file, checkpoint_dir, writer=engine.rank == 0)
     start = _resume(engine, checkpoint_dir if resume else None, config, history)
     display = TrainingDisplay(total_steps, start.step, enabled=progress and engine.rank == 0)
-    _announce(display, engine, batch_size, steps_per_epoch, total_steps, start.checkpoint)
+    _announce(display, engine, batch_size, steps_per_epoch, total_steps, start)
     history.rewrite(start.records)
 
     loader = first_batch_explained(
@@ -223,6 +223,7 @@ class _Start:
     step: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None  # the path resumed from
+    changes: list[str] = field(default_factory=list)  # what differs from the checkpoint
 
 
 class _HistoryFile:
@@ -410,10 +411,14 @@ def _resume(
     run (each rank its own seed, so ranks draw different dropout masks, as separate
     processes would)."""
     if checkpoint_dir and latest_checkpoint(checkpoint_dir):
+        wanted = _hyperparameters(engine.optimizer)
         meta = engine.load(checkpoint_dir)
         step = _check_resume(meta, config, meta["path"])
+        changes = _keep_new_hyperparameters(engine, wanted, meta["path"])
+        if meta.get("plan") != str(engine.plan):
+            changes.append(f"plan {meta.get('plan')} -> {engine.plan} (resharded)")
         _restore_rng(meta.get("rank_state"))
-        return _Start(step, history.read(step), meta["path"])
+        return _Start(step, history.read(step), meta["path"], changes)
     torch.manual_seed(config.seed + engine.rank)
     random.seed(config.seed + engine.rank)
     return _Start()
@@ -673,6 +678,50 @@ def _check_resume(meta: dict, config: _RunConfig, path: str) -> int:
     return int(saved["step"])
 
 
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, weight_decay, betas, ...)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _keep_new_hyperparameters(engine: Engine, wanted: list[dict[str, Any]], path: str) -> list[str]:
+    """Loading a checkpoint restores the optimizer's settings too, so a run resumed with
+    another learning rate would silently train on with the old one. This run's settings
+    win, and each change is listed ("lr 0.001 -> 0.0003"). With an lr_scheduler, whose
+    saved state would set the learning rate again, a change is refused instead."""
+    loaded = _hyperparameters(engine.optimizer)
+    changes = []
+    for index, (new, old) in enumerate(zip(wanted, loaded, strict=False)):
+        group = f" (group {index})" if len(wanted) > 1 else ""
+        for key, value in new.items():
+            if key == "lr" and engine.lr_scheduler is not None:
+                continue  # the schedule's own value by now; its start is initial_lr
+            if key in old and not _same(old[key], value):
+                changes.append(f"{key} {_shown(old[key])} -> {_shown(value)}{group}")
+                engine.optimizer.param_groups[index][key] = value
+    if changes and engine.lr_scheduler is not None:
+        raise MeshfitError(
+            f"cannot resume from {path!r} with other optimizer settings ({'; '.join(changes)}) "
+            f"under an lr_scheduler, whose saved state would set the learning rate again; "
+            f"resume with the checkpoint's settings, or give fit a new checkpoint_dir (or "
+            f"resume=False) to start over"
+        )
+    return changes
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _restore_rng(rank_state: dict | None) -> None:
     if not rank_state:
         return  # another world size: RNG streams cannot map one to one
@@ -689,7 +738,7 @@ def _announce(
     batch_size: int,
     steps_per_epoch: int,
     total_steps: int,
-    resumed_from: str | None,
+    start: _Start,
 ) -> None:
     """Print the run's opening lines: plan, workers, model size, batch split, length."""
     params = engine.num_parameters
@@ -706,5 +755,9 @@ def _announce(
     )
     if engine.pipeline is not None:
         display.print(f"meshfit: {engine.pipeline.describe()}")
-    if resumed_from:
-        display.print(f"meshfit: resumed from {resumed_from} (step {engine.step_count})")
+    if start.checkpoint:
+        display.print(
+            f"meshfit: resumed from {start.checkpoint} (step {engine.step_count}): kept the "
+            f"weights, optimizer state, data order (batch size, seed, shuffle) and RNG; "
+            + (f"changed: {', '.join(start.changes)}" if start.changes else "no setting changed")
+        )
