@@ -170,8 +170,61 @@ def test_resume_with_another_learning_rate_uses_it_and_says_so(tmp_path, capsys)
     # under an lr_scheduler, whose state would set the rate again, a change is refused
     tmp_path = tmp_path / "scheduled"
     run(0.05, 2, **step_lr)
-    with pytest.raises(mf.MeshfitError, match=r"other optimizer settings \(initial_lr 0\.05 -> 0\.01\)"):
+    with pytest.raises(
+        mf.MeshfitError, match=r"other optimizer settings \(initial_lr 0\.05 -> 0\.01\)"
+    ):
         run(0.01, 4, **step_lr)
+
+
+def test_data_as_people_have_it_trains_the_same_run() -> None:
+    # Keras habits: numpy arrays (float64 cast to the float32 default) and lists; a
+    # tokenizer's dict of columns. All train the run of the same data as tensors.
+    def losses(data, **extra) -> list[float]:
+        model, loss_fn = build("mlp", "float32")
+        run = mf.fit(
+            model, data, loss_fn=loss_fn, batch_size=8, max_steps=3, progress=False, **extra
+        )
+        return run.losses
+
+    x, y = dataset("mlp", 24)
+    x = x.float()
+    as_tensors = losses((x, y))
+    assert losses((x.double().numpy(), y.numpy())) == as_tensors
+    assert losses((x.tolist(), y.tolist())) == as_tensors
+
+    # a dict of columns (inputs) beside the targets, to a model taking keywords
+    class Keywords(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = build("mlp", "float32")[0]
+
+        def forward(self, features: torch.Tensor) -> torch.Tensor:
+            return self.inner(features)
+
+    model = Keywords()
+    run = mf.fit(
+        model,
+        ({"features": x.numpy()}, y),
+        loss_fn=torch.nn.functional.cross_entropy,
+        batch_size=8,
+        max_steps=3,
+        progress=False,
+    )
+    assert run.losses == as_tensors
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (([[1.0, 2.0], [3.0]], [0, 1]), r"dataset cannot be one column.*pad them"),
+        ((["a b", "c d"], [0, 1]), r"holds <U3 values, not numbers; tokenize text first"),
+        (([[0.0] * 8] * 3, [0, 1]), r"one row per sample.*\[2, 3\]"),
+        ({"input_ids": [[1, 2]] * 4, "labels": [[1, 2]] * 3}, r"one row per sample.*\[3, 4\]"),
+    ],
+)
+def test_columns_that_cannot_be_samples_are_refused_with_the_fix(data, message) -> None:
+    with pytest.raises(mf.MeshfitError, match=message):
+        _fit(data)
 
 
 class _Stream(torch.utils.data.IterableDataset):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from meshfit import watchdog
 from meshfit.batch_errors import first_batch_explained
@@ -26,6 +26,7 @@ from meshfit.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from meshfit.data.columns import as_columns
 from meshfit.data.sampling import GlobalBatchSampler
 from meshfit.engine import (
     Engine,
@@ -455,17 +456,16 @@ def _train_loader(
 
 
 def as_dataset(data: Any, what: str) -> Dataset:
-    """A map-style Dataset from a Dataset or an (inputs, targets) pair of tensors."""
+    """A map-style Dataset from a Dataset, an (inputs, targets) pair of columns (tensors,
+    numpy arrays, lists, or dicts of them) or one dict of columns (data/columns.py)."""
     if isinstance(data, IterableDataset):
         raise MeshfitError(
             f"{what} is an IterableDataset; fit needs a map-style dataset (with __len__ "
             f"and __getitem__) so it can give each rank its own samples and resume exactly"
         )
-    if isinstance(data, Mapping) and not isinstance(data, Dataset):
-        raise MeshfitError(
-            f"{what} is a {type(data).__name__}; give a torch Dataset of (inputs, targets) "
-            f"samples or a pair of tensors (inputs, targets)"
-        )
+    columns = as_columns(data, what)  # (x, y) as tensors, arrays, lists or dicts of them
+    if columns is not None:
+        return columns
     if (
         isinstance(data, (tuple, list))
         and len(data) != 2
@@ -476,18 +476,6 @@ def as_dataset(data: Any, what: str) -> Dataset:
             f"{what} is a {type(data).__name__} of {len(data)} tensors; give the pair "
             f"(inputs, targets), or a Dataset of (inputs, targets) samples"
         )
-    if (
-        isinstance(data, (tuple, list))
-        and len(data) == 2
-        and all(isinstance(t, torch.Tensor) for t in data)
-    ):
-        inputs, targets = data
-        if inputs.ndim == 0 or targets.ndim == 0 or len(inputs) != len(targets):
-            raise MeshfitError(
-                f"{what} as (inputs, targets) needs two tensors with the same first "
-                f"dimension (one row per sample)"
-            )
-        return TensorDataset(inputs, targets)
     if isinstance(data, Dataset) or (
         hasattr(data, "__getitem__")
         and hasattr(data, "__len__")
