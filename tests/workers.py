@@ -814,3 +814,14 @@ def many_keras_runs(specs: list[dict]) -> list[dict]:
         except mf.MeshfitError as refusal:
             results.append({"refused": str(refusal)})
     return results
+
+
+def export_run(plan: str, directory: str) -> dict:
+    """GPT-2 (tied embeddings) trained a step under `plan`, saved as a checkpoint and as
+    a model directory; its full state for comparison."""
+    model = build_lm("gpt2", "float32")
+    engine = mf.parallelize(model, plan, loss_fn="model")
+    engine.step(sft_batch("gpt2", 8, 0))
+    engine.save(os.path.join(directory, "checkpoint"))
+    engine.save_model(os.path.join(directory, "model"))
+    return engine.full_state_dict()

@@ -1,4 +1,4 @@
-"""The `meshfit` command: devices, run, demo, verify."""
+"""The `meshfit` command: devices, run, demo, verify, export."""
 
 from __future__ import annotations
 
@@ -312,7 +312,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("target", metavar="TARGET", help="module:function, see above")
     verify.set_defaults(handler=_verify)
+
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's model weights as safetensors (no model code needed)",
+        description="Write the model weights of CHECKPOINT (a step directory, or a checkpoint "
+        "root for its newest intact step) to OUT: a .safetensors file, or a directory that "
+        "gets model.safetensors. The file loads with safetensors.torch.load_file and "
+        "model.load_state_dict, whatever plan trained it.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT")
+    export.add_argument("out", metavar="OUT")
+    export.set_defaults(handler=_export)
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from meshfit.export import export_checkpoint
+
+    export_checkpoint(args.checkpoint, args.out)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -385,6 +385,15 @@ class Engine:
         with watchdog.phase("save", f"the save of {path}"):
             return save_checkpoint(self, path, extra=extra)
 
+    def save_model(self, path: str) -> str | None:
+        """Write the whole model (gathered from any plan) as safetensors to `path`: a
+        .safetensors file, or a directory (model.safetensors, plus config.json for a
+        Hugging Face model, loadable with from_pretrained). Call it on every rank;
+        returns the file on rank 0."""
+        from meshfit.export import save_model
+
+        return save_model(self, path)
+
     def load(self, path: str) -> dict[str, Any]:
         """Load a checkpoint saved by `save` (or the newest one under a checkpoint root
         written by `fit`); works across plans of the same model. Returns its metadata."""
