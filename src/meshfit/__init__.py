@@ -1,6 +1,7 @@
 """meshfit: train a PyTorch model on many devices through one small API."""
 
 from meshfit import _worker_errors, losses
+from meshfit.callbacks import BestCheckpoint, Callback, CSVLogger, EarlyStopping, TensorBoardLogger
 from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
 from meshfit.fit import History, fit
@@ -14,10 +15,15 @@ __version__ = "0.1.0"
 _worker_errors.install()
 
 __all__ = [
+    "BestCheckpoint",
+    "CSVLogger",
+    "Callback",
+    "EarlyStopping",
     "Engine",
     "History",
     "MeshfitError",
     "Plan",
+    "TensorBoardLogger",
     "VerifyReport",
     "WorkerError",
     "__version__",

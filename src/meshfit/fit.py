@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from meshfit import watchdog
 from meshfit.batch_errors import first_batch_explained
+from meshfit.callbacks import Callback as CallbackBase
+from meshfit.callbacks import make_loggers, wants_every_step
 from meshfit.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
@@ -50,6 +52,7 @@ class History:
 
     records: list[dict[str, Any]] = field(default_factory=list)
     engine: Engine | None = None  # the engine that trained (its model, rank, device)
+    stopped: str | None = None  # why a callback stopped the run early, if one did
 
     @property
     def losses(self) -> list[float]:
@@ -94,6 +97,8 @@ def fit(
     num_workers: int = 0,
     progress: bool = True,
     callbacks: Iterable[Callback] = (),
+    loggers: Sequence[str] | None = None,
+    log_dir: str | None = None,
     **parallelize_options: Any,
 ) -> History:
     """Train `model` on `dataset` under `plan` and return the History (on every rank).
@@ -116,8 +121,12 @@ def fit(
         state, this rank's share) and, on a GPU, peak memory to the log lines and the
         history (Engine.memory_report).
     history_file: JSONL written by rank 0 (default: <checkpoint_dir>/history.jsonl).
-    callbacks: functions called as cb(step, engine) on every rank after each step (and
-        after that step's checkpoint, if any).
+    callbacks: `mf.Callback` objects (on_step_end / on_eval_end / on_log hooks that
+        get each record and may stop the run by returning True; built-ins
+        mf.EarlyStopping, mf.BestCheckpoint), or functions called as cb(step, engine)
+        on every rank after each step (and after that step's checkpoint, if any).
+    loggers, log_dir: ["csv", "tensorboard"] write every record to log_dir
+        (metrics.csv; TensorBoard event files, which need the tensorboard package).
 
     Other keywords go to `parallelize` as they are: optimizer, grad_clip, lr_scheduler,
     compile, tp_plan, pp_split, ... (see its docstring). example_inputs defaults to one
@@ -125,6 +134,7 @@ def fit(
     parallelize takes is refused before anything starts.
     """
     _check_parallelize_options(parallelize_options)
+    callbacks = list(callbacks) if isinstance(callbacks, Iterable) else callbacks
     _check_args(batch_size, max_steps, epochs, log_every, checkpoint_every, eval_every)
     _check_options(
         eval_batches=eval_batches,
@@ -141,6 +151,7 @@ def fit(
             "report_memory": report_memory,
         },
     )
+    observers = make_loggers(loggers, log_dir)
     train_data = as_dataset(dataset, "dataset")
     eval_data = as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     if checkpoint_every and not checkpoint_dir:
@@ -172,8 +183,10 @@ def fit(
     loader = first_batch_explained(
         _train_loader(train_data, engine, config, start.step, total_steps, num_workers), "dataset"
     )
-    callbacks = list(callbacks)
+    plain = [c for c in callbacks if not isinstance(c, CallbackBase)]  # fn(step, engine)
+    hooks = _Hooks([c for c in callbacks if isinstance(c, CallbackBase)] + observers, engine)
     log = _StepLog(engine, display, batch_size, report_memory, start.records, start.step)
+    hooks.begin(checkpoint_dir, len(log.records))
     step = start.step
     try:
         for batch in loader:
@@ -183,27 +196,75 @@ def fit(
             lr = engine.optimizer.param_groups[0].get("lr", 0.0)
             log.add(step, loss, lr, _real_tokens(inputs, targets))
             at_end = step == total_steps
-            if step % log_every == 0 or at_end:
-                log.flush(step, log_line=True)
+            logged = step % log_every == 0 or at_end
+            if logged or hooks.every_step:
+                log.flush(step, log_line=logged)
+            hooks.after_flush(log.records)
             with log.paused():  # eval and saves do not count against throughput
                 if eval_data is not None and _due(step, eval_every, at_end):
                     log.flush(step, log_line=False)
+                    hooks.after_flush(log.records)
                     eval_loss = _evaluate(engine, eval_data, batch_size, eval_batches, num_workers)
                     log.add_eval(step, eval_loss)
-                if checkpoint_dir and _due(step, checkpoint_every, at_end):
+                    hooks.after_eval(log.records[-1])
+                saving = checkpoint_dir and (_due(step, checkpoint_every, at_end) or hooks.stop)
+                if saving:
                     log.flush(step, log_line=False)
+                    hooks.after_flush(log.records)
                     _save(engine, checkpoint_dir, step, config, keep_checkpoints, history, log)
-            for callback in callbacks:
+            for callback in plain:
                 callback(step, engine)
+            if hooks.stop:
+                display.print(f"meshfit: stopped after step {step}: {hooks.stop}")
+                break
         log.flush(step, log_line=False)
+        hooks.after_flush(log.records)
     finally:
         display.close()
     history.append_new(log.records)
     log.summarize(step - start.step)
-    return History(log.records, engine=engine)
+    result = History(log.records, engine=engine, stopped=hooks.stop)
+    hooks.end(result)
+    return result
 
 
 # ---- pieces ----------------------------------------------------------------------
+
+
+class _Hooks:
+    """The run's Callback objects: each new record goes to on_log (and on_step_end),
+    each evaluation to on_eval_end; a hook returning True stops the run."""
+
+    def __init__(self, callbacks: list[CallbackBase], engine: Engine) -> None:
+        self.callbacks = callbacks
+        self.engine = engine
+        self.every_step = any(wants_every_step(c) for c in callbacks)
+        self.seen = 0  # records already handed out
+        self.stop: str | None = None
+
+    def begin(self, checkpoint_dir: str | None, seen: int) -> None:
+        self.seen = seen  # a resumed run's earlier records are not handed out again
+        for c in self.callbacks:
+            c.on_train_begin(self.engine, checkpoint_dir)
+
+    def after_flush(self, records: list[dict[str, Any]]) -> None:
+        for record in records[self.seen :]:
+            for c in self.callbacks:
+                c.on_log(record, self.engine)
+                self._obey(c, c.on_step_end(record, self.engine))
+        self.seen = len(records)
+
+    def after_eval(self, record: dict[str, Any]) -> None:
+        for c in self.callbacks:
+            self._obey(c, c.on_eval_end(record, self.engine))
+
+    def end(self, history: History) -> None:
+        for c in self.callbacks:
+            c.on_train_end(history)
+
+    def _obey(self, callback: CallbackBase, answer: Any) -> None:
+        if answer is True and self.stop is None:
+            self.stop = callback.stop_reason or f"{type(callback).__name__} asked to stop"
 
 
 @dataclass(frozen=True)
@@ -552,9 +613,10 @@ def _check_options(
         raise MeshfitError(f"callbacks must be a list of functions, not {callbacks!r}")
     # The items of a list or tuple (another iterable is read once, by fit itself).
     for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
-        if not callable(callback):
+        if not callable(callback) and not isinstance(callback, CallbackBase):
             raise MeshfitError(
-                f"callbacks must be functions called as fn(step, engine), not {callback!r}"
+                f"callbacks must be mf.Callback objects or functions called as "
+                f"fn(step, engine), not {callback!r}"
             )
 
 

@@ -1,0 +1,108 @@
+"""Keras-style control of fit: callbacks see every record and can stop the run (which
+still returns its History and leaves a checkpoint of its last step); the built-ins
+EarlyStopping and BestCheckpoint; CSV and TensorBoard loggers."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+from workers import build, dataset
+
+import meshfit as mf
+
+
+def _fit(tmp_path, callbacks=(), **extra) -> mf.History:
+    model, loss_fn = build("mlp")
+    return mf.fit(
+        model,
+        dataset("mlp", 64),
+        loss_fn=loss_fn,
+        batch_size=8,
+        max_steps=10,
+        progress=False,
+        log_every=5,
+        callbacks=callbacks,
+        **extra,
+    )
+
+
+class Recorder(mf.Callback):
+    def __init__(self) -> None:
+        self.steps, self.evals, self.logged = [], [], []
+
+    def on_step_end(self, record, engine):
+        self.steps.append((record["step"], record["loss"]))
+
+    def on_eval_end(self, record, engine):
+        self.evals.append((record["step"], record["eval_loss"]))
+
+    def on_log(self, record, engine):
+        self.logged.append(record["step"])
+
+
+def test_callbacks_see_every_record_and_evaluation(tmp_path) -> None:
+    seen = Recorder()
+    history = _fit(tmp_path, [seen], eval_dataset=dataset("mlp", 16), eval_every=4)
+    # every step's record, though the log reads the device every 5 steps
+    assert [s for s, _ in seen.steps] == list(range(1, 11))
+    assert [loss for _, loss in seen.steps] == history.losses
+    assert seen.evals == history.eval_losses  # steps 4, 8 and the end
+    assert seen.logged == list(range(1, 11))
+    assert history.stopped is None
+
+
+def test_early_stopping_stops_returns_the_history_and_keeps_a_checkpoint(tmp_path) -> None:
+    # min_delta larger than any change: the loss never counts as improved after step 1
+    stop = mf.EarlyStopping(monitor="loss", patience=2, min_delta=100.0)
+    history = _fit(tmp_path, [stop], checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=100)
+    assert len(history.records) == 3
+    assert history.stopped.startswith("early stopping: loss did not improve for 2 checks")
+    assert os.path.isdir(tmp_path / "ck" / "step-00000003")  # the run can be picked up
+
+
+def test_best_checkpoint_keeps_the_best_evaluation(tmp_path) -> None:
+    best = mf.BestCheckpoint()  # eval_loss, in <checkpoint_dir>/best
+    history = _fit(
+        tmp_path,
+        [best],
+        eval_dataset=dataset("mlp", 16),
+        eval_every=2,
+        checkpoint_dir=str(tmp_path / "ck"),
+    )
+    step, value = min(history.eval_losses, key=lambda e: e[1])
+    from meshfit.checkpoint import read_meta
+
+    meta = read_meta(str(tmp_path / "ck" / "best"))
+    assert meta["extra"]["best"] == {"eval_loss": value, "step": step}
+    with pytest.raises(mf.MeshfitError, match="BestCheckpoint needs a place"):
+        _fit(tmp_path, [mf.BestCheckpoint()], eval_dataset=dataset("mlp", 16))
+
+
+def test_csv_and_tensorboard_loggers_write_every_record(tmp_path) -> None:
+    history = _fit(
+        tmp_path,
+        loggers=["csv", "tensorboard"],
+        log_dir=str(tmp_path / "runs"),
+        eval_dataset=dataset("mlp", 16),
+        eval_every=5,
+    )
+    with open(tmp_path / "runs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 11))
+    assert float(rows[4]["eval_loss"]) == history.records[4]["eval_loss"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 11))
+    assert [e.step for e in events.Scalars("eval_loss")] == [5, 10]
+    assert "lr" in events.Tags()["scalars"]
+
+
+def test_bad_loggers_are_refused_with_the_fix(tmp_path) -> None:
+    with pytest.raises(mf.MeshfitError, match=r"unknown logger\(s\) \['wandb'\]"):
+        _fit(tmp_path, loggers=["wandb"], log_dir=str(tmp_path))
+    with pytest.raises(mf.MeshfitError, match="loggers need a directory"):
+        _fit(tmp_path, loggers=["csv"])
