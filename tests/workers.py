@@ -825,3 +825,28 @@ def export_run(plan: str, directory: str) -> dict:
     engine.save(os.path.join(directory, "checkpoint"))
     engine.save_model(os.path.join(directory, "model"))
     return engine.full_state_dict()
+
+
+def _mean_abs_logit(outputs, targets):
+    """A metric that is a plain mean over the micro-batch."""
+    return outputs.abs().mean()
+
+
+def metric_run(plan: str | None) -> dict:
+    """Three steps and an evaluation of the 4-block GPT with accuracy (a (sum, count)
+    metric) and a mean metric; the values engine.last_metrics holds after each."""
+    model, loss_fn = build("gpt4")
+    engine = mf.parallelize(
+        model,
+        plan,
+        loss_fn=loss_fn,
+        optimizer=optimizer_factory("sgd"),
+        metrics={"acc": mf.metrics.accuracy, "mean_abs": _mean_abs_logit},
+    )
+    seen = []
+    for step in range(3):
+        engine.step(make_batch("gpt4", 16, step))
+        seen.append({k: float(v) for k, v in engine.last_metrics.items()})
+    engine.evaluate(make_batch("gpt4", 16, 99))
+    seen.append({k: float(v) for k, v in engine.last_metrics.items()})
+    return {"metrics": seen}

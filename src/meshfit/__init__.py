@@ -1,6 +1,6 @@
 """meshfit: train a PyTorch model on many devices through one small API."""
 
-from meshfit import _worker_errors, losses
+from meshfit import _worker_errors, losses, metrics
 from meshfit.callbacks import BestCheckpoint, Callback, CSVLogger, EarlyStopping, TensorBoardLogger
 from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
@@ -30,6 +30,7 @@ __all__ = [
     "fit",
     "launch",
     "losses",
+    "metrics",
     "parallelize",
     "place",
     "verify",

@@ -26,6 +26,7 @@ from meshfit import watchdog
 from meshfit.batch_errors import explain_first_failure
 from meshfit.errors import MeshfitError
 from meshfit.losses import ModelOwnLoss
+from meshfit.metrics import MetricTap, check_metrics, reduce_metrics
 from meshfit.parallel.compose import apply_plan
 from meshfit.plan import Plan
 from meshfit.precision import Precision
@@ -66,6 +67,7 @@ class EngineOptions:
     pp_split: list[int] | None = None
     example_inputs: Any = None
     sync_batchnorm: bool = True
+    metrics: dict[str, Any] | None = None
 
 
 class Engine:
@@ -87,6 +89,10 @@ class Engine:
         self.precision = Precision(self.plan.precision, self.device)
         self.model_loss = ModelOwnLoss(model) if options.loss_fn == "model" else None
         loss_fn = self.model_loss or options.loss_fn
+        # Metrics are computed beside the loss, where the loss is (metrics.py).
+        self.metric_tap = MetricTap(loss_fn, options.metrics) if options.metrics else None
+        loss_fn = self.metric_tap or loss_fn
+        self.last_metrics: dict[str, torch.Tensor] = {}  # of the last step / evaluation
 
         def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
             return loss_fn(call_model(module, inputs), targets)
@@ -201,7 +207,13 @@ class Engine:
             # Gradients of micro-batches that ran before the failure: the next step
             # would add its own to them.
             self.optimizer.zero_grad(set_to_none=True)
+            if self.metric_tap is not None:
+                self.metric_tap.calls.clear()
             raise
+        if self.metric_tap is not None:
+            self.last_metrics = reduce_metrics(
+                self.metric_tap, self.plan.num_microbatches, self, self.pipeline
+            )
         if not self._batch_checked:
             self._batch_checked = True
             if count is None:
@@ -345,6 +357,10 @@ class Engine:
         finally:
             self.parallel_model.train()
         self._evaluated = True
+        if self.metric_tap is not None:
+            self.last_metrics = reduce_metrics(
+                self.metric_tap, self.runner.eval_microbatches, self, self.pipeline
+            )
         if count is None:
             return self.topology.batch_mean(loss)
         return self._global_token_mean(loss, count)[0]
@@ -459,6 +475,7 @@ def parallelize(
     example_inputs: Any = None,
     sync_batchnorm: bool = True,
     blocks: str | None = None,
+    metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
@@ -494,6 +511,10 @@ def parallelize(
         ModuleDict) that holds the model's repeated blocks, e.g. "model.layers", where
         meshfit's guess (the largest container of same-type modules) is not the one
         to split. tp, pp, recomputation and fsdp all use it.
+    metrics: {name: fn(outputs, targets)} computed beside the loss on every batch, over
+        the global batch (a mean per micro-batch, or a (sum, count) pair; e.g.
+        ``{"acc": mf.metrics.accuracy}``); engine.last_metrics holds the values of the
+        last step or evaluation, and fit records them.
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
@@ -555,6 +576,7 @@ def parallelize(
         pp_split=pp_split,
         example_inputs=example_inputs,
         sync_batchnorm=sync_batchnorm,
+        metrics=check_metrics(metrics),
     )
     engine = Engine(model, topology, options)
     watchdog.mark("script", "the training script before step 1", waiting=False)

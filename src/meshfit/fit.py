@@ -204,8 +204,10 @@ def fit(
                 if eval_data is not None and _due(step, eval_every, at_end):
                     log.flush(step, log_line=False)
                     hooks.after_flush(log.records)
-                    eval_loss = _evaluate(engine, eval_data, batch_size, eval_batches, num_workers)
-                    log.add_eval(step, eval_loss)
+                    eval_loss, eval_metrics = _evaluate(
+                        engine, eval_data, batch_size, eval_batches, num_workers
+                    )
+                    log.add_eval(step, eval_loss, eval_metrics)
                     hooks.after_eval(log.records[-1])
                 saving = checkpoint_dir and (_due(step, checkpoint_every, at_end) or hooks.stop)
                 if saving:
@@ -360,7 +362,8 @@ class _StepLog:
         self.batch_size = batch_size
         self.report_memory = report_memory
         self.records = records
-        self._pending: list[tuple[int, torch.Tensor, float]] = []  # (step, loss, lr)
+        # (step, loss, lr, metrics): read from the device at the next flush
+        self._pending: list[tuple[int, torch.Tensor, float, dict[str, torch.Tensor]]] = []
         self._tokens: torch.Tensor | int | None = None  # this rank's real tokens since the last log
         self._last_time, self._last_step = time.perf_counter(), start_step
         self._start_time = time.perf_counter()
@@ -372,7 +375,7 @@ class _StepLog:
         flush."""
         if tokens is not None:
             self._tokens = tokens if self._tokens is None else self._tokens + tokens
-        self._pending.append((step, loss, lr))
+        self._pending.append((step, loss, lr, dict(self.engine.last_metrics)))
 
     def flush(self, step: int, log_line: bool) -> None:
         """Read the pending losses into records and show the status at `step`."""
@@ -382,10 +385,12 @@ class _StepLog:
             self._read_pending()
             self.display.update(step, self._measure(step), log_line=log_line)
 
-    def add_eval(self, step: int, eval_loss: float) -> None:
-        """Put `step`'s eval loss on its record and print it."""
+    def add_eval(self, step: int, eval_loss: float, metrics: dict[str, float]) -> None:
+        """Put `step`'s eval loss (and metrics) on its record and print them."""
         self.records[-1]["eval_loss"] = eval_loss
-        self.display.print(f"step {step}: eval loss {eval_loss:.4f}")
+        self.records[-1].update(metrics)
+        shown = "".join(f", {k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items())
+        self.display.print(f"step {step}: eval loss {eval_loss:.4f}{shown}")
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -408,15 +413,21 @@ class _StepLog:
         self.display.print(summary)
 
     def _read_pending(self) -> None:
-        values = torch.stack([loss for _, loss, _ in self._pending]).tolist()
-        for (step, _, lr), value in zip(self._pending, values, strict=True):
+        # every pending loss and metric in one read from the device
+        flat = [loss.double() for _, loss, _, _ in self._pending]
+        flat += [v for *_, metrics in self._pending for v in metrics.values()]
+        read = torch.stack([t.reshape(()).to(flat[0].device) for t in flat]).tolist()
+        values, rest = read[: len(self._pending)], iter(read[len(self._pending) :])
+        for (step, _, lr, metrics), value in zip(self._pending, values, strict=True):
             if not math.isfinite(value):
                 raise MeshfitError(
                     f"the loss became {value} at step {step}; lower the learning rate, set "
                     f"grad_clip=1.0, or use precision='bf16' instead of 'fp16'"
                 )
             elapsed = round(time.perf_counter() - self._start_time, 4)
-            self.records.append({"step": step, "loss": value, "lr": lr, "time": elapsed})
+            record = {"step": step, "loss": value, "lr": lr, "time": elapsed}
+            record.update({name: next(rest) for name in metrics})
+            self.records.append(record)
         self._pending.clear()
 
     def _measure(self, step: int) -> str:
@@ -427,7 +438,10 @@ class _StepLog:
         self._last_time, self._last_step = now, step
         last = self.records[-1]
         last["samples_per_s"] = round(rate, 2)
-        status = f"loss {last['loss']:.4f} | {format_rate(rate)} samples/s"
+        status = f"loss {last['loss']:.4f}"
+        for name in self.engine.last_metrics:
+            status += f" | {name} {last[name]:.4f}"
+        status += f" | {format_rate(rate)} samples/s"
         if self._tokens is not None:  # every rank's real tokens: one all-reduce per log
             tokens = torch.as_tensor(self._tokens, device=self.engine.device)
             token_rate = float(self.engine.topology.batch_sum(tokens)) / seconds
@@ -666,7 +680,9 @@ def _real_tokens(inputs: Any, targets: Any) -> torch.Tensor | int | None:
 @torch.no_grad()
 def _evaluate(
     engine: Engine, data: Dataset, batch_size: int, limit: int | None, workers: int
-) -> float:
+) -> tuple[float, dict[str, float]]:
+    """The mean eval loss over up to `limit` global batches, and each metric's mean
+    ("eval_<name>")."""
     sampler = GlobalBatchSampler(
         len(data), batch_size, dp_size=engine.dp_size, dp_rank=engine.dp_rank, shuffle=False
     )
@@ -676,8 +692,17 @@ def _evaluate(
         data, batch_sampler=sampler, num_workers=workers, generator=torch.Generator().manual_seed(0)
     )
     batches = first_batch_explained(loader, "eval_dataset")
-    losses = [engine.evaluate_local(*engine.split_batch(batch)) for batch in batches]
-    return float(torch.stack(losses).mean())
+    losses, metrics = [], []
+    for batch in batches:
+        losses.append(engine.evaluate_local(*engine.split_batch(batch)))
+        metrics.append(engine.last_metrics)
+    names = list(metrics[0]) if metrics else []
+    # the mean over batches, as for the loss: one read from the device
+    means = torch.stack(
+        [torch.stack(losses).double().mean()]
+        + [torch.stack([m[n] for m in metrics]).mean() for n in names]
+    ).tolist()
+    return means[0], {f"eval_{n}": v for n, v in zip(names, means[1:], strict=True)}
 
 
 def _save(
