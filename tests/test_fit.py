@@ -213,6 +213,23 @@ def test_data_as_people_have_it_trains_the_same_run() -> None:
     assert run.losses == as_tensors
 
 
+def test_validation_split_and_epochs_as_keras_shows_them(capsys) -> None:
+    x, y = dataset("mlp", 40)
+
+    def run(**data) -> mf.History:
+        model, loss_fn = build("mlp")
+        return mf.fit(model, loss_fn=loss_fn, batch_size=8, epochs=2, log_every=2, **data)
+
+    held_out = run(dataset=(x, y), validation_split=0.2)
+    out = capsys.readouterr().out
+    assert "Epoch 1/2" in out and "Epoch 2/2" in out and "epoch 2/2 | step 8/8" in out
+    explicit = run(dataset=(x[:32], y[:32]), eval_dataset=(x[32:], y[32:]))
+    assert held_out.losses == explicit.losses  # the last 20%, taken before shuffling
+    assert held_out.eval_losses == explicit.eval_losses
+    with pytest.raises(mf.MeshfitError, match="validation_split must be a fraction"):
+        run(dataset=(x, y), validation_split=1.5)
+
+
 @pytest.mark.parametrize(
     "data, message",
     [

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
 from meshfit import watchdog
 from meshfit.batch_errors import first_batch_explained
@@ -83,6 +83,7 @@ def fit(
     max_steps: int | None = None,
     epochs: int | None = None,
     eval_dataset: Dataset | Sequence[torch.Tensor] | None = None,
+    validation_split: float | None = None,
     eval_every: int | None = None,
     eval_batches: int | None = None,
     report_memory: bool = False,
@@ -110,6 +111,8 @@ def fit(
     max_steps / epochs: how long to train (one of them).
     eval_dataset, eval_every, eval_batches: evaluate the mean loss on up to
         `eval_batches` global batches every `eval_every` steps and at the end.
+    validation_split: instead of eval_dataset, hold out the last fraction of `dataset`
+        (taken before shuffling, as Keras does) for evaluation.
     checkpoint_dir, checkpoint_every: save every N steps and at the end; with
         resume=True a run finds the newest checkpoint there and continues the exact same
         run (weights, optimizer, data position, RNG state). A save that fails (disk
@@ -154,6 +157,8 @@ def fit(
     observers = make_loggers(loggers, log_dir)
     train_data = as_dataset(dataset, "dataset")
     eval_data = as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+    if validation_split is not None:
+        train_data, eval_data = _split_off(train_data, validation_split, eval_data)
     if checkpoint_every and not checkpoint_dir:
         raise MeshfitError("checkpoint_every needs checkpoint_dir=... (where to save)")
 
@@ -176,7 +181,13 @@ def fit(
 
     history = _HistoryFile.of_run(history_file, checkpoint_dir, writer=engine.rank == 0)
     start = _resume(engine, checkpoint_dir if resume else None, config, history)
-    display = TrainingDisplay(total_steps, start.step, enabled=progress and engine.rank == 0)
+    display = TrainingDisplay(
+        total_steps,
+        start.step,
+        enabled=progress and engine.rank == 0,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+    )
     _announce(display, engine, batch_size, steps_per_epoch, total_steps, start)
     history.rewrite(start.records)
 
@@ -472,6 +483,25 @@ def _check_parallelize_options(options: dict[str, Any]) -> None:
             f"the keywords it does not take itself to parallelize, whose options are "
             f"{', '.join(accepted)}"
         )
+
+
+def _split_off(data: Dataset, fraction: Any, eval_data: Dataset | None) -> tuple[Dataset, Dataset]:
+    """Keras' validation_split: the LAST `fraction` of the samples, before any shuffling,
+    become the evaluation set; the rest is trained on."""
+    if eval_data is not None:
+        raise MeshfitError("give eval_dataset or validation_split, not both")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise MeshfitError(
+            f"validation_split must be a fraction between 0 and 1, e.g. 0.1, not {fraction!r}"
+        )
+    n = len(data)
+    held = int(n * fraction)
+    if held == 0 or held == n:
+        raise MeshfitError(
+            f"validation_split={fraction} of {n} samples leaves {held} for evaluation and "
+            f"{n - held} for training; use a fraction that leaves samples on both sides"
+        )
+    return Subset(data, range(n - held)), Subset(data, range(n - held, n))
 
 
 def _due(step: int, every: int | None, at_end: bool) -> bool:

@@ -32,9 +32,22 @@ def format_rate(value: float) -> str:
 class TrainingDisplay:
     """Progress of a training run. `enabled=False` (other ranks) makes it silent."""
 
-    def __init__(self, total_steps: int, start_step: int, *, enabled: bool) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int,
+        *,
+        enabled: bool,
+        epochs: int | None = None,
+        steps_per_epoch: int = 0,
+    ) -> None:
         self.enabled = enabled
         self.total = total_steps
+        # Trained by epochs (Keras' habit): lines say "epoch 2/10", and each epoch
+        # starts with an "Epoch 2/10" line.
+        self.epochs = epochs if epochs and steps_per_epoch else None
+        self.steps_per_epoch = steps_per_epoch
+        self._epoch_shown = (start_step // steps_per_epoch) if self.epochs else 0
         self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self._bar: Progress | None = None
         self._task = None
@@ -62,14 +75,22 @@ class TrainingDisplay:
         """Advance to `step`; print `status` as a line when `log_line` (or no bar)."""
         if not self.enabled:
             return
+        where = ""
+        if self.epochs:
+            epoch = (step - 1) // self.steps_per_epoch + 1
+            if epoch > self._epoch_shown:
+                self._epoch_shown = epoch
+                self.console.print(f"Epoch {epoch}/{self.epochs}")
+            where = f"epoch {epoch}/{self.epochs} | "
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, status=status)
+            self._bar.update(self._task, completed=step, status=where + status)
         if log_line:
             done = step - self._start_step
             elapsed = time.perf_counter() - self._start_time
             eta = elapsed / done * (self.total - step) if done else 0.0
             self.console.print(
-                f"step {step:>{len(str(self.total))}}/{self.total} | {status} | eta {format_duration(eta)}"
+                f"{where}step {step:>{len(str(self.total))}}/{self.total} | {status} | "
+                f"eta {format_duration(eta)}"
             )
 
     def close(self) -> None:
