@@ -51,3 +51,11 @@ def test_cpu_workers_get_one_thread_each(monkeypatch) -> None:
     assert plan_workers(3, None, 2).env["OMP_NUM_THREADS"] == "2"
     with pytest.raises(MeshfitError, match="at least 1"):
         plan_workers(0, None, None)
+
+
+def test_an_apple_gpu_is_listed_with_what_meshfit_does_with_it(monkeypatch) -> None:
+    monkeypatch.setattr("torch.backends.mps.is_available", lambda: True)
+    inv = inventory()
+    assert inv.mps
+    rows = format_inventory(inv)
+    assert ("mps", "Apple GPU (Metal)", "shared", "found; meshfit trains on the CPU here") in rows

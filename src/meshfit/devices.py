@@ -24,6 +24,7 @@ class Inventory:
     cpu_cores: int
     gpus: tuple[GPU, ...]
     cuda_visible_devices: str | None
+    mps: bool = False  # an Apple GPU (Metal Performance Shaders) is there
 
 
 def cpu_cores() -> int:
@@ -53,7 +54,13 @@ def inventory() -> Inventory:
         cpu_cores=cpu_cores(),
         gpus=tuple(gpus),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        mps=_mps_available(),
     )
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
 
 
 def parse_device_ids(spec: str | list[int] | tuple[int, ...] | None) -> list[int] | None:
@@ -129,6 +136,10 @@ def worker_device() -> torch.device:
 def format_inventory(inv: Inventory) -> list[tuple[str, str, str, str]]:
     """Rows (device, name, memory, detail) for `meshfit devices`."""
     rows = [("cpu", "CPU", "-", f"{inv.cpu_cores} cores")]
+    if inv.mps:
+        # Listed so a Mac user sees it was found; torch.distributed has no process-group
+        # backend for MPS, so meshfit's workers train on the CPU there.
+        rows.append(("mps", "Apple GPU (Metal)", "shared", "found; meshfit trains on the CPU here"))
     for gpu in inv.gpus:
         rows.append(
             (
