@@ -106,3 +106,35 @@ def test_bad_loggers_are_refused_with_the_fix(tmp_path) -> None:
         _fit(tmp_path, loggers=["wandb"], log_dir=str(tmp_path))
     with pytest.raises(mf.MeshfitError, match="loggers need a directory"):
         _fit(tmp_path, loggers=["csv"])
+
+
+def test_curves_plot_from_the_history_and_from_the_run_files(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("matplotlib")
+    history = _fit(
+        tmp_path,
+        loggers=["csv"],
+        log_dir=str(tmp_path / "runs"),
+        eval_dataset=dataset("mlp", 16),
+        eval_every=5,
+        checkpoint_dir=str(tmp_path / "ck"),
+        metrics={"acc": mf.metrics.accuracy},
+    )
+    png = history.plot(str(tmp_path / "h.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    for run in (tmp_path / "runs", tmp_path / "ck"):  # metrics.csv, history.jsonl
+        done = subprocess.run(
+            [sys.executable, "-m", "meshfit", "plot", str(run)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert os.path.getsize(run / "curves.png") > 1000
+    from meshfit.plot import read_records
+
+    assert [r["step"] for r in read_records(str(tmp_path / "runs"))] == list(range(1, 11))
+    assert read_records(str(tmp_path / "runs"))[4]["eval_acc"] == history.records[4]["eval_acc"]

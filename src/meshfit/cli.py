@@ -1,4 +1,4 @@
-"""The `meshfit` command: devices, run, demo, verify, export."""
+"""The `meshfit` command: devices, run, demo, verify, export, plot."""
 
 from __future__ import annotations
 
@@ -324,7 +324,27 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT")
     export.add_argument("out", metavar="OUT")
     export.set_defaults(handler=_export)
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's curves (loss, eval loss, metrics, lr) as a PNG",
+        description="Draw the records of RUN (a log_dir with metrics.csv, a checkpoint_dir "
+        "with history.jsonl, or either file) as a PNG (needs matplotlib).",
+    )
+    plot.add_argument("run", metavar="RUN")
+    plot.add_argument("--out", default=None, help="the PNG to write (default RUN/curves.png)")
+    plot.set_defaults(handler=_plot)
     return parser
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from meshfit.plot import plot_records, read_records
+
+    out = args.out or os.path.join(
+        args.run if os.path.isdir(args.run) else os.path.dirname(args.run) or ".", "curves.png"
+    )
+    print(f"meshfit: wrote {plot_records(read_records(args.run), out, title=args.run)}")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -66,6 +66,12 @@ class History:
     def final_loss(self) -> float | None:
         return self.records[-1]["loss"] if self.records else None
 
+    def plot(self, path: str = "history.png", title: str | None = None) -> str:
+        """Write the run's curves (loss, eval loss, metrics, lr) as a PNG (matplotlib)."""
+        from meshfit.plot import plot_records
+
+        return plot_records(self.records, path, title)
+
     def __len__(self) -> int:
         return len(self.records)
 
