@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from workers import die_on_rank, raise_on_rank, world_info
 
 import meshfit as mf
@@ -39,3 +40,15 @@ def test_interactive_functions_are_refused_up_front() -> None:
             mf.launch(fn, nproc=2)
     finally:
         sys.modules["__main__"] = saved
+
+
+def test_a_process_srun_started_several_times_over_is_refused(monkeypatch) -> None:
+    # srun -n 4 python train.py: four separate trainings writing the same checkpoints
+    import torch.nn.functional as F
+
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    with pytest.raises(mf.MeshfitError, match=r"task 1 of 4 that srun \(SLURM\) started"):
+        mf.parallelize(torch.nn.Linear(2, 2), None, loss_fn=F.mse_loss)
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: a plain run
+    mf.parallelize(torch.nn.Linear(2, 2), None, loss_fn=F.mse_loss)

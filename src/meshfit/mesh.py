@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshfit import watchdog
 from meshfit.devices import worker_device
+from meshfit.errors import MeshfitError
 from meshfit.plan import MESH_DIMS, Plan
 
 
@@ -43,6 +44,7 @@ def init_distributed(timeout_s: float | None = None, *, alone: bool = False) -> 
     if is_distributed():
         return device
     if env_world_size() == 1:
+        _refuse_a_copy_among_many()
         if alone:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         return device
@@ -65,6 +67,26 @@ def init_distributed(timeout_s: float | None = None, *, alone: bool = False) -> 
             timeout=timeout,
         )
     return device
+
+
+def _refuse_a_copy_among_many() -> None:
+    """A plain process that a cluster launcher started several times over (`srun -n 4
+    python train.py`, `mpirun -n 4 ...`) would train alone, once per task, all writing
+    the same checkpoints: refuse, naming the launch that joins the tasks."""
+    for launcher, count_var, rank_var in (
+        ("srun (SLURM)", "SLURM_NTASKS", "SLURM_PROCID"),
+        ("mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+        ("mpirun (MPICH / Intel MPI)", "PMI_SIZE", "PMI_RANK"),
+    ):
+        tasks = os.environ.get(count_var, "1")
+        if tasks.isdigit() and int(tasks) > 1 and rank_var in os.environ:
+            raise MeshfitError(
+                f"this process is task {os.environ[rank_var]} of {tasks} that {launcher} "
+                f"started, with no process group among them: each would train alone and "
+                f"write the same checkpoints. Start one task per node that runs the workers: "
+                f"e.g. srun --ntasks-per-node=1 meshfit run --nproc GPUS_PER_NODE --nnodes "
+                f"NODES --master HOST:PORT train.py (see 'Launching' in docs/guide.md)"
+            )
 
 
 def _destroy_at_exit() -> None:
