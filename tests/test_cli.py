@@ -49,6 +49,24 @@ def test_plan_that_does_not_match_the_world_is_one_line_no_hang() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_run_plan_reaches_the_script_and_a_clash_is_one_line() -> None:
+    script = os.path.join(SCRIPTS, "plan_from_command.py")
+    result = meshfit("run", "--nproc", "2", "--plan", "fsdp=2", script, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "plan: dp=1,fsdp=2" in result.stdout
+    # the script's own plan (dp=4) against the command line's
+    clash = meshfit(
+        "run", "--nproc", "2", "--plan", "dp=2", os.path.join(SCRIPTS, "plan_mismatch.py")
+    )
+    errors = [line for line in clash.stderr.splitlines() if line.startswith("meshfit: error")]
+    assert errors == [
+        "meshfit: error: the script asks for plan dp=4 and meshfit run --plan for dp=2; drop "
+        "one (plan=None in the script takes the command line's)"
+    ], clash.stderr
+    bad = meshfit("run", "--plan", "tp=two", script)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
 def test_missing_script_is_a_clear_error() -> None:
     result = meshfit("run", "no_such_script.py")
     assert result.returncode == 2

@@ -66,6 +66,7 @@ def _run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             threads=args.threads,
             hang_timeout=args.hang_timeout,
+            plan=args.plan,
         )
     )
 
@@ -98,6 +99,7 @@ def _demo(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             threads=args.threads,
             hang_timeout=args.hang_timeout,
+            plan=args.plan,
         )
     )
 
@@ -259,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ADDR:PORT of node 0 (multi-node; without --node-rank every node needs the same "
         "MESHFIT_RUN_SECRET or MESHFIT_RUN_SECRET_FILE, see docs/security.md)",
+    )
+    run.add_argument(
+        "--plan",
+        default=None,
+        help="the plan (e.g. tp=2,pp=2) for the script's parallelize / fit calls that give "
+        "none; a script that gives another one is refused",
     )
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"

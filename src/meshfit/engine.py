@@ -14,6 +14,7 @@ holds autocast / FSDP2 policy / gradient scaler, and the Engine drives them.
 from __future__ import annotations
 
 import numbers
+import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -591,13 +592,22 @@ def create_topology(plan: Plan | str | None) -> Topology:
 
 
 def as_plan(plan: Plan | str | None) -> Plan:
+    """The Plan of `plan`; None is `meshfit run --plan`'s (MESHFIT_PLAN), else dp over
+    every process. A plan given in code that differs from --plan's is refused."""
+    given = os.environ.get("MESHFIT_PLAN")
+    from_command = Plan.parse(given) if given else None
     if plan is None:
-        return Plan()
+        return from_command or Plan()
     if isinstance(plan, str):
-        return Plan.parse(plan)
-    if isinstance(plan, Plan):
-        return plan
-    raise MeshfitError(f"plan must be a Plan or text such as 'dp=2', not {type(plan).__name__}")
+        plan = Plan.parse(plan)
+    if not isinstance(plan, Plan):
+        raise MeshfitError(f"plan must be a Plan or text such as 'dp=2', not {type(plan).__name__}")
+    if from_command is not None and from_command != plan:
+        raise MeshfitError(
+            f"the script asks for plan {plan} and meshfit run --plan for {from_command}; "
+            f"drop one (plan=None in the script takes the command line's)"
+        )
+    return plan
 
 
 def check_batch_divides(batch_size: int, dp_size: int, microbatches: int) -> None:

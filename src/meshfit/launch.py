@@ -289,6 +289,10 @@ class RunOptions:
     max_restarts: int = 0
     threads: int | None = None
     hang_timeout: float | None = None  # seconds; None: the default, 0: off
+    plan: str | None = None  # the plan for parallelize/fit calls that give none
+
+
+PLAN_ENV = "MESHFIT_PLAN"  # meshfit run --plan: read by parallelize / fit (engine.as_plan)
 
 
 def hang_timeout_env(seconds: float | None) -> dict[str, str]:
@@ -392,6 +396,11 @@ def run(options: RunOptions) -> int:
         raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
     setup = plan_workers(options.nproc, options.devices, options.threads)
     setup.env.update(hang_timeout_env(options.hang_timeout))
+    if options.plan is not None:
+        from meshfit.plan import Plan
+
+        Plan.parse(options.plan).validate()  # refuse bad text here, not in every worker
+        setup.env[PLAN_ENV] = options.plan
     # One node: a secret made here, kept in memory. Several: the one every node was given.
     secret = rendezvous.new_secret() if is_single_node(options) else None
     if secret is None and _uses_signed_rendezvous(options):
