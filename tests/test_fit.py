@@ -286,3 +286,48 @@ def test_epochs_count_full_batches_only() -> None:
 def test_diverging_loss_stops_with_advice() -> None:
     with pytest.raises(mf.MeshfitError, match="loss became nan"):
         _fit(dataset("mlp", 16), loss_fn=lambda out, y: out.sum() * float("nan"), max_steps=6)
+
+
+def test_rows_of_columns_with_a_collate_train_as_the_padded_batch() -> None:
+    # A Hugging Face dataset's rows: dicts of lists of different lengths, padded by a
+    # collate; inputs=/targets= name the columns. Same run as the padded tensors.
+    from workers import LM_VOCAB, build_lm
+
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(16):
+        n = int(torch.randint(3, 9, (), generator=g))
+        ids = torch.randint(1, LM_VOCAB, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids[1:] + [-100], "note": "text"})
+
+    def pad(samples: list[dict]) -> dict:
+        width = max(len(s["input_ids"]) for s in samples)
+        ids = [s["input_ids"] + [0] * (width - len(s["input_ids"])) for s in samples]
+        labels = [s["labels"] + [-100] * (width - len(s["labels"])) for s in samples]
+        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+
+    loss = mf.losses.cross_entropy()
+
+    def run(data, **reading) -> list[float]:
+        model = build_lm("seq_lm")
+        history = mf.fit(
+            model,
+            data,
+            loss_fn=loss,
+            batch_size=16,
+            max_steps=2,
+            shuffle=False,
+            progress=False,
+            **reading,
+        )
+        return history.losses
+
+    padded = pad(rows)
+    expected = run((padded["input_ids"], padded["labels"]))
+    assert run(rows, collate=pad, inputs="input_ids", targets="labels") == expected
+    with pytest.raises(
+        mf.MeshfitError, match=r"no column\(s\) \['label'\]; it has \['input_ids', 'labels'\]"
+    ):
+        run(rows, collate=pad, inputs="input_ids", targets="label")
+    with pytest.raises(mf.MeshfitError, match="give inputs= and targets= together"):
+        run(rows, collate=pad, inputs="input_ids")

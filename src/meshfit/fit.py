@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from meshfit import watchdog
 from meshfit.batch_errors import first_batch_explained
@@ -29,6 +29,7 @@ from meshfit.checkpoint import (
     step_dir_name,
 )
 from meshfit.data.columns import as_columns
+from meshfit.data.reading import Reading
 from meshfit.data.sampling import GlobalBatchSampler
 from meshfit.engine import (
     Engine,
@@ -90,6 +91,9 @@ def fit(
     epochs: int | None = None,
     eval_dataset: Dataset | Sequence[torch.Tensor] | None = None,
     validation_split: float | None = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    inputs: str | Sequence[str] | None = None,
+    targets: str | None = None,
     eval_every: int | None = None,
     eval_batches: int | None = None,
     report_memory: bool = False,
@@ -119,6 +123,11 @@ def fit(
         `eval_batches` global batches every `eval_every` steps and at the end.
     validation_split: instead of eval_dataset, hold out the last fraction of `dataset`
         (taken before shuffling, as Keras does) for evaluation.
+    collate: the function from a list of samples to a batch (e.g. a transformers data
+        collator that pads); default: torch's default_collate.
+    inputs, targets: for samples that are dicts of columns (a Hugging Face dataset's
+        rows): the column(s) the model takes and the one the loss compares with, e.g.
+        inputs="input_ids", targets="labels" (inputs=[...] gives the model a dict).
     checkpoint_dir, checkpoint_every: save every N steps and at the end; with
         resume=True a run finds the newest checkpoint there and continues the exact same
         run (weights, optimizer, data position, RNG state). A save that fails (disk
@@ -161,6 +170,7 @@ def fit(
         },
     )
     observers = make_loggers(loggers, log_dir)
+    reading = Reading(collate, inputs, targets)
     train_data = as_dataset(dataset, "dataset")
     eval_data = as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     if validation_split is not None:
@@ -172,7 +182,7 @@ def fit(
     topology = create_topology(plan)
     if "example_inputs" not in parallelize_options:
         parallelize_options["example_inputs"] = _pipeline_example(
-            topology, train_data, batch_size, model_loss=loss_fn == "model"
+            topology, train_data, batch_size, reading, model_loss=loss_fn == "model"
         )
     engine = parallelize(model, topology, loss_fn=loss_fn, **parallelize_options)
     if report_memory:
@@ -198,7 +208,8 @@ def fit(
     history.rewrite(start.records)
 
     loader = first_batch_explained(
-        _train_loader(train_data, engine, config, start.step, total_steps, num_workers), "dataset"
+        _train_loader(train_data, engine, config, start.step, total_steps, num_workers, reading),
+        "dataset",
     )
     plain = [c for c in callbacks if not isinstance(c, CallbackBase)]  # fn(step, engine)
     hooks = _Hooks([c for c in callbacks if isinstance(c, CallbackBase)] + observers, engine)
@@ -207,11 +218,11 @@ def fit(
     step = start.step
     try:
         for batch in loader:
-            inputs, targets = engine.split_batch(batch)
-            loss = engine.step_local(inputs, targets)
+            batch_inputs, batch_targets = engine.split_batch(reading.pick(batch))
+            loss = engine.step_local(batch_inputs, batch_targets)
             step += 1
             lr = engine.optimizer.param_groups[0].get("lr", 0.0)
-            log.add(step, loss, lr, _real_tokens(inputs, targets))
+            log.add(step, loss, lr, _real_tokens(batch_inputs, batch_targets))
             at_end = step == total_steps
             logged = step % log_every == 0 or at_end
             if logged or hooks.every_step:
@@ -222,7 +233,7 @@ def fit(
                     log.flush(step, log_line=False)
                     hooks.after_flush(log.records)
                     eval_loss, eval_metrics = _evaluate(
-                        engine, eval_data, batch_size, eval_batches, num_workers
+                        engine, eval_data, batch_size, eval_batches, num_workers, reading
                     )
                     log.add_eval(step, eval_loss, eval_metrics)
                     hooks.after_eval(log.records[-1])
@@ -543,6 +554,7 @@ def _train_loader(
     start_step: int,
     stop_step: int,
     workers: int,
+    reading: Reading,
 ) -> DataLoader:
     """This rank's share of each global batch from `start_step` up to `stop_step`."""
     sampler = GlobalBatchSampler(
@@ -558,6 +570,7 @@ def _train_loader(
     return DataLoader(
         data,
         batch_sampler=sampler,
+        collate_fn=reading.collate_fn,
         num_workers=workers,
         pin_memory=engine.device.type == "cuda",
         # Its own generator: a DataLoader otherwise draws a seed from the global RNG when
@@ -671,7 +684,7 @@ def _check_options(
 
 
 def _pipeline_example(
-    topology: Topology, data: Dataset, batch_size: int, *, model_loss: bool
+    topology: Topology, data: Dataset, batch_size: int, reading: Reading, *, model_loss: bool
 ) -> Any:
     """One micro-batch of inputs for a pipeline plan to time its blocks on (so its
     stages are balanced by measured cost); None for other plans."""
@@ -679,7 +692,8 @@ def _pipeline_example(
     if plan.pp == 1 or len(data) == 0:
         return None
     size = max(1, min(len(data), batch_size // (topology.dp_size * plan.num_microbatches)))
-    inputs, _ = split_batch(default_collate([data[i] for i in range(size)]), model_loss)
+    batch = reading.pick(reading.collate_fn([data[i] for i in range(size)]))
+    inputs, _ = split_batch(batch, model_loss)
     return inputs
 
 
@@ -715,7 +729,12 @@ def _real_tokens(inputs: Any, targets: Any) -> torch.Tensor | int | None:
 
 @torch.no_grad()
 def _evaluate(
-    engine: Engine, data: Dataset, batch_size: int, limit: int | None, workers: int
+    engine: Engine,
+    data: Dataset,
+    batch_size: int,
+    limit: int | None,
+    workers: int,
+    reading: Reading,
 ) -> tuple[float, dict[str, float]]:
     """The mean eval loss over up to `limit` global batches, and each metric's mean
     ("eval_<name>")."""
@@ -725,12 +744,16 @@ def _evaluate(
     if limit is not None:
         sampler.stop_step = min(sampler.stop_step, limit)
     loader = DataLoader(
-        data, batch_sampler=sampler, num_workers=workers, generator=torch.Generator().manual_seed(0)
+        data,
+        batch_sampler=sampler,
+        collate_fn=reading.collate_fn,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
     )
     batches = first_batch_explained(loader, "eval_dataset")
     losses, metrics = [], []
     for batch in batches:
-        losses.append(engine.evaluate_local(*engine.split_batch(batch)))
+        losses.append(engine.evaluate_local(*engine.split_batch(reading.pick(batch))))
         metrics.append(engine.last_metrics)
     names = list(metrics[0]) if metrics else []
     # the mean over batches, as for the loss: one read from the device
