@@ -270,7 +270,9 @@ def _fit(data, **overrides):
         (dataset("mlp", 16), {"loss_fn": None}, "needs a loss function"),
         (dataset("mlp", 16), {"checkpoint_every": 2}, "checkpoint_every needs checkpoint_dir"),
         ("train.csv", {}, "must be a torch Dataset"),
-        (_Stream(), {}, "fit needs a map-style dataset"),
+        (_Stream(), {}, r"dataset \(a stream\) ended before one global batch of 8"),
+        (_Stream(), {"max_steps": None, "epochs": 1}, "it has no length to count epochs"),
+        (_Stream(), {"num_workers": 2}, "read with num_workers=0"),
     ],
 )
 def test_bad_input_is_refused_with_the_fix(data, overrides, message) -> None:
@@ -331,3 +333,16 @@ def test_rows_of_columns_with_a_collate_train_as_the_padded_batch() -> None:
         run(rows, collate=pad, inputs="input_ids", targets="label")
     with pytest.raises(mf.MeshfitError, match="give inputs= and targets= together"):
         run(rows, collate=pad, inputs="input_ids")
+
+
+@pytest.mark.slow
+def test_a_stream_trains_the_one_process_run_under_dp_and_resumes_exactly(tmp_path) -> None:
+    from workers import stream_fit
+
+    ref = stream_fit({"map_style": True})  # the same samples, as a dataset read in order
+    assert_same_run(stream_fit({}), ref)
+    got = mf.launch(stream_fit, nproc=2, args=({"plan": "dp=2"},))
+    assert_same_run(got, ref)
+    # stopped after 3 steps, then resumed to 5: the stream skips the 3 batches trained
+    stream_fit({"steps": 3, "checkpoint_dir": str(tmp_path)})
+    assert_same_run(stream_fit({"steps": 5, "checkpoint_dir": str(tmp_path)}), ref)

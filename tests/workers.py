@@ -850,3 +850,34 @@ def metric_run(plan: str | None) -> dict:
     engine.evaluate(make_batch("gpt4", 16, 99))
     seen.append({k: float(v) for k, v in engine.last_metrics.items()})
     return {"metrics": seen}
+
+
+class SampleStream(torch.utils.data.IterableDataset):
+    """`dataset("mlp", n)`'s samples as a stream, in order (as a streaming dataset
+    yields them)."""
+
+    def __init__(self, n: int) -> None:
+        self.x, self.y = dataset("mlp", n)
+
+    def __iter__(self):
+        yield from zip(self.x, self.y, strict=True)
+
+
+def stream_fit(spec: dict) -> dict:
+    """fit on a stream (or, with map_style, the same samples as a dataset read in
+    order); losses and final weights."""
+    model, loss_fn = build("mlp")
+    data = dataset("mlp", 48) if spec.get("map_style") else SampleStream(48)
+    history = mf.fit(
+        model,
+        data,
+        loss_fn=loss_fn,
+        batch_size=8,
+        max_steps=spec.get("steps", 5),
+        shuffle=False,
+        plan=spec.get("plan"),
+        checkpoint_dir=spec.get("checkpoint_dir"),
+        progress=False,
+        optimizer=optimizer_factory("adamw"),
+    )
+    return {"losses": history.losses, "state": history.engine.full_state_dict()}

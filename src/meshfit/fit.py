@@ -4,6 +4,7 @@ history, checkpoints and automatic resume)."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from meshfit.checkpoint import (
 )
 from meshfit.data.columns import as_columns
 from meshfit.data.reading import Reading
-from meshfit.data.sampling import GlobalBatchSampler
+from meshfit.data.sampling import GlobalBatchSampler, StreamShare
 from meshfit.engine import (
     Engine,
     LossFn,
@@ -175,6 +176,7 @@ def fit(
     eval_data = as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     if validation_split is not None:
         train_data, eval_data = _split_off(train_data, validation_split, eval_data)
+    _check_streams(train_data, eval_data, epochs, eval_batches, num_workers)
     if checkpoint_every and not checkpoint_dir:
         raise MeshfitError("checkpoint_every needs checkpoint_dir=... (where to save)")
 
@@ -188,10 +190,13 @@ def fit(
     if report_memory:
         engine.memory_report()  # measure gradients from the first step on
     check_batch_divides(batch_size, engine.dp_size, engine.plan.num_microbatches)
-    num_samples = _check_size(train_data, batch_size, "dataset")
-    if eval_data is not None:
+    if isinstance(train_data, IterableDataset):  # a stream: no length, read in order
+        num_samples = -1
+    else:
+        num_samples = _check_size(train_data, batch_size, "dataset")
+    if eval_data is not None and not isinstance(eval_data, IterableDataset):
         _check_size(eval_data, batch_size, "eval_dataset")
-    steps_per_epoch = num_samples // batch_size
+    steps_per_epoch = max(num_samples, 0) // batch_size
     total_steps = max_steps if max_steps is not None else epochs * steps_per_epoch
     config = _RunConfig(batch_size=batch_size, seed=seed, num_samples=num_samples, shuffle=shuffle)
 
@@ -249,6 +254,13 @@ def fit(
                 break
         log.flush(step, log_line=False)
         hooks.after_flush(log.records)
+        if step < total_steps and not hooks.stop:  # only a stream runs out
+            if step == start.step:
+                raise MeshfitError(
+                    f"dataset (a stream) ended before one global batch of {batch_size} "
+                    f"samples after step {step}; give it more samples or a smaller batch_size"
+                )
+            display.print(f"meshfit: the dataset stream ended after step {step}")
     finally:
         display.close()
     history.append_new(log.records)
@@ -502,6 +514,30 @@ def _check_parallelize_options(options: dict[str, Any]) -> None:
         )
 
 
+def _check_streams(
+    train: Dataset, evaluation: Dataset | None, epochs: Any, eval_batches: Any, workers: Any
+) -> None:
+    """What a stream (an IterableDataset) cannot do, refused with the fix."""
+    streams = [d for d in (train, evaluation) if isinstance(d, IterableDataset)]
+    if not streams:
+        return
+    if isinstance(train, IterableDataset) and epochs is not None:
+        raise MeshfitError(
+            "dataset is an IterableDataset (a stream): it has no length to count epochs "
+            "in; give max_steps=N"
+        )
+    if isinstance(evaluation, IterableDataset) and eval_batches is None:
+        raise MeshfitError(
+            "eval_dataset is an IterableDataset (a stream): say how many global batches an "
+            "evaluation reads with eval_batches=N"
+        )
+    if workers:
+        raise MeshfitError(
+            "a stream (IterableDataset) is read with num_workers=0: each loader process "
+            "would read the whole stream again"
+        )
+
+
 def _split_off(data: Dataset, fraction: Any, eval_data: Dataset | None) -> tuple[Dataset, Dataset]:
     """Keras' validation_split: the LAST `fraction` of the samples, before any shuffling,
     become the evaluation set; the rest is trained on."""
@@ -557,6 +593,21 @@ def _train_loader(
     reading: Reading,
 ) -> DataLoader:
     """This rank's share of each global batch from `start_step` up to `stop_step`."""
+    if isinstance(data, IterableDataset):
+        share = StreamShare(
+            data,
+            config.batch_size,
+            dp_size=engine.dp_size,
+            dp_rank=engine.dp_rank,
+            start_step=start_step,
+            stop_step=stop_step,
+        )
+        return DataLoader(
+            share,
+            batch_size=config.batch_size // engine.dp_size,
+            collate_fn=reading.collate_fn,
+            pin_memory=engine.device.type == "cuda",
+        )
     sampler = GlobalBatchSampler(
         config.num_samples,
         config.batch_size,
@@ -583,10 +634,7 @@ def as_dataset(data: Any, what: str) -> Dataset:
     """A map-style Dataset from a Dataset, an (inputs, targets) pair of columns (tensors,
     numpy arrays, lists, or dicts of them) or one dict of columns (data/columns.py)."""
     if isinstance(data, IterableDataset):
-        raise MeshfitError(
-            f"{what} is an IterableDataset; fit needs a map-style dataset (with __len__ "
-            f"and __getitem__) so it can give each rank its own samples and resume exactly"
-        )
+        return data  # a stream (data/sampling.StreamShare reads it)
     columns = as_columns(data, what)  # (x, y) as tensors, arrays, lists or dicts of them
     if columns is not None:
         return columns
@@ -689,10 +737,17 @@ def _pipeline_example(
     """One micro-batch of inputs for a pipeline plan to time its blocks on (so its
     stages are balanced by measured cost); None for other plans."""
     plan = topology.plan
-    if plan.pp == 1 or len(data) == 0:
+    if plan.pp == 1:
         return None
-    size = max(1, min(len(data), batch_size // (topology.dp_size * plan.num_microbatches)))
-    batch = reading.pick(reading.collate_fn([data[i] for i in range(size)]))
+    size = max(1, batch_size // (topology.dp_size * plan.num_microbatches))
+    samples = (
+        list(itertools.islice(iter(data), size))
+        if isinstance(data, IterableDataset)
+        else [data[i] for i in range(min(len(data), size))]
+    )
+    if not samples:
+        return None
+    batch = reading.pick(reading.collate_fn(samples))
     inputs, _ = split_batch(batch, model_loss)
     return inputs
 
@@ -738,18 +793,26 @@ def _evaluate(
 ) -> tuple[float, dict[str, float]]:
     """The mean eval loss over up to `limit` global batches, and each metric's mean
     ("eval_<name>")."""
-    sampler = GlobalBatchSampler(
-        len(data), batch_size, dp_size=engine.dp_size, dp_rank=engine.dp_rank, shuffle=False
-    )
-    if limit is not None:
-        sampler.stop_step = min(sampler.stop_step, limit)
-    loader = DataLoader(
-        data,
-        batch_sampler=sampler,
-        collate_fn=reading.collate_fn,
-        num_workers=workers,
-        generator=torch.Generator().manual_seed(0),
-    )
+    if isinstance(data, IterableDataset):
+        share = StreamShare(
+            data, batch_size, dp_size=engine.dp_size, dp_rank=engine.dp_rank, stop_step=limit
+        )
+        loader = DataLoader(
+            share, batch_size=batch_size // engine.dp_size, collate_fn=reading.collate_fn
+        )
+    else:
+        sampler = GlobalBatchSampler(
+            len(data), batch_size, dp_size=engine.dp_size, dp_rank=engine.dp_rank, shuffle=False
+        )
+        if limit is not None:
+            sampler.stop_step = min(sampler.stop_step, limit)
+        loader = DataLoader(
+            data,
+            batch_sampler=sampler,
+            collate_fn=reading.collate_fn,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(0),
+        )
     batches = first_batch_explained(loader, "eval_dataset")
     losses, metrics = [], []
     for batch in batches:

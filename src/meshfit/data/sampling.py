@@ -8,10 +8,10 @@ resumed run continues from the step it stopped at, with nothing skipped or repea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -62,3 +62,42 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 permutation = epoch_permutation(self.num_samples, self.seed, epoch, self.shuffle)
             begin = index * self.batch_size + self.dp_rank * self.share
             yield permutation[begin : begin + self.share].tolist()
+
+
+class StreamShare(IterableDataset):
+    """This rank's share of each global batch of a stream (an IterableDataset, read in
+    its own order): every rank reads the whole stream, cuts it into global batches of
+    `batch_size` samples and keeps its contiguous share of each, so a dp=4 run trains
+    on exactly the batches one process would. A resumed run skips the `start_step`
+    batches already trained; the last incomplete batch is dropped, on every rank alike
+    (a batch is buffered whole before this rank's share of it is given out)."""
+
+    def __init__(
+        self,
+        stream: Iterable,
+        batch_size: int,
+        *,
+        dp_size: int,
+        dp_rank: int,
+        start_step: int = 0,
+        stop_step: int | None = None,
+    ) -> None:
+        self.stream = stream
+        self.batch_size = batch_size
+        self.share = batch_size // dp_size
+        self.dp_rank = dp_rank
+        self.start_step = start_step
+        self.stop_step = stop_step
+
+    def __iter__(self) -> Iterator:
+        step, batch = 0, []
+        mine = slice(self.dp_rank * self.share, (self.dp_rank + 1) * self.share)
+        for sample in self.stream:
+            if self.stop_step is not None and step >= self.stop_step:
+                return
+            batch.append(sample)
+            if len(batch) < self.batch_size:
+                continue
+            if step >= self.start_step:
+                yield from batch[mine]
+            step, batch = step + 1, []
