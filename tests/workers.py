@@ -881,3 +881,19 @@ def stream_fit(spec: dict) -> dict:
         optimizer=optimizer_factory("adamw"),
     )
     return {"losses": history.losses, "state": history.engine.full_state_dict()}
+
+
+def predict_runs(plans: list[str]) -> list[dict]:
+    """engine.predict under each plan on one batch: the 4-block GPT's logits and a
+    Hugging Face Llama's output object (its logits)."""
+    results = []
+    for plan in plans:
+        gpt, _ = build("gpt4")
+        engine = mf.parallelize(
+            gpt, plan, loss_fn=next_token_loss, optimizer=optimizer_factory("sgd")
+        )
+        logits = engine.predict(make_batch("gpt4", 8, 0)[0])
+        llama = mf.parallelize(hf_llama().double(), plan, loss_fn=next_token_loss_of_output)
+        output = llama.predict({"input_ids": make_batch("gpt4", 8, 1)[0]})
+        results.append({"gpt": logits, "llama": output.logits, "kind": type(output).__name__})
+    return results

@@ -393,6 +393,15 @@ class Engine:
         start = self.dp_rank * share
         return _slice(inputs, start, start + share), _slice(targets, start, start + share)
 
+    def predict(self, inputs: Any) -> Any:
+        """The model's outputs on the GLOBAL batch `inputs` (a tensor, or a mapping the
+        model takes as keywords), gathered whole on every rank as CPU tensors, in the
+        model's own form; no gradients, evaluation mode. Every rank calls it."""
+        from meshfit.predict import predict
+
+        with watchdog.phase("evaluate", f"prediction after step {self.step_count}"):
+            return predict(self, inputs)
+
     # ---- checkpoints -------------------------------------------------------------
     def save(self, path: str, *, extra: dict[str, Any] | None = None) -> str:
         """Save model, optimizer and progress to the directory `path` (DCP, written

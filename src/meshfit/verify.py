@@ -340,10 +340,20 @@ def _with_default_optimizer(options: Mapping[str, Any]) -> dict[str, Any]:
 # ---- the runs ----------------------------------------------------------------------
 
 
-def _train(recipe: _Recipe, plan: Plan | str | None, batches: list[Any]) -> dict[str, Any]:
+# Options that only say how tp / pp split the model: the one-process reference drops
+# them (parallelize refuses them without their form).
+FORM_OPTIONS = ("tp_plan", "pp_split")
+
+
+def _train(
+    recipe: _Recipe, plan: Plan | str | None, batches: list[Any], reference: bool = False
+) -> dict[str, Any]:
     """One run: parallelize under `plan`, a step per batch; the per-step losses and the
     whole final state (gathered, so call it on every rank)."""
-    engine = parallelize(recipe.model, plan, loss_fn=recipe.loss_fn, **recipe.options)
+    options = recipe.options
+    if reference:
+        options = {k: v for k, v in options.items() if k not in FORM_OPTIONS}
+    engine = parallelize(recipe.model, plan, loss_fn=recipe.loss_fn, **options)
     losses = [float(engine.step(batch)) for batch in batches]
     return {"losses": losses, "state": engine.full_state_dict()}
 
@@ -598,7 +608,7 @@ def _reference_run(
     initial = {k: v.detach().cpu().clone() for k, v in recipe.model.state_dict().items()}
     dtype = next((p.dtype for p in recipe.model.parameters() if p.is_floating_point()), None)
     plan = None if precision == "fp32" else Plan(precision=precision)
-    run = _train(recipe, plan, batches)
+    run = _train(recipe, plan, batches, reference=True)
     if torch.cuda.is_initialized():
         gc.collect()  # the engine (with reference cycles) and its GPU tensors
         torch.cuda.empty_cache()  # hand the reference's GPU memory to the workers

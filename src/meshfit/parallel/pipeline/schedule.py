@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.utils._pytree import tree_map_only
 
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
@@ -104,6 +105,29 @@ class PipelineRunner:
 
     def evaluate(self, inputs: Any, targets: Any) -> LocalLoss:
         return self._run(inputs, targets, train=False)
+
+    def predict(self, inputs: Any) -> Any:
+        """The model's outputs on this rank's share (forward only, through the schedule),
+        in the model's own form, on every rank of the pipeline (the last stage has them
+        and broadcasts them)."""
+        first = tensors_in(inputs)[0]
+        args = (first,) if self.has_first else ()
+        # torch's schedule calls the loss on the last stage whatever: a stand-in target
+        # it can cut into micro-batches, and a loss that is not computed.
+        target = torch.zeros(first.shape[0], device=first.device) if self.has_last else None
+        self.stage_loss.predicting = True
+        try:
+            merged = self.schedule.eval(*args, target=target, model_inputs=inputs)
+        finally:
+            self.stage_loss.predicting = False
+        outputs = [None]
+        if self.has_last:
+            form = _unwrapped_form(self.stages[-1])
+            outputs[0] = tree_map_only(
+                torch.Tensor, lambda t: t.detach().cpu(), form.restore(merged)
+            )
+        dist.broadcast_object_list(outputs, src=self.last_rank, group=self.group)
+        return outputs[0]
 
     def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole model's state from every stage's part (each rank holds its own)."""
@@ -195,6 +219,10 @@ def build_pipeline(
     )
 
 
+def _unwrapped_form(stage: PipelineStage) -> OutputForm:
+    return _unwrapped(stage.submod).output_form
+
+
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The stage module inside a DDP wrapper (FSDP2 changes the module in place)."""
     return getattr(module, "module", module)
@@ -209,8 +237,11 @@ class _StageLoss:
         self.loss_fn = loss_fn
         self.output_forms = output_forms
         self.counts: list[torch.Tensor] = []
+        self.predicting = False  # engine.predict: outputs only, no loss
 
     def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
+        if self.predicting:
+            return torch.zeros((), device=tensors_in(outputs)[0].device)
         form = self.output_forms[-1]  # the last stage's (only the last computes a loss)
         loss, count = split_loss(self.loss_fn(form.restore(outputs), targets))
         if count is not None:

@@ -1,0 +1,71 @@
+"""Inference after training, under any plan: the model's outputs on a global batch of
+inputs, whole, on every rank.
+
+Each data-parallel rank runs its share of the batch (under pp through the pipeline's
+own schedule, forward only: the last stage has the outputs in the model's own form and
+sends them to the other stages), and the shares are gathered in batch order. The
+result holds CPU tensors, so it suits checking and small-scale inference, not serving.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from meshfit.errors import MeshfitError
+from meshfit.trees import call_model, map_tensors, tensors_in
+
+
+@torch.no_grad()
+def predict(engine: Any, inputs: Any) -> Any:
+    """`engine`'s model on the global batch `inputs` (as the model takes them: a
+    tensor, or a mapping for model(**inputs)); the outputs, on every rank."""
+    found = tensors_in(inputs)
+    if not found:
+        raise MeshfitError("predict needs the model's inputs: a tensor, or a mapping of tensors")
+    size = found[0].shape[0]
+    micro = engine.runner.eval_microbatches
+    if size % (engine.dp_size * micro):
+        raise MeshfitError(
+            f"predict's batch of {size} does not split over {engine.dp_size} data-parallel "
+            f"rank(s) x {micro} micro-batch(es); give a multiple of {engine.dp_size * micro}"
+        )
+    share = size // engine.dp_size
+    local = map_tensors(
+        inputs,
+        lambda t: t[engine.dp_rank * share : (engine.dp_rank + 1) * share].to(engine.device),
+    )
+    model = engine.parallel_model
+    was_training = model.training
+    model.eval()
+    try:
+        with engine.precision.autocast():
+            if engine.pipeline is not None:
+                outputs = engine.pipeline.predict(local)
+            else:
+                outputs = call_model(model, local)
+    finally:
+        model.train(was_training)
+    # torch's pytree keeps the output's own class (a ModelOutput is a dict subclass)
+    outputs = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), outputs)
+    return _gather_in_batch_order(engine, outputs)
+
+
+def _gather_in_batch_order(engine: Any, outputs: Any) -> Any:
+    """Every data-parallel share's outputs, concatenated in the batch's order."""
+    if engine.world_size == 1 or engine.dp_size == 1:
+        return outputs
+    shares: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(shares, (engine.dp_rank, outputs))
+    by_rank = dict(shares)  # any rank of a data-parallel share holds its outputs
+    ordered = [by_rank[r] for r in range(engine.dp_size)]
+    leaves = [tree_flatten(o) for o in ordered]
+    spec = leaves[0][1]
+    joined = [
+        torch.cat(parts) if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 else parts[0]
+        for parts in zip(*(flat for flat, _ in leaves), strict=True)
+    ]
+    return tree_unflatten(joined, spec)
