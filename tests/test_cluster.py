@@ -1,0 +1,134 @@
+"""Issue 19: multi-node runs between "hosts" that are network namespaces on a bridge
+(tests/cluster.py): 2 hosts x 2 workers match one process under dp, fsdp and a
+hierarchical plan; gloo finds the inter-host interface without GLOO_SOCKET_IFNAME; a
+third namespace without the run's secret cannot join and the run is unaffected.
+
+Skipped where namespaces cannot be built (not root, no ip command), with that reason.
+One launch runs every plan (process start-up on 2 cores costs more than the runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from cluster import Cluster, ClusterUnavailable, HostResult
+from helpers import check_against_one_process, make_spec
+
+from meshfit import rendezvous
+from meshfit.launch import IFNAME_ENVS, interface_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "scripts")
+SECRET = "cluster-secret-0123456789abcdef0123"
+PORT = 29500  # each host is its own network stack: no other run can hold it
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in (rendezvous.SECRET_ENV, rendezvous.SECRET_FILE_ENV, *IFNAME_ENVS):
+        env.pop(name, None)  # the tests say what each host is given
+    return {**env, **extra}
+
+
+def _meshfit(*args: str) -> list[str]:
+    return [sys.executable, "-m", "meshfit.cli", *args]
+
+
+@pytest.fixture
+def three_hosts() -> Iterator[Cluster]:
+    """Two hosts for the run and a third on the same bridge (cluster.outsiders[0])."""
+    try:
+        with Cluster(2, extra=1) as cluster:
+            yield cluster
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no multi-host test bed here: {exc}")
+
+
+def _failed(results: list[HostResult]) -> str:
+    return "\n".join(r.tail() for r in results)
+
+
+@pytest.mark.slow
+def test_two_hosts_match_one_process_and_an_intruder_cannot_join(three_hosts, tmp_path) -> None:
+    """One launch on 2 hosts x 2 workers: dp=4 and fsdp=4 (every gradient crosses the
+    link) and dp=2,tp=2 (tp inside a host, dp across) each reproduce one process. No
+    GLOO_SOCKET_IFNAME is set (the host name resolves to 127.0.0.1 here, so gloo alone
+    would tell peers to dial loopback): meshfit picks eth0, says so, and the bytes cross
+    it. Meanwhile a third host with another secret is refused with one line, and a
+    stranger writing a pickle under torch's guessable keys runs no code."""
+    cluster = three_hosts
+    specs = [make_spec("mlp", "dp=4"), make_spec("mlp", "fsdp=4"), make_spec("gpt", "dp=2,tp=2")]
+    (tmp_path / "specs.json").write_text(json.dumps(specs))
+    out = tmp_path / "runs.pt"
+    master = f"{cluster.hosts[0].addr}:{PORT}"
+    node = ["run", "--nnodes", "2", "--nproc", "2", "--master", master]
+    argv = _meshfit(*node, os.path.join(SCRIPTS, "cluster_runs.py"), str(tmp_path / "specs.json"))
+    argv.append(str(out))
+    outsider = cluster.outsiders[0]
+    # Started with node 0: the intruder's client retries until node 0 listens.
+    intruder = cluster.start(
+        outsider,
+        _meshfit(*node, os.path.join(SCRIPTS, "hold.py")),
+        _env(MESHFIT_RUN_SECRET="another-secret-0123456789abcdef", MESHFIT_RDZV_TIMEOUT_S="60"),
+    )
+    marker = tmp_path / "stranger-ran-code"
+    keys = ["torch.rendezvous.meshfit", "torch.rendezvous.none", "torch.rendezvous."]
+    stranger_argv = [os.path.join(SCRIPTS, "stranger.py"), cluster.hosts[0].addr, str(PORT)]
+    stranger = cluster.start(
+        outsider, [sys.executable, *stranger_argv, str(marker), "8", *keys], _env()
+    )
+    before = [host.counters() for host in cluster.hosts]
+    try:
+        results = cluster.run([argv, argv], env=_env(MESHFIT_RUN_SECRET=SECRET), timeout=400)
+    finally:
+        intruder_err = intruder.communicate(timeout=120)[1]
+        stranger.communicate(timeout=120)
+    after = [host.counters() for host in cluster.hosts]
+
+    assert [r.returncode for r in results] == [0, 0], _failed(results)
+    check_against_one_process(specs, torch.load(out, weights_only=False))
+
+    # Two workers on each host, and node 0 (which hosts the rendezvous) has ranks 0-1.
+    placed = [json.loads((tmp_path / f"runs.pt.rank{r}.json").read_text()) for r in range(4)]
+    assert [p["group_rank"] for p in placed] == [0, 0, 1, 1], placed
+    # The interface meshfit chose, said once per host, reached the workers.
+    assert all(p["gloo_ifname"] == "eth0" for p in placed), placed
+    for r in results:
+        chosen = [line for line in r.stderr.splitlines() if " will use eth0 " in line]
+        assert chosen == [
+            f"meshfit: gloo and nccl will use eth0 ({r.host.addr}, the interface towards "
+            f"{cluster.hosts[0].addr}); set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to "
+            f"choose another"
+        ], r.stderr[-3000:]
+    # The training traffic crossed eth0: dp=4 alone all-reduces the mlp's gradient
+    # (1509 float64) at each of 4 steps, of which each host must send at least half.
+    least = 1509 * 8 * 4 // 2
+    for host, b, a in zip(cluster.hosts, before, after, strict=True):
+        assert a["tx_bytes"] - b["tx_bytes"] > least, (host, b, a)
+
+    # The intruder was refused with one line and its agent never joined.
+    assert intruder.returncode == 2, intruder_err[-3000:]
+    lines = [line for line in intruder_err.splitlines() if line.startswith("meshfit: error:")]
+    assert len(lines) == 1 and "this node's run secret is not node 0's" in lines[0], intruder_err
+    assert stranger.returncode == 0  # it connected and wrote ...
+    assert not marker.exists()  # ... and no code ran
+
+
+def test_interface_env_keeps_what_the_user_set() -> None:
+    assert interface_env(
+        "127.0.0.1:29500", {"GLOO_SOCKET_IFNAME": "x", "NCCL_SOCKET_IFNAME": "y"}
+    ) == ({}, None)
+    env, line = interface_env("127.0.0.1:29500", {"GLOO_SOCKET_IFNAME": "x"})
+    assert env == {"NCCL_SOCKET_IFNAME": "lo"}
+    assert line is not None and line.startswith("meshfit: nccl will use lo (127.0.0.1")
+    assert interface_env("no-such-host.invalid:1", {}) == ({}, None)
+
+
+def test_cluster_refuses_clearly_without_root(monkeypatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ClusterUnavailable, match="needs root"), Cluster(2):
+        pass
