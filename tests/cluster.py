@@ -171,6 +171,10 @@ class Cluster:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
 
+    def kill_host(self, host: Host) -> None:
+        """SIGKILL every process in `host`'s namespace: the host dies, its links stay."""
+        self._kill_all(host.ns)
+
     @staticmethod
     def _kill_all(ns: str) -> None:
         for _ in range(50):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -132,3 +134,60 @@ def test_cluster_refuses_clearly_without_root(monkeypatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ClusterUnavailable, match="needs root"), Cluster(2):
         pass
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[Cluster]:
+    try:
+        with Cluster(2) as cluster:
+            yield cluster
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no multi-host test bed here: {exc}")
+
+
+@pytest.mark.slow
+def test_a_killed_host_restarts_and_the_run_resumes_exactly(two_hosts, tmp_path) -> None:
+    """2 hosts x 1 worker under `--max-restarts 1`: after step 5 (checkpoint at 4) every
+    process of host 1, agent and worker, is SIGKILLed and host 1's command is started
+    again. Node 0 restarts its worker, the new host 1 joins the rendezvous, both resume
+    from step 4, and the run ends with the weights of an undisturbed one-node run."""
+    cluster = two_hosts
+    marker = tmp_path / "stalled"
+    master = f"{cluster.hosts[0].addr}:{PORT}"
+    script = [os.path.join(SCRIPTS, "fault_train.py"), "--checkpoint-dir", str(tmp_path / "ck")]
+    argv = _meshfit(
+        "run", "--nnodes", "2", "--nproc", "1", "--max-restarts", "1", "--master", master,
+        *script, "--out", str(tmp_path / "two.pt"), "--stall-at", "5",
+        "--stall-marker", str(marker),
+    )  # fmt: skip
+    env = _env(MESHFIT_RUN_SECRET=SECRET)
+    node0 = cluster.start(cluster.hosts[0], argv, env)
+    try:
+        first = cluster.start(cluster.hosts[1], argv, env)
+        deadline = time.monotonic() + 240
+        while not marker.exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.2)
+        assert marker.exists(), first.communicate(timeout=60)[1][-3000:]
+        cluster.kill_host(cluster.hosts[1])
+        first.communicate(timeout=60)
+        second = cluster.start(cluster.hosts[1], argv, env)
+        err1 = second.communicate(timeout=300)[1]
+    finally:
+        err0 = node0.communicate(timeout=300)[1]
+    assert (node0.returncode, second.returncode) == (0, 0), err0[-3000:] + err1[-3000:]
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert two["attempt"] == 1  # node 0's workers really restarted
+
+    one = subprocess.run(
+        _meshfit("run", "--nproc", "2", script[0], "--checkpoint-dir", str(tmp_path / "c1"))
+        + ["--out", str(tmp_path / "one.pt")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    ref = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert two["losses"][-1] == ref["losses"][-1]
+    for name, value in ref["state"].items():
+        assert torch.equal(two["state"][name], value), name
