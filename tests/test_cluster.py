@@ -176,7 +176,11 @@ def test_a_killed_host_restarts_and_the_run_resumes_exactly(two_hosts, tmp_path)
         err0 = node0.communicate(timeout=300)[1]
     assert (node0.returncode, second.returncode) == (0, 0), err0[-3000:] + err1[-3000:]
     two = torch.load(tmp_path / "two.pt", weights_only=True)
-    assert two["attempt"] == 1  # node 0's workers really restarted
+    assert two["attempt"] == 1  # node 0's workers really restarted ...
+    # ... once, and the new group formed at once: not after the hang watchdog stopped a
+    # group whose new ranks dialled the dead attempt's addresses (as before the
+    # rendezvous round keyed them, which made this test pass only after 120 s).
+    assert "hang detected" not in err0 + err1, err0[-3000:] + err1[-3000:]
 
     one = subprocess.run(
         _meshfit("run", "--nproc", "2", script[0], "--checkpoint-dir", str(tmp_path / "c1"))

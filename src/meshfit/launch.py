@@ -230,6 +230,7 @@ def launch(
     except ChildFailedError as failed:
         raise _rebuild_worker_exception(error_dir, failed) from None
     finally:
+        os.environ.pop(rendezvous.ROUND_ENV, None)  # set by the handler for the workers
         shutil.rmtree(error_dir, ignore_errors=True)
     return results[0]
 
@@ -471,5 +472,6 @@ def run(options: RunOptions) -> int:
         )
         return code
     finally:
+        os.environ.pop(rendezvous.ROUND_ENV, None)  # set by the handler for the workers
         shutil.rmtree(markers, ignore_errors=True)
     return 0

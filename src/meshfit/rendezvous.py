@@ -53,6 +53,9 @@ BACKEND = "meshfit"
 SECRET_ENV = "MESHFIT_RUN_SECRET"
 SECRET_FILE_ENV = "MESHFIT_RUN_SECRET_FILE"
 TIMEOUT_ENV = "MESHFIT_RDZV_TIMEOUT_S"
+# The rendezvous round the agent's workers belong to, in the agent's environment, which
+# the workers it starts next inherit (mesh._attempt_store keys their addresses by it).
+ROUND_ENV = "MESHFIT_RDZV_ROUND"
 DEFAULT_TIMEOUT_S = 30.0
 MIN_SECRET_BYTES = 16
 # The store's timeout once connected, for the agents' blocking reads (torch's c10d
@@ -205,6 +208,9 @@ class _Handler(DynamicRendezvousHandler):
         (60 s), as did the restart (measured between two namespaces). So rank 0 writes
         its store's address in every round and every other node reads it from there."""
         info = super().next_rendezvous()
+        # Every node of a round knows its number; restart counts differ between a node
+        # that stayed and one that replaced a dead host (a new agent counts from 0).
+        os.environ[ROUND_ENV] = str(self._state_holder.state.round)
         if os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
             return info  # torch then builds the address in every round itself
         server_port = None
