@@ -1,16 +1,17 @@
-"""Listening TCP sockets of a process tree, read from /proc (Linux), and a pair of
-network namespaces joined by a veth pair: two 'hosts' on one machine."""
+"""Listening TCP sockets of a process tree, read from /proc (Linux), and two network
+namespaces on tests/cluster.py's bridge: two 'hosts' on one machine."""
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from cluster import Cluster, cluster_unavailable
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
@@ -90,7 +91,7 @@ class TwoHosts:
     stranger_ns: str
     run_addr: str
     stranger_addr: str
-    run_dev: str  # the veth ends, for GLOO_SOCKET_IFNAME
+    run_dev: str  # each host's interface, for GLOO_SOCKET_IFNAME
     stranger_dev: str
 
     def in_run_host(self, argv: list[str]) -> list[str]:
@@ -102,35 +103,13 @@ class TwoHosts:
 
 def netns_unavailable() -> str | None:
     """Why the two-host test bed cannot be built here, or None."""
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs the ip command (iproute2)"
-    return None
+    return cluster_unavailable()
 
 
 @contextlib.contextmanager
 def two_hosts() -> Iterator[TwoHosts]:
-    tag = f"{os.getpid() % 100000}"
-    a, b = f"mfrun{tag}", f"mfstr{tag}"
-    hosts = TwoHosts(a, b, "10.231.0.1", "10.231.0.2", f"mfa{tag}", f"mfb{tag}")
-    commands = [
-        ["ip", "netns", "add", a],
-        ["ip", "netns", "add", b],
-        ["ip", "link", "add", f"mfa{tag}", "type", "veth", "peer", "name", f"mfb{tag}"],
-        ["ip", "link", "set", f"mfa{tag}", "netns", a],
-        ["ip", "link", "set", f"mfb{tag}", "netns", b],
-        ["ip", "-n", a, "addr", "add", f"{hosts.run_addr}/24", "dev", f"mfa{tag}"],
-        ["ip", "-n", b, "addr", "add", f"{hosts.stranger_addr}/24", "dev", f"mfb{tag}"],
-        ["ip", "-n", a, "link", "set", "lo", "up"],
-        ["ip", "-n", b, "link", "set", "lo", "up"],
-        ["ip", "-n", a, "link", "set", f"mfa{tag}", "up"],
-        ["ip", "-n", b, "link", "set", f"mfb{tag}", "up"],
-    ]
-    try:
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True)
-        yield hosts
-    finally:
-        for ns in (a, b):  # deleting a namespace deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    """A run's host and a stranger's on one bridge (tests/cluster.py, torn down on exit).
+    Raises ClusterUnavailable when namespaces cannot be built."""
+    with Cluster(1, extra=1) as cluster:
+        run, stranger = cluster.hosts[0], cluster.outsiders[0]
+        yield TwoHosts(run.ns, stranger.ns, run.addr, stranger.addr, run.dev, stranger.dev)

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+from cluster import cluster_unavailable
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -75,3 +78,14 @@ def test_checkpoint_integrity_benchmark_quick(tmp_path) -> None:
         "load",
     }
     assert "save overhead" in stdout
+
+
+@pytest.mark.slow
+def test_cluster_bandwidth_benchmark_quick(tmp_path) -> None:
+    """2 namespaced hosts x 2 workers (tests/cluster.py): skipped without root or ip."""
+    reason = cluster_unavailable()
+    if reason:
+        pytest.skip(reason)
+    rows = _run_quick("cluster_bandwidth.py", tmp_path, timeout=300)[1]["rows"]
+    assert [(r["link"], r["plan"]) for r in rows] == [("100mbit", "dp=4"), ("100mbit", "dp=2,tp=2")]
+    assert all(r["median_s"] > 0 and min(r["host_mb_per_step"]) > 0 for r in rows)

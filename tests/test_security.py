@@ -2,7 +2,7 @@
 rendezvous store are never unpickled; a node with another secret, or one that cannot
 reach node 0, stops with one meshfit line; restarts still resume exactly.
 
-The two-host tests build two network namespaces joined by a veth pair (tests/sockets.py)
+The two-host tests build two network namespaces on a bridge (tests/cluster.py)
 and skip when that needs what this machine lacks (root, the ip command)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from datetime import timedelta
 import pytest
 import sockets
 import torch
+from cluster import ClusterUnavailable
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
@@ -145,8 +146,8 @@ def hosts():
     try:
         with sockets.two_hosts() as two:
             yield two
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot build network namespaces here: {exc.stderr.decode().strip()}")
+    except ClusterUnavailable as exc:
+        pytest.skip(f"cannot build network namespaces here: {exc}")
 
 
 def _stranger(hosts, port: int, marker, keys: list[str], seconds: float = 4):

@@ -279,14 +279,27 @@ def hold(seconds: float) -> int:
     return 0
 
 
-def fit_killed_once(checkpoint_dir: str, kill_at: int | None) -> dict:
+def fit_killed_once(
+    checkpoint_dir: str,
+    kill_at: int | None,
+    stall_at: int | None = None,
+    stall_marker: str | None = None,
+) -> dict:
     """fit with checkpoints; with kill_at, rank 1 SIGKILLs itself after that step on the
-    first attempt (mf.launch(max_restarts=1) restarts the group, fit resumes)."""
+    first attempt (mf.launch(max_restarts=1) restarts the group, fit resumes). With
+    stall_at, the last rank writes `stall_marker` and waits after that step instead,
+    once, for a test to kill its whole host (a restarted host finds the marker and
+    trains on: its own agent counts its attempts from 0 again)."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def kill_once(step: int, engine: mf.Engine) -> None:
         if step == kill_at and attempt == 0 and engine.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        last = engine.rank == engine.world_size - 1
+        if stall_at == step and last and not os.path.exists(stall_marker):
+            with open(stall_marker, "w") as f:
+                f.write(str(step))
+            time.sleep(600)
 
     model, loss_fn = build("mlp")
     history = mf.fit(

@@ -20,13 +20,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from meshfit import rendezvous, watchdog
+from meshfit import rendezvous, stores, watchdog
 from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
@@ -102,6 +102,38 @@ def loopback_env() -> dict[str, str]:
     gloo binds the address its host name resolves to, which is not loopback in many
     containers and clusters."""
     return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_env(
+    master: str, environ: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], str | None]:
+    """The workers' GLOO/NCCL_SOCKET_IFNAME for a multi-node run whose node 0 is at
+    `master` (ADDR:PORT), and the line that says so (None when nothing was chosen).
+
+    Left alone, gloo binds the address this host's name resolves to, which is loopback
+    in many containers and network namespaces (/etc/hosts: 127.0.0.1 HOSTNAME): its
+    peers on other hosts are then told to connect to 127.0.0.1 and the run fails
+    ("Connection refused" in connectFullMesh, measured on torch 2.13 between two
+    namespaces). The interface that holds this node's address on the route to node 0 is
+    one every node can reach. A variable the user set is kept."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in IFNAME_ENVS if not environ.get(name)]
+    if not missing:
+        return {}, None
+    addr, _, port = master.rpartition(":")
+    found = stores.interface_towards(addr.strip("[]"), int(port) if port.isdigit() else 1)
+    if found is None:
+        return {}, None
+    name, local = found
+    chosen = " and ".join(n.split("_")[0].lower() for n in missing)
+    line = (
+        f"meshfit: {chosen} will use {name} ({local}, the interface towards {addr}); set "
+        f"{'/'.join(missing)} to choose another"
+    )
+    return dict.fromkeys(missing, name), line
 
 
 @contextlib.contextmanager
@@ -198,6 +230,7 @@ def launch(
     except ChildFailedError as failed:
         raise _rebuild_worker_exception(error_dir, failed) from None
     finally:
+        os.environ.pop(rendezvous.ROUND_ENV, None)  # set by the handler for the workers
         shutil.rmtree(error_dir, ignore_errors=True)
     return results[0]
 
@@ -414,10 +447,15 @@ def run(options: RunOptions) -> int:
     )
     nodes = f" on each of {options.nnodes} nodes" if options.nnodes > 1 else ""
     print(f"meshfit: starting {where}{nodes}: {options.target}", file=sys.stderr, flush=True)
+    ifname_env: dict[str, str] = {}
+    if not is_single_node(options) and options.master is not None:
+        ifname_env, line = interface_env(options.master)
+        if line:
+            print(line, file=sys.stderr, flush=True)
     level = logging.WARNING if options.max_restarts else logging.CRITICAL
     markers = tempfile.mkdtemp(prefix="meshfit-markers-")  # workers' one-line-error claims
     try:
-        env = {**setup.env, MARKER_DIR_ENV: markers}
+        env = {**setup.env, **ifname_env, MARKER_DIR_ENV: markers}
         if is_single_node(options):
             env.update(loopback_env())
         with (
@@ -443,5 +481,6 @@ def run(options: RunOptions) -> int:
         )
         return code
     finally:
+        os.environ.pop(rendezvous.ROUND_ENV, None)  # set by the handler for the workers
         shutil.rmtree(markers, ignore_errors=True)
     return 0

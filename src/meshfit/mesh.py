@@ -109,10 +109,17 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
     peer's address and fail with "connection refused" (measured: 3 of 3 restarts failed
     on torch 2.13 with 2 CPU workers). A per-attempt prefix keeps each attempt's keys
     apart. Outside an elastic launch this returns None and env:// is used as usual.
+
+    The prefix is the rendezvous round (MESHFIT_RDZV_ROUND, from meshfit's handler) when
+    there is one: when a host dies and is started again, its new agent counts restarts
+    from 0 while the others count 1, and keyed by restart count the new host's ranks
+    read the dead attempt's addresses ("Connection refused" in connectFullMesh, measured
+    between two network namespaces). All nodes of a round share its number.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
         return None
+    attempt = os.environ.get("MESHFIT_RDZV_ROUND", attempt)
     world_size = int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(

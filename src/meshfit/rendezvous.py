@@ -30,7 +30,11 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
 from torch.distributed.elastic.rendezvous import registry as torch_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -49,6 +53,9 @@ BACKEND = "meshfit"
 SECRET_ENV = "MESHFIT_RUN_SECRET"
 SECRET_FILE_ENV = "MESHFIT_RUN_SECRET_FILE"
 TIMEOUT_ENV = "MESHFIT_RDZV_TIMEOUT_S"
+# The rendezvous round the agent's workers belong to, in the agent's environment, which
+# the workers it starts next inherit (mesh._attempt_store keys their addresses by it).
+ROUND_ENV = "MESHFIT_RDZV_ROUND"
 DEFAULT_TIMEOUT_S = 30.0
 MIN_SECRET_BYTES = 16
 # The store's timeout once connected, for the agents' blocking reads (torch's c10d
@@ -190,6 +197,28 @@ class _Handler(DynamicRendezvousHandler):
             # A host name, not an address of ours: torch's own server (all interfaces).
             return super()._create_tcp_store_server(master_addr, master_port)
         return stores.serve_store(master_addr, master_port, WORKER_STORE_TIMEOUT)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """torch's round, with the workers' store address published in every round.
+
+        torch 2.13 builds that address (MASTER_ADDR/MASTER_PORT under the round's
+        prefix) in a handler's first round only and reuses it after: when a host died
+        and a new agent took its place, the node that stayed rank 0 never wrote the
+        address for the new round, and the newcomer waited for it until it timed out
+        (60 s), as did the restart (measured between two namespaces). So rank 0 writes
+        its store's address in every round and every other node reads it from there."""
+        info = super().next_rendezvous()
+        # Every node of a round knows its number; restart counts differ between a node
+        # that stayed and one that replaced a dead host (a new agent counts from 0).
+        os.environ[ROUND_ENV] = str(self._state_holder.state.round)
+        if os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
+            return info  # torch then builds the address in every round itself
+        server_port = None
+        if info.rank == 0 and self._shared_tcp_store_server is not None:
+            server_port = self._shared_tcp_store_server.port
+        boot = RendezvousStoreInfo.build(info.rank, info.store, self._this_node.addr, server_port)
+        self._bootstrap_store_info = boot
+        return RendezvousInfo(info.store, info.rank, info.world_size, boot)
 
 
 def _timeout_s() -> float:

@@ -9,8 +9,11 @@ the store is meant for: 127.0.0.1 on a single node, node 0's own address otherwi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import socket
+import struct
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -61,6 +64,59 @@ def address_towards(host: str, port: int) -> str | None:
                 continue
             return probe.getsockname()[0]
     return None
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def _ipv4_of(ifname: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            packed = fcntl.ioctl(
+                probe.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15])
+            )
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _ipv6_interfaces() -> dict[str, str]:
+    """IPv6 address -> interface, from /proc/net/if_inet6 (Linux)."""
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6:
+                found[str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))] = fields[5]
+    return found
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds `address`, or None."""
+    try:
+        addr = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is None:
+            return _ipv6_interfaces().get(str(addr))
+        addr = addr.ipv4_mapped
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == str(addr):
+            return name
+    return None
+
+
+def interface_towards(host: str, port: int) -> tuple[str, str] | None:
+    """(interface, local address) this machine reaches `host` from, or None when `host`
+    does not resolve or no route leads there. The interface is the one holding the
+    route's source address: towards one of our own addresses the route goes through
+    lo, but peers on other hosts reach us at that address's own interface."""
+    local = address_towards(host, port)
+    if local is None:
+        return None
+    name = interface_of(local)
+    return None if name is None else (name, local)
 
 
 def serve_store(address: str, port: int, timeout: timedelta) -> dist.TCPStore:
