@@ -284,3 +284,112 @@ def test_pipeline_with_a_parameter_on_the_model_itself_matches_one_process() -> 
     # block would be called with.
     specs = [make_spec("root_param", "pp=2")]
     check_against_one_process(specs, mf.launch(many_engine_runs, nproc=2, args=(specs,)))
+
+
+def _derived(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, float]]:
+    from meshfit.parallel.tensor import tp_share
+
+    plan = derive_tp_plan(model)
+    return plan, tp_share(model, plan)
+
+
+def test_tp_plan_is_derived_from_the_computation_for_transformer_families() -> None:
+    """No names: what reads the block input is column-parallel, what writes back to it
+    row-parallel, for GPT-2 (Conv1D, q|k|v fused in one), Llama (grouped-query
+    attention, a gated MLP), BERT (an encoder whose layers are all called `dense` or
+    query/key/value) and GPT-NeoX (fused per head); each splits >= 95% of its blocks'
+    parameters, even in these tiny configs (biases and norms weigh more here)."""
+    pytest.importorskip("transformers")
+    from workers import build_lm
+
+    from meshfit.parallel.tensor import _derive
+
+    gpt2 = build_lm("gpt2")
+    plan, share = _derived(gpt2)
+    h = "transformer.h.1"
+    assert (
+        plan
+        == {
+            **plan,
+            f"{h}.attn.c_attn": "colwise:3",  # split first into q, k, v: per chunk
+            f"{h}.attn.c_proj": "rowwise",
+            f"{h}.mlp.c_fc": "colwise",
+            f"{h}.mlp.c_proj": "rowwise",
+        }
+        and len(plan) == 8
+    )
+    # the forward splits c_attn's output with split_size: each rank needs its own width
+    assert _derive(gpt2).local_attrs[f"{h}.attn"] == {"split_size": 16}
+    assert share["GPT2Block"] >= 0.95
+
+    llama = build_lm("llama")
+    assert llama.config.num_key_value_heads < llama.config.num_attention_heads
+    plan, share = _derived(llama)
+    layer = "model.layers.0"
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                 "mlp.up_proj"):  # fmt: skip
+        assert plan[f"{layer}.{name}"] == "colwise", name
+    assert plan[f"{layer}.self_attn.o_proj"] == plan[f"{layer}.mlp.down_proj"] == "rowwise"
+    assert "lm_head" not in plan and share["LlamaDecoderLayer"] >= 0.95
+
+    plan, share = _derived(build_lm("bert"))
+    layer = "bert.encoder.layer.1"
+    assert {k.removeprefix(layer + "."): v for k, v in plan.items() if k.startswith(layer)} == {
+        "attention.self.query": "colwise",
+        "attention.self.key": "colwise",
+        "attention.self.value": "colwise",
+        "attention.output.dense": "rowwise",
+        "intermediate.dense": "colwise",
+        "output.dense": "rowwise",
+    }
+    assert share["BertLayer"] >= 0.95
+
+    # NeoX views the fused output per head before cutting q, k, v: a plain column split
+    # already gives each rank whole heads
+    plan, share = _derived(build_lm("neox"))
+    assert plan["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    assert plan["gpt_neox.layers.0.attention.dense"] == "rowwise"
+    assert share["GPTNeoXLayer"] >= 0.95
+
+
+def test_tp_refuses_a_cnn_with_the_plans_that_fit() -> None:
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.norm = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.relu(self.norm(self.conv(x)))
+
+    class CNN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = torch.nn.ModuleList(Stage() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for stage in self.stages:
+                x = stage(x)
+            return x.mean((2, 3))
+
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"tensor parallel finds nothing to split in CNN: its blocks hold no "
+        r"matrix-product layer \(Linear\), only BatchNorm2d, Conv2d, Stage; use dp, fsdp or pp",
+    ):
+        derive_tp_plan(CNN())
+
+    class Unpaired(torch.nn.Module):  # a Linear per block, its output the block output
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return h
+
+    with pytest.raises(mf.MeshfitError, match="finds nothing to split in Unpaired: no matrix"):
+        derive_tp_plan(Unpaired())

@@ -494,6 +494,34 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             attn_pdrop=0.0,
         )
         model = GPT2LMHeadModel(config)
+    elif kind == "bert":  # an encoder: query/key/value and three `dense` layers
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=LM_LEN,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model = BertForMaskedLM(config)
+    elif kind == "neox":  # q, k, v fused per head: [q_h, k_h, v_h] for each head h
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        config = GPTNeoXConfig(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=LM_LEN,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        model = GPTNeoXForCausalLM(config)
     elif kind == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
 
@@ -535,7 +563,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
         return ids, targets
     if kind == "llama":
         return {"input_ids": ids, "attention_mask": mask}, labels
-    if kind.startswith("gpt2"):  # loss_fn="model": the labels travel in the batch
+    if kind.startswith("gpt2") or kind in ("bert", "neox"):  # labels travel in the batch
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if kind == "t5":  # the answer is the decoder's target
         decoder_ids = torch.zeros_like(ids)
@@ -547,7 +575,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
 def lm_loss(kind: str, mean: bool = False):
     """How each family is trained: the token-weighted pair, or the model's own loss.
     `mean=True`: a per-micro-batch mean instead (the negative control)."""
-    if kind.startswith("gpt2"):
+    if kind.startswith("gpt2") or kind in ("bert", "neox"):
         return "model"
     loss = mf.losses.cross_entropy(shift=kind == "llama")
     if not mean:
@@ -579,6 +607,8 @@ def lm_run(spec: dict) -> dict:
         for step in range(spec.get("steps", 3))
     ]
     eval_loss = float(engine.evaluate(sft_batch(spec["model"], spec.get("batch", 8), 999)))
+    if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
+        engine.save(spec["save"])
     return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
 
 

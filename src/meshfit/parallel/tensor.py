@@ -677,14 +677,18 @@ def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
     """{block class name: fraction of that kind of block's parameters (by count) that
     `plan` splits over the tp ranks}: a column-parallel weight and bias, a row-parallel
     weight (its bias stays whole on every rank)."""
-    stack = find_blocks(model)
     modules = dict(model.named_modules())
     split: dict[str, int] = {}
     total: dict[str, int] = {}
-    for key, block in zip(stack.keys, stack.blocks, strict=True):
+    if type(model) is nn.Sequential:  # its layers are the pairs: one kind, the model
+        units = [("", model)]
+    else:
+        stack = find_blocks(model)
+        units = [(stack.qualified(k), b) for k, b in zip(stack.keys, stack.blocks, strict=True)]
+    for unit, block in units:
         kind = type(block).__name__
         total[kind] = total.get(kind, 0) + sum(p.numel() for p in block.parameters())
-        prefix = f"{stack.qualified(key)}."
+        prefix = f"{unit}." if unit else ""
         for name, style in plan.items():
             if not name.startswith(prefix) or name not in modules:
                 continue
@@ -800,3 +804,38 @@ def _broadcast_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
     for tensor in [*model.parameters(), *model.buffers()]:
         if not isinstance(tensor, DTensor):
             dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _is_strided(t: object) -> bool:
+    return isinstance(t, DTensor) and any(type(p).__name__ == "_StridedShard" for p in t.placements)
+
+
+def strided_as_replicated(tree: Any, pairs: list | None = None) -> Any:
+    """`tree` (a state dict, nested dicts/lists) with every DTensor split chunk by chunk
+    (a fused q|k|v under tp) replaced by a replicated copy: DCP cannot plan a save of
+    `_StridedShard` chunks (torch 2.13: "overlapping chunks"). The copy holds the
+    one-process layout, so the checkpoint is the same as from any other plan. `pairs`
+    collects (original, copy) for `copy_back_strided` after a load."""
+    from torch.distributed.tensor import Replicate
+
+    if _is_strided(tree):
+        copy = tree.redistribute(placements=[Replicate()] * len(tree.placements))
+        if pairs is not None:
+            pairs.append((tree, copy))
+        return copy
+    if isinstance(tree, dict):
+        return {k: strided_as_replicated(v, pairs) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [strided_as_replicated(v, pairs) for v in tree]
+    return tree
+
+
+@torch.no_grad()
+def copy_back_strided(pairs: list) -> None:
+    """Copy the loaded replicated values into the strided DTensors they stand for."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for original, copy in pairs:
+        full = copy.to_local()
+        local = distribute_tensor(full, original.device_mesh, original.placements).to_local()
+        original.to_local().copy_(local)
