@@ -17,15 +17,12 @@ import meshfit as mf
 pytest.importorskip("transformers")
 
 MODELS = ("seq_lm", "llama", "gpt2", "t5")
-# What a plan cannot split, with the one meshfit line that says so (T5's attention adds a
-# per-head position table, an Embedding of (buckets, heads) that tp leaves whole: the
-# split model's own check on the traced input refuses it; its encoder blocks pass that
-# bias on, which a pipeline stage cannot receive). GPT-2 (Conv1D projections, q|k|v
-# fused in one) splits under tp; it ties its LM head to the token embedding: pp keeps a
-# copy on the first and the last stage and sums their gradients.
-REFUSED = {
-    ("t5", "tp"): "tensor parallel split T5ForConditionalGeneration as derived",
-}
+# What a plan cannot split, with the one meshfit line that says so: none left under tp
+# (GPT-2's Conv1D projections with q|k|v fused in one, and T5's per-head position table
+# and cross-attention, split as derived from the computation). GPT-2 ties its LM head
+# to the token embedding: pp keeps a copy on the first and the last stage and sums
+# their gradients.
+REFUSED: dict[tuple[str, str], str] = {}
 # Refused at the first stage's first forward, on that rank alone (the other stages wait
 # for its activation): the launch fails with the refusal, so it gets a launch of its own.
 REFUSED_IN_THE_FIRST_STEP = {("t5", "pp")}

@@ -297,7 +297,7 @@ def test_tp_plan_is_derived_from_the_computation_for_transformer_families() -> N
     """No names: what reads the block input is column-parallel, what writes back to it
     row-parallel, for GPT-2 (Conv1D, q|k|v fused in one), Llama (grouped-query
     attention, a gated MLP), BERT (an encoder whose layers are all called `dense` or
-    query/key/value) and GPT-NeoX (fused per head); each splits >= 95% of its blocks'
+    query/key/value), T5 (encoder-decoder) and GPT-NeoX (fused per head); each splits >= 95% of its blocks'
     parameters, even in these tiny configs (biases and norms weigh more here)."""
     pytest.importorskip("transformers")
     from workers import build_lm
@@ -343,6 +343,16 @@ def test_tp_plan_is_derived_from_the_computation_for_transformer_families() -> N
         "output.dense": "rowwise",
     }
     assert share["BertLayer"] >= 0.95
+
+    # T5: the decoder's stack too, its cross-attention's k/v (reading the encoder output),
+    # and the per-head position table of each stack's first block, split with the heads
+    plan, share = _derived(build_lm("t5"))
+    for stack in ("encoder", "decoder"):
+        table = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
+        assert plan[table] == "colwise" and plan[f"{stack}.block.1.layer.0.SelfAttention.o"]
+    assert plan["decoder.block.1.layer.1.EncDecAttention.k"] == "colwise"
+    assert plan["decoder.block.1.layer.1.EncDecAttention.o"] == "rowwise"
+    assert share["T5Block"] >= 0.95
 
     # NeoX views the fused output per head before cutting q, k, v: a plain column split
     # already gives each rank whole heads

@@ -100,11 +100,12 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
             model, f"its blocks hold no matrix-product layer (Linear), only {', '.join(kinds)}"
         )
     inputs = example_inputs if example_inputs is not None else _dummy_inputs(model)
-    traces = _trace_blocks(model, stack, inputs)
+    units = _block_units(model, stack)
+    traces = _trace_blocks(model, units, inputs)
     names = {id(m): n for n, m in model.named_modules()}
     local_attrs: dict[str, dict[str, int]] = {}
-    for key in stack.keys:
-        trace = traces.get(key)
+    for name, _ in units:
+        trace = traces.get(name)
         if trace is None:
             continue
         block_plan = _classify(trace)
@@ -235,7 +236,22 @@ def _equal_last_dim_parts(func: Any, x: torch.Tensor, out: Any) -> int:
 
 
 @torch.no_grad()
-def _trace_blocks(model: nn.Module, stack: Any, inputs: Any) -> dict[str, _BlockTrace]:
+def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
+    """(qualified name, block) of every block of the stack's type, in every container
+    holding only such blocks: an encoder-decoder's two stacks (T5) both split."""
+    kind = type(stack.blocks[0])
+    units = []
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or not len(container):
+            continue
+        if all(type(child) is kind for child in container.children()):
+            units += [(f"{name}.{k}" if name else k, b) for k, b in container._modules.items()]
+    return units or [(stack.qualified(k), b) for k, b in zip(stack.keys, stack.blocks, strict=True)]
+
+
+def _trace_blocks(
+    model: nn.Module, units: list[tuple[str, nn.Module]], inputs: Any
+) -> dict[str, _BlockTrace]:
     """Run `model` once on `inputs` (eval mode), recording each block's first call."""
     names = {id(m): n for n, m in model.named_modules()}
     traces: dict[str, _BlockTrace] = {}
@@ -250,11 +266,12 @@ def _trace_blocks(model: nn.Module, stack: Any, inputs: Any) -> dict[str, _Block
             hidden = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(hidden, torch.Tensor):
                 return
-            width = hidden.shape[-1]
-            # the residual stream, and any other input of its width (a decoder's view of
-            # the encoder output): replicated on every tp rank
-            for t in tensors_in((args, kwargs)):
-                if t.is_floating_point() and t.ndim >= 2 and t.shape[-1] == width:
+            # the residual stream, and a decoder's view of the encoder output (passed by
+            # name, or positionally with the same shape): replicated on every tp rank
+            streams = [t for t in tensors_in(args) if t.shape == hidden.shape]
+            streams += [v for k, v in kwargs.items() if "hidden_states" in k]
+            for t in tensors_in(streams):
+                if t.is_floating_point():
                     flow.set(t, frozenset({"H"}))
             traces[key] = trace
             current.append((key, flow, trace))
@@ -290,13 +307,22 @@ def _trace_blocks(model: nn.Module, stack: Any, inputs: Any) -> dict[str, _Block
         if isinstance(output, torch.Tensor):
             flow.fresh[id(output)] = call
 
-    for key, block in zip(stack.keys, stack.blocks, strict=True):
+    def after_table(module: nn.Module, args: tuple, output: Any) -> None:
+        if current:
+            _, flow, trace = current[-1]
+            name = names[id(module)]
+            trace.modules[name] = module
+            flow.set(output, frozenset({TABLE + name}))
+
+    for key, block in units:
         handles.append(block.register_forward_pre_hook(enter(key), with_kwargs=True))
         handles.append(block.register_forward_hook(leave(key), with_kwargs=True))
         for module in block.modules():
             if _is_projection(module):
                 handles.append(module.register_forward_pre_hook(before_projection))
                 handles.append(module.register_forward_hook(after_projection))
+            elif isinstance(module, nn.Embedding):
+                handles.append(module.register_forward_hook(after_table))
     training = model.training
     model.eval()
     try:
@@ -323,13 +349,18 @@ def _describe_inputs(inputs: Any) -> str:
     return ", ".join(str(tuple(t.shape)) for t in tensors_in(inputs))
 
 
+TABLE = "table:"  # the label of an Embedding's output inside a block
+
+
 def _classify(trace: _BlockTrace) -> dict[str, str]:
     """Megatron's pairs in one block's trace. A projection whose inputs are all replicated
     (the block input, a row-parallel output, an unsplit projection of those) is column-
     parallel; one whose inputs all come from column-parallel projections is row-parallel
     (its all-reduce makes its output replicated again). A column-parallel output that
     reaches anything else (the block output, an unsplit projection, a mix with the
-    residual stream) cannot be split: it is demoted and the trace classified again."""
+    residual stream) cannot be split: it is demoted and the trace classified again.
+    An Embedding inside the block whose output mixes into a row-parallel input (T5's
+    per-head position bias, (buckets, heads)) is split with the heads: column-parallel."""
     demoted: set[str] = set()
     while True:
         state: dict[str, str] = {}
@@ -338,7 +369,8 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
             if call.name in state:  # called twice in one block: leave it whole
                 bad.add(call.name)
                 continue
-            srcs = call.sources
+            tables = {s for s in call.sources if s.startswith(TABLE)}
+            srcs = call.sources - tables
             replicated = {s for s in srcs if s == "H" or state.get(s) in ("row", "whole")}
             sharded = {s for s in srcs if state.get(s) == "col"}
             if (
@@ -350,6 +382,8 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
                 state[call.name] = "col"
             elif srcs and sharded == srcs:
                 state[call.name] = "row"
+                for table in tables:
+                    state.setdefault(table.removeprefix(TABLE), "table")
             else:
                 state[call.name] = "whole"
                 bad |= sharded
@@ -359,7 +393,7 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
         if not bad:
             break
         demoted |= bad
-    plan: dict[str, str] = {}
+    plan: dict[str, str] = {n: "colwise" for n, s in state.items() if s == "table"}
     for call in trace.calls:
         if state.get(call.name) == "col":
             plan[call.name] = f"colwise:{call.chunks}" if call.chunks > 1 else "colwise"
@@ -395,7 +429,7 @@ def _stored_sizes(
     modules = dict(model.named_modules())
     widths = set()
     for name, style in plan.items():
-        if style.startswith("colwise"):
+        if style.startswith("colwise") and _is_projection(modules[name]):
             chunks = int(style.split(":")[1]) if ":" in style else 1
             widths.add(_dims(modules[name])[1] // chunks)
     owners = {name.rsplit(".", 1)[0] for name in plan if "." in name}
@@ -454,6 +488,13 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     }
     for name, style in plan.items():
         module = modules.get(name)
+        if isinstance(module, nn.Embedding) and style == "colwise":
+            if module.embedding_dim % tp:
+                raise MeshfitError(
+                    f"tp={tp} does not divide {name}'s {module.embedding_dim} columns (a "
+                    f"per-head table, split with the heads); use a tp that divides them"
+                )
+            continue
         if module is None or not _is_projection(module) or style is None:
             continue
         fan_in, fan_out = _dims(module)
@@ -552,7 +593,7 @@ def apply_tensor_parallel(
         elif isinstance(style, str) and style.split(":")[0] in STYLES:
             kind, _, chunks = style.partition(":")
             module = modules.get(name)
-            if isinstance(module, nn.Linear) and not chunks:
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not chunks:
                 styles[name] = STYLES[kind]()
             else:  # Conv1D, or a fused projection split chunk by chunk
                 styles[name] = _LocalShard(kind, int(chunks or 1))
@@ -683,8 +724,7 @@ def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
     if type(model) is nn.Sequential:  # its layers are the pairs: one kind, the model
         units = [("", model)]
     else:
-        stack = find_blocks(model)
-        units = [(stack.qualified(k), b) for k, b in zip(stack.keys, stack.blocks, strict=True)]
+        units = _block_units(model, find_blocks(model))
     for unit, block in units:
         kind = type(block).__name__
         total[kind] = total.get(kind, 0) + sum(p.numel() for p in block.parameters())
