@@ -5,6 +5,7 @@ micro-batch."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -206,6 +207,10 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
             results = mf.launch(many_lm_runs, nproc=2, args=(specs,))
         for spec, got in zip(specs[:3], results[:3], strict=True):
             assert "refused" not in got, (spec, got)
+            share = re.fullmatch(
+                r"tensor parallel splits ([\d.]+)% of \w+ parameters", got["tp_split"]
+            )
+            assert share and float(share[1]) >= 95, got["tp_split"]
             ref = lm_run({**spec, "plan": None, "save": None})
             if spec["model"] == "bert":
                 # the key bias gets an exactly-zero gradient (softmax ignores it): its

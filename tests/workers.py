@@ -609,7 +609,12 @@ def lm_run(spec: dict) -> dict:
     eval_loss = float(engine.evaluate(sft_batch(spec["model"], spec.get("batch", 8), 999)))
     if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
         engine.save(spec["save"])
-    return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
+    result = {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
+    if engine.plan.tp > 1:  # what fit's start-up line says tp split
+        from meshfit.parallel.tensor import describe_tp
+
+        result["tp_split"] = describe_tp(engine.user_model)
+    return result
 
 
 def many_lm_runs(specs: list[dict]) -> list[dict]:
