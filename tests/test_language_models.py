@@ -91,6 +91,8 @@ def test_language_models_match_one_process_under_dp_x_pp() -> None:
     # the tied embedding on sharded stages, and over four stages (the first and the
     # last rank of the pipeline get a group of their own)
     specs += [{"model": "gpt2", "plan": "fsdp=2,pp=2"}, {"model": "gpt2_4", "plan": "pp=4"}]
+    # the fused q|k|v split per chunk on tp, then sharded again by FSDP2 over dp
+    specs += [{"model": "gpt2", "plan": "dp=2,tp=2"}]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _check(specs, mf.launch(many_lm_runs, nproc=4, args=(specs,)))
@@ -181,11 +183,13 @@ def test_model_loss_sums_only_the_shared_token_losses() -> None:
     assert not classifier.sums and classifier.model_kwargs() == {}
 
 
+@pytest.mark.slow  # 48 s on the shared 2-core VM
 def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
     """BERT (query/key/value and three `dense` layers, no names to go by) and GPT-NeoX
     (q, k, v fused per head) under tp=2; GPT-2's sharded checkpoint (its fused q|k|v is
     split chunk by chunk) loads in one process. Negative control: NeoX's fused layer
-    split as q|k|v chunks (GPT-2's layout, wrong for NeoX) trains a different run."""
+    split as q|k|v chunks (GPT-2's layout, wrong for NeoX), and GPT-2's split as one
+    block (rank 0 gets all of q and half of k), each train a different run."""
     import tempfile
 
     from workers import build_lm, optimizer_factory
@@ -194,6 +198,7 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
         "gpt_neox.layers.*.attention.query_key_value": "colwise:3",
         "gpt_neox.layers.*.attention.dense": "rowwise",
     }
+    plain = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/gpt2"
         specs = [
@@ -201,6 +206,12 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
             {"model": "neox", "plan": "tp=2"},
             {"model": "gpt2", "plan": "tp=2", "save": path},
             {"model": "neox", "plan": "tp=2", "options": {"tp_plan": wrong}},
+            {
+                "model": "gpt2",
+                "plan": "tp=2",
+                "options": {"tp_plan": plain},
+                "local_split_size": True,
+            },
         ]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -219,8 +230,10 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
                     for name in [n for n in state if n.endswith("key.bias")]:
                         del state[name]
             assert_same_run(got, ref, _rtol("gpt2"))
-        with pytest.raises(AssertionError):
-            assert_same_run(results[3], lm_run({"model": "neox"}), _rtol("gpt2"))
+        for control, got in zip(specs[3:], results[3:], strict=True):
+            assert "refused" not in got, got
+            with pytest.raises(AssertionError):
+                assert_same_run(got, lm_run({"model": control["model"]}), _rtol("gpt2"))
         engine = mf.parallelize(
             build_lm("gpt2"), None, loss_fn="model", optimizer=optimizer_factory("sgd")
         )

@@ -598,6 +598,10 @@ def lm_run(spec: dict) -> dict:
         optimizer=optimizer_factory("sgd"),
         **spec.get("options", {}),
     )
+    if spec.get("local_split_size"):  # with a hand-written plan for GPT-2's fused c_attn
+        for module in model.modules():
+            if hasattr(module, "split_size"):
+                module.split_size //= engine.plan.tp
     if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
         engine.model_loss.sums = False
     if spec.get("tied_unsummed"):  # negative control: tied copies under pp apart
