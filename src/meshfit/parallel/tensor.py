@@ -1,17 +1,29 @@
-"""Tensor parallel: DTensor's ColwiseParallel / RowwiseParallel on each block's Linears.
+"""Tensor parallel: each block's matrix products split Megatron-LM's way.
 
-The plan is derived from the model: inside every repeated block, the Linears that read
-the block's input (attention's q/k/v projections, the MLP's expanding layer) become
-column-parallel and the ones that write back into the residual stream (attention's
-output projection, the MLP's contracting layer) row-parallel (Megatron-LM's layout:
-one all-reduce after attention and one after the MLP, in forward and in backward).
-Column-parallel q/k/v give each rank whole heads, so attention runs on the local heads
-with no communication. For an `nn.Sequential` model, Linears separated only by
-element-wise layers pair up the same way. Everything else (embeddings, norms, the LM
-head) stays replicated on every tp rank.
+The plan is derived from the computation, not from names: the model runs once on a tiny
+input (Hugging Face's `dummy_inputs`, token ids or features for a first Embedding /
+Linear, or the user's `example_inputs`) while every tensor computed inside a block is
+labelled with where it came from: the block's input (the residual stream) and the
+projections (nn.Linear, HF's Conv1D) it was computed from. A projection that reads only
+replicated values becomes column-parallel; one that reads only column-parallel outputs
+(through per-element and per-head steps: activations, attention) row-parallel, its
+all-reduce making the residual stream whole again: one all-reduce after attention and
+one after the MLP, in forward and in backward. Column-parallel q/k/v give each rank whole
+heads, so attention runs on the local heads with no communication. Everything else
+(embeddings, norms, the LM head) stays replicated on every tp rank.
+
+What the trace also settles: a fused projection whose output is first cut into N equal
+parts (GPT-2's q|k|v) is split chunk by chunk, so each rank keeps whole heads of q, of k
+and of v (GPT-NeoX views its fused output per head first: a plain column split does); an
+Embedding inside a block that feeds split heads (T5's position bias) is split with them;
+integer sizes the attention's forward reads (GPT-2's `split_size`, T5's `n_heads`) are
+set to the local value when that reproduces tp rank 0's unsplit output on the traced
+input. The split model is checked on that input before training: a split that changes
+it is refused, as is a model with nothing to pair (a CNN). For an `nn.Sequential`
+model, Linears separated only by element-wise layers pair up.
 
 Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
-"rowwise" | a torch ParallelStyle}``.
+"colwise:N" (fused, N chunks) | "rowwise" | a torch ParallelStyle}``.
 """
 
 from __future__ import annotations
@@ -44,14 +56,8 @@ from meshfit.trees import call_model, tensors_in
 
 TPPlan = dict[str, "str | ParallelStyle"]
 
-# Last name component of Linears that read a block's input / write its output, as the
-# common model families spell them (nanoGPT/meshfit, Llama/Mistral/Qwen, GPT-NeoX, BERT,
-# Falcon, Megatron).
-COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
-                 "up", "up_proj", "gate_proj", "fc1", "c_fc", "w1", "w3", "fc_in",
-                 "dense_h_to_4h"}  # fmt: skip
-ROWWISE_NAMES = {"out_proj", "o_proj", "wo", "down", "down_proj", "fc2", "c_proj", "w2",
-                 "fc_out", "dense_4h_to_h"}  # fmt: skip
+# q/k/v layers as the common families name them: only to find the head count on the
+# model's config when a hand-written plan splits them (check_tp_plan).
 QKV_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"}
 HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
