@@ -117,6 +117,19 @@ def test_model_without_repeated_blocks_is_refused_with_the_way_out() -> None:
         find_blocks(TwoHeads())
 
 
+def test_tp_refuses_attention_that_reshapes_with_a_head_count_it_cannot_localise() -> None:
+    # GlobalHeads views q/k/v with a count kept on its class: on a rank holding half the
+    # width it would make heads half as wide and train wrongly; the split model's check
+    # on the traced input refuses it on every rank, before any update.
+    spec = make_spec("global_heads", "tp=2")
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"tensor parallel split GlobalHeads as derived \(q: colwise, k: colwise, "
+        r"v: colwise, o: rowwise\) and its output moved by .*; pass a tp_plan",
+    ):
+        mf.launch(many_engine_runs, nproc=2, args=([spec],))
+
+
 def test_pipeline_refuses_more_stages_than_blocks() -> None:
     spec = make_spec("gpt", "pp=2,schedule=interleaved-1f1b")  # 4 stages, 2 blocks
     with pytest.raises(mf.MeshfitError, match="needs 4 stages but GPT has only 2 blocks"):

@@ -57,7 +57,42 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return hf_llama(), next_token_loss_of_output
     if kind == "root_param":
         return RootScaled(), F.cross_entropy
+    if kind == "global_heads":
+        return GlobalHeads(), next_token_loss
     raise ValueError(kind)
+
+
+class _GlobalHeadsBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, GlobalHeads.HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class GlobalHeads(torch.nn.Module):
+    """Attention that reshapes with a head count kept on its class, not on the module: a
+    tp rank cannot be given its local count, so tp must refuse it."""
+
+    HEADS = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(TINY_GPT.vocab_size, 16)
+        self.blocks = torch.nn.ModuleList(_GlobalHeadsBlock() for _ in range(2))
+        self.head = torch.nn.Linear(16, TINY_GPT.vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
 
 
 class RootScaled(torch.nn.Module):
