@@ -337,7 +337,7 @@ def _trace_blocks(
         raise MeshfitError(
             f"tensor parallel traces {type(model).__name__} once to find what to split, and "
             f"its forward failed on {_describe_inputs(inputs)}: {type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}; pass example_inputs=... "
+            f"{_first_line(error)}; pass example_inputs=... "
             f"(one micro-batch of inputs) or a tp_plan"
         ) from error
     finally:
@@ -347,6 +347,10 @@ def _trace_blocks(
             handle.remove()
         model.train(training)
     return traces
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
 
 
 def _describe_inputs(inputs: Any) -> str:
@@ -659,11 +663,10 @@ def _settle_local_sizes(
     reach, a fused layout read another way) is refused on every tp rank alike."""
     modules = dict(model.named_modules())
     names = sorted({attr for attrs in derivation.local_attrs.values() for attr in attrs})
-    choices = [
-        set(chosen)
-        for k in range(len(names), -1, -1)
-        for chosen in itertools.combinations(names, k)
-    ]
+    # every subset when there are few candidates (one forward each on a tiny input);
+    # with many, all of them or none
+    sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
+    choices = [set(chosen) for k in sizes for chosen in itertools.combinations(names, k)]
     tp = mesh.size()
     problem = ""
     for chosen in choices:
@@ -687,10 +690,14 @@ def _compare(model: nn.Module, mesh: DeviceMesh, inputs: Any, reference: list[to
     try:
         got = _outputs(model, inputs)
     except Exception as error:  # the same code on every rank: all fail alike
-        problem = f"its forward failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+        problem = f"its forward failed: {type(error).__name__}: {_first_line(error)}"
     else:
         if mesh.get_local_rank() == 0:
+            if len(got) != len(reference):
+                problem = f"it returned {len(got)} float tensors instead of {len(reference)}"
             for a, b in zip(got, reference, strict=False):
+                if problem:
+                    break
                 if a.shape != b.shape:
                     problem = f"an output's shape changed from {tuple(b.shape)} to {tuple(a.shape)}"
                     break
