@@ -367,6 +367,14 @@ def test_tp_plan_is_derived_from_the_computation_for_transformer_families() -> N
     assert plan["decoder.block.1.layer.1.EncDecAttention.o"] == "rowwise"
     assert share["T5Block"] >= 0.95
 
+    # OLMo2 normalises q and k over all heads at once: a rank holding half of q would
+    # normalise by half; its attention stays whole, its MLP splits
+    plan, share = _derived(build_lm("olmo2"))
+    assert not any("self_attn" in name for name in plan)
+    assert plan["model.layers.1.mlp.up_proj"] == "colwise"
+    assert plan["model.layers.1.mlp.down_proj"] == "rowwise"
+    assert 0.5 < share["Olmo2DecoderLayer"] < 0.95
+
     # NeoX views the fused output per head before cutting q, k, v: a plain column split
     # already gives each rank whole heads
     plan, share = _derived(build_lm("neox"))

@@ -557,6 +557,18 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             attention_dropout=0.0,
         )
         model = GPTNeoXForCausalLM(config)
+    elif kind == "olmo2":  # q_norm / k_norm over all heads' width at once
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        config = Olmo2Config(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=LM_LEN,
+        )
+        model = Olmo2ForCausalLM(config)
     elif kind == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
 
@@ -598,7 +610,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
         return ids, targets
     if kind == "llama":
         return {"input_ids": ids, "attention_mask": mask}, labels
-    if kind.startswith("gpt2") or kind in ("bert", "neox"):  # labels travel in the batch
+    if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):  # labels travel in the batch
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if kind == "t5":  # the answer is the decoder's target
         decoder_ids = torch.zeros_like(ids)
@@ -610,7 +622,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
 def lm_loss(kind: str, mean: bool = False):
     """How each family is trained: the token-weighted pair, or the model's own loss.
     `mean=True`: a per-micro-batch mean instead (the negative control)."""
-    if kind.startswith("gpt2") or kind in ("bert", "neox"):
+    if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):
         return "model"
     loss = mf.losses.cross_entropy(shift=kind == "llama")
     if not mean:

@@ -184,6 +184,9 @@ class _Call:
 class _BlockTrace:
     calls: list[_Call] = field(default_factory=list)
     reaches_output: frozenset[str] = frozenset()
+    # projections whose full output width was reduced over (a norm across all of q, as
+    # OLMo2's q_norm): a rank holding a slice would normalise by its slice alone
+    across_width: set[str] = field(default_factory=set)
     modules: dict[str, nn.Module] = field(default_factory=dict)
 
 
@@ -198,6 +201,8 @@ class _Flow(TorchFunctionMode):
         self.labels: dict[int, frozenset[str]] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while tracing
         self.fresh: dict[int, _Call] = {}  # projection outputs not read yet
+        self.widths: dict[str, set[int]] = {}  # each projection's output (and chunk) width
+        self.across_width: set[str] = set()
 
     def label(self, tree: Any) -> frozenset[str]:
         found: frozenset[str] = frozenset()
@@ -213,13 +218,41 @@ class _Flow(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.fresh:
+        reads = getattr(func, "__name__", "") != "__get__"  # not `.shape` and the like
+        if reads and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.fresh:
             call = self.fresh.pop(id(args[0]))
             call.chunks = _equal_last_dim_parts(func, args[0], out)
+            if call.chunks > 1:
+                self.widths[call.name].add(args[0].shape[-1] // call.chunks)
+        if args and isinstance(args[0], torch.Tensor) and _reduces_last_dim(func, args, kwargs):
+            x = args[0]
+            for name in self.labels.get(id(x), frozenset()):
+                if x.shape[-1] > 1 and x.shape[-1] in self.widths.get(name, ()):
+                    self.across_width.add(name)
         label = self.label((args, kwargs))
         if label:
             self.set(out, label | self.label(out) if _in_place(func) else label)
         return out
+
+
+# Functions that combine the values along a tensor's last dimension.
+_REDUCTIONS = {"mean", "sum", "var", "std", "norm", "vector_norm", "amax", "amin",
+               "logsumexp", "softmax", "log_softmax", "var_mean", "std_mean"}  # fmt: skip
+_NORMS = {"layer_norm", "rms_norm", "group_norm"}
+
+
+def _reduces_last_dim(func: Any, args: tuple, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in _NORMS:
+        return True
+    if name not in _REDUCTIONS:
+        return False
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None:
+        return True  # over every dimension
+    ndim = args[0].ndim
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return any(isinstance(d, int) and d % max(ndim, 1) == ndim - 1 for d in dims)
 
 
 def _in_place(func: Any) -> bool:
@@ -291,6 +324,7 @@ def _trace_blocks(
                 return
             _, flow, trace = current.pop()
             flow.__exit__(None, None, None)
+            trace.across_width = flow.across_width
             first = tensors_in(output)[:1]  # the residual stream (not attention maps)
             trace.reaches_output = flow.label(first)
 
@@ -311,6 +345,7 @@ def _trace_blocks(
         call = trace.calls[-1]
         flow.set(output, frozenset({call.name}))
         if isinstance(output, torch.Tensor):
+            flow.widths[call.name] = {output.shape[-1]}
             flow.fresh[id(output)] = call
 
     def after_table(module: nn.Module, args: tuple, output: Any) -> None:
@@ -368,10 +403,11 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
     parallel; one whose inputs all come from column-parallel projections is row-parallel
     (its all-reduce makes its output replicated again). A column-parallel output that
     reaches anything else (the block output, an unsplit projection, a mix with the
-    residual stream) cannot be split: it is demoted and the trace classified again.
+    residual stream, a norm over its whole width) cannot be split: it is demoted and the
+    trace classified again.
     An Embedding inside the block whose output mixes into a row-parallel input (T5's
     per-head position bias, (buckets, heads)) is split with the heads: column-parallel."""
-    demoted: set[str] = set()
+    demoted: set[str] = set(trace.across_width)
     while True:
         state: dict[str, str] = {}
         bad: set[str] = set()
