@@ -81,6 +81,7 @@ class _Derivation:
     inputs: Any = None  # what the model was traced on (None: a Sequential, not traced)
     # {attention-like module name: {int attribute its forward reads: global value}}
     local_attrs: dict[str, dict[str, int]] = field(default_factory=dict)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # the traced run's floats
 
 
 def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
@@ -107,7 +108,7 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
         )
     inputs = example_inputs if example_inputs is not None else _dummy_inputs(model)
     units = _block_units(model, stack)
-    traces = _trace_blocks(model, units, inputs)
+    traces, outputs = _trace_blocks(model, units, inputs)
     names = {id(m): n for n, m in model.named_modules()}
     local_attrs: dict[str, dict[str, int]] = {}
     for name, _ in units:
@@ -124,7 +125,7 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
             f"input and feeds, through per-element or per-head steps only, one that writes back "
             f"to the block's output",
         )
-    return _Derivation(plan, inputs, local_attrs)
+    return _Derivation(plan, inputs, local_attrs, outputs)
 
 
 def _nothing_to_split(model: nn.Module, reason: str) -> MeshfitError:
@@ -290,8 +291,9 @@ def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
 
 def _trace_blocks(
     model: nn.Module, units: list[tuple[str, nn.Module]], inputs: Any
-) -> dict[str, _BlockTrace]:
-    """Run `model` once on `inputs` (eval mode), recording each block's first call."""
+) -> tuple[dict[str, _BlockTrace], list[torch.Tensor]]:
+    """Run `model` once on `inputs` (eval mode), recording each block's first call;
+    also returns the run's floating-point outputs (what the split model must give)."""
     names = {id(m): n for n, m in model.named_modules()}
     traces: dict[str, _BlockTrace] = {}
     handles = []
@@ -367,7 +369,7 @@ def _trace_blocks(
     training = model.training
     model.eval()
     try:
-        call_model(model, inputs)
+        out = call_model(model, inputs)
     except Exception as error:
         raise MeshfitError(
             f"tensor parallel traces {type(model).__name__} once to find what to split, and "
@@ -381,7 +383,7 @@ def _trace_blocks(
         for handle in handles:
             handle.remove()
         model.train(training)
-    return traces
+    return traces, [t.detach().clone() for t in tensors_in(out) if t.is_floating_point()]
 
 
 def _first_line(error: BaseException) -> str:
@@ -650,7 +652,7 @@ def apply_tensor_parallel(
             )
     reference = None
     if derivation is not None and derivation.inputs is not None:
-        reference = _outputs(model, derivation.inputs)
+        reference = derivation.outputs
     # DTensor shards each weight from tp rank 0's copy (src_data_rank=0).
     parallelize_module(model, mesh, styles)
     _broadcast_replicated(model, mesh)
