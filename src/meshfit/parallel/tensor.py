@@ -85,6 +85,8 @@ class _Derivation:
 
 
 def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
+    """The plan (a Sequential's pairs, else from one traced forward), with what the split
+    model is checked against."""
     if type(model) is nn.Sequential:
         plan = _sequential_pairs(model, prefix="")
         if plan:
@@ -109,7 +111,7 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
     inputs = example_inputs if example_inputs is not None else _dummy_inputs(model)
     units = _block_units(model, stack)
     traces, outputs = _trace_blocks(model, units, inputs)
-    names = {id(m): n for n, m in model.named_modules()}
+    modules = dict(model.named_modules())
     local_attrs: dict[str, dict[str, int]] = {}
     for name, _ in units:
         trace = traces.get(name)
@@ -117,8 +119,8 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
             continue
         block_plan = _classify(trace)
         plan.update(block_plan)
-        local_attrs.update(_stored_sizes(model, names, block_plan, trace))
-    if set(plan.values()) & {"rowwise"} != {"rowwise"}:
+        local_attrs.update(_stored_sizes(modules, block_plan))
+    if "rowwise" not in plan.values():
         raise _nothing_to_split(
             model,
             f"no matrix product in its blocks ({stack.name or 'the model'!r}) reads the block's "
@@ -425,7 +427,7 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
                 call.name not in demoted
                 and srcs
                 and replicated == srcs
-                and "H" in _roots(call, trace, state)
+                and "H" in _roots(call, trace)
             ):
                 state[call.name] = "col"
             elif srcs and sharded == srcs:
@@ -450,7 +452,7 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
     return plan
 
 
-def _roots(call: _Call, trace: _BlockTrace, state: dict[str, str]) -> set[str]:
+def _roots(call: _Call, trace: _BlockTrace) -> set[str]:
     """The block-input roots behind `call` (through row-parallel and whole projections)."""
     by_name = {c.name: c for c in trace.calls}
     seen, todo, roots = set(), list(call.sources), set()
@@ -466,15 +468,11 @@ def _roots(call: _Call, trace: _BlockTrace, state: dict[str, str]) -> set[str]:
     return roots
 
 
-# Integer attributes an attention module's forward may reshape with: head counts and
-# the widths that column-parallel splitting divides by tp.
-def _stored_sizes(
-    model: nn.Module, names: dict[int, str], plan: dict[str, str], trace: _BlockTrace
-) -> dict[str, dict[str, int]]:
+def _stored_sizes(modules: dict[str, nn.Module], plan: dict[str, str]) -> dict[str, dict[str, int]]:
     """{module holding a column/row pair: {int attribute its forward reads: value}} for
     the attributes that hold a head count or a split width, which each tp rank must see
-    as its local value (GPT-2's `split_size`, T5's `n_heads`)."""
-    modules = dict(model.named_modules())
+    as its local value (GPT-2's `split_size`, T5's `n_heads`): candidates, which
+    `_settle_local_sizes` tries on the split model."""
     widths = set()
     for name, style in plan.items():
         if style.startswith("colwise") and _is_projection(modules[name]):
