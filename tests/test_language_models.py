@@ -24,6 +24,12 @@ MODELS = ("seq_lm", "llama", "gpt2", "t5")
 # to the token embedding: pp keeps a copy on the first and the last stage and sums
 # their gradients.
 REFUSED: dict[tuple[str, str], str] = {}
+# A hand-written plan that splits GPT-2's c_attn like any Linear (not per q/k/v chunk),
+# with the local split_size set as the derived plan sets it: it runs, and trains wrongly.
+GPT2_QKV_AS_ONE_BLOCK = {
+    "transformer.h.*.attn.c_attn": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
+}
 # Refused at the first stage's first forward, on that rank alone (the other stages wait
 # for its activation): the launch fails with the refusal, so it gets a launch of its own.
 REFUSED_IN_THE_FIRST_STEP = {("t5", "pp")}
@@ -63,6 +69,13 @@ def test_language_models_match_one_process_on_two_workers() -> None:
         {"model": "gpt2", "plan": "dp=2", "model_mean": True},
         # the tied embedding's two copies under pp, without their gradients summed
         {"model": "gpt2", "plan": "pp=2,microbatches=4", "tied_unsummed": True},
+        # GPT-2's fused q|k|v split as one block: rank 0 gets all of q and half of k
+        {
+            "model": "gpt2",
+            "plan": "tp=2",
+            "options": {"tp_plan": GPT2_QKV_AS_ONE_BLOCK},
+            "local_split_size": True,
+        },  # fmt: skip
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -189,8 +202,8 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
     (q, k, v fused per head) and OLMo2 (a norm over all of q: its attention stays whole)
     under tp=2; GPT-2's sharded checkpoint (its fused q|k|v is
     split chunk by chunk) loads in one process. Negative control: NeoX's fused layer
-    split as q|k|v chunks (GPT-2's layout, wrong for NeoX), and GPT-2's split as one
-    block (rank 0 gets all of q and half of k), each train a different run."""
+    split as q|k|v chunks (GPT-2's layout, wrong for NeoX) trains a different run (GPT-2's
+    split as one block: the everyday matrix test's controls)."""
     import tempfile
 
     from workers import build_lm, optimizer_factory
@@ -199,7 +212,6 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
         "gpt_neox.layers.*.attention.query_key_value": "colwise:3",
         "gpt_neox.layers.*.attention.dense": "rowwise",
     }
-    plain = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/gpt2"
         specs = [
@@ -208,12 +220,6 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
             {"model": "gpt2", "plan": "tp=2", "save": path},
             {"model": "olmo2", "plan": "tp=2"},
             {"model": "neox", "plan": "tp=2", "options": {"tp_plan": wrong}},
-            {
-                "model": "gpt2",
-                "plan": "tp=2",
-                "options": {"tp_plan": plain},
-                "local_split_size": True,
-            },
         ]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
