@@ -424,3 +424,25 @@ def test_tp_refuses_a_cnn_with_the_plans_that_fit() -> None:
 
     with pytest.raises(mf.MeshfitError, match="finds nothing to split in Unpaired: no matrix"):
         derive_tp_plan(Unpaired())
+
+
+def test_tp_refuses_heads_it_does_not_divide_in_a_derived_fused_plan() -> None:
+    """GPT-2's head count sits on its attention module, whatever the projections' names;
+    each of the fused q, k, v is checked on its own width."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=24, n_layer=1, n_head=3)
+    model = GPT2LMHeadModel(config)
+    plan = derive_tp_plan(model)
+    assert plan["transformer.h.0.attn.c_attn"] == "colwise:3"
+    with pytest.raises(
+        mf.MeshfitError, match=r"does not divide the 3 attention heads of transformer\.h\.0\.attn"
+    ):
+        check_tp_plan(model, plan, 2)
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"tp=5 does not divide transformer\.h\.0\.attn\.c_attn's output size 24 in each "
+        r"of its 3 fused parts",
+    ):
+        check_tp_plan(model, plan, 5)
