@@ -646,15 +646,20 @@ def apply_tensor_parallel(
                 f"tp_plan[{name!r}] = {style!r}: use 'colwise', 'rowwise' or a "
                 f"torch.distributed.tensor.parallel ParallelStyle"
             )
-    reference = None
+    reference, scale = None, True
     if derivation is not None and derivation.inputs is not None:
         reference = _outputs(model, derivation.inputs, _column_weights(model, derivation.plan))
+        if not all(bool(t.isfinite().all()) for t in reference):  # fp16 overflow: unscaled
+            scale = False
+            reference = _outputs(model, derivation.inputs)
     # DTensor shards each weight from tp rank 0's copy (src_data_rank=0).
     parallelize_module(model, mesh, styles)
     _broadcast_replicated(model, mesh)
     if derivation is not None:
         if reference is not None:
-            _settle_local_sizes(model, mesh, derivation, reference)
+            # the split model's own parameters (sharding replaced the objects)
+            scaled = _column_weights(model, derivation.plan) if scale else []
+            _settle_local_sizes(model, mesh, derivation, reference, scaled)
         _SHARES[model] = tp_share(model, derivation.plan)
     return model
 
@@ -713,7 +718,11 @@ def _outputs(
 
 
 def _settle_local_sizes(
-    model: nn.Module, mesh: DeviceMesh, derivation: _Derivation, reference: list[torch.Tensor]
+    model: nn.Module,
+    mesh: DeviceMesh,
+    derivation: _Derivation,
+    reference: list[torch.Tensor],
+    scaled: list[nn.Parameter],
 ) -> None:
     """Which stored sizes each rank must see as its local value, tried on the traced input:
     GPT-2 splits its fused output with `split_size` (local: the q width per rank), while
@@ -728,7 +737,6 @@ def _settle_local_sizes(
     sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
     choices = [set(chosen) for k in sizes for chosen in itertools.combinations(names, k)]
     tp = mesh.size()
-    scaled = _column_weights(model, derivation.plan)
     problem = ""
     for chosen in choices:
         for owner, attrs in derivation.local_attrs.items():
