@@ -5,6 +5,7 @@ micro-batch."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -17,14 +18,17 @@ import meshfit as mf
 pytest.importorskip("transformers")
 
 MODELS = ("seq_lm", "llama", "gpt2", "t5")
-# What a plan cannot split, with the one meshfit line that says so (GPT-2's projections
-# are Conv1D and its q/k/v one layer; T5's encoder blocks pass a position bias that the
-# first block computes from its weights, which a pipeline stage cannot receive). GPT-2
-# ties its LM head to the token embedding: pp keeps a copy on the first and the last
-# stage and sums their gradients.
-REFUSED = {
-    ("gpt2", "tp"): "cannot derive a tensor-parallel plan for GPT2LMHeadModel",
-    ("t5", "tp"): "cannot derive a tensor-parallel plan for T5ForConditionalGeneration",
+# What a plan cannot split, with the one meshfit line that says so: none left under tp
+# (GPT-2's Conv1D projections with q|k|v fused in one, and T5's per-head position table
+# and cross-attention, split as derived from the computation). GPT-2 ties its LM head
+# to the token embedding: pp keeps a copy on the first and the last stage and sums
+# their gradients.
+REFUSED: dict[tuple[str, str], str] = {}
+# A hand-written plan that splits GPT-2's c_attn like any Linear (not per q/k/v chunk),
+# with the local split_size set as the derived plan sets it: it runs, and trains wrongly.
+GPT2_QKV_AS_ONE_BLOCK = {
+    "transformer.h.*.attn.c_attn": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
 }
 # Refused at the first stage's first forward, on that rank alone (the other stages wait
 # for its activation): the launch fails with the refusal, so it gets a launch of its own.
@@ -65,6 +69,13 @@ def test_language_models_match_one_process_on_two_workers() -> None:
         {"model": "gpt2", "plan": "dp=2", "model_mean": True},
         # the tied embedding's two copies under pp, without their gradients summed
         {"model": "gpt2", "plan": "pp=2,microbatches=4", "tied_unsummed": True},
+        # GPT-2's fused q|k|v split as one block: rank 0 gets all of q and half of k
+        {
+            "model": "gpt2",
+            "plan": "tp=2",
+            "options": {"tp_plan": GPT2_QKV_AS_ONE_BLOCK},
+            "local_split_size": True,
+        },  # fmt: skip
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -93,6 +104,8 @@ def test_language_models_match_one_process_under_dp_x_pp() -> None:
     # the tied embedding on sharded stages, and over four stages (the first and the
     # last rank of the pipeline get a group of their own)
     specs += [{"model": "gpt2", "plan": "fsdp=2,pp=2"}, {"model": "gpt2_4", "plan": "pp=4"}]
+    # the fused q|k|v split per chunk on tp, then sharded again by FSDP2 over dp
+    specs += [{"model": "gpt2", "plan": "dp=2,tp=2"}]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _check(specs, mf.launch(many_lm_runs, nproc=4, args=(specs,)))
@@ -181,3 +194,61 @@ def test_model_loss_sums_only_the_shared_token_losses() -> None:
         assert (loss.sums, loss.shifted) == (sums, shifted), name
     classifier = ModelOwnLoss(LlamaForSequenceClassification(config))
     assert not classifier.sums and classifier.model_kwargs() == {}
+
+
+@pytest.mark.slow  # 48 s on the shared 2-core VM
+def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
+    """BERT (query/key/value and three `dense` layers, no names to go by), GPT-NeoX
+    (q, k, v fused per head) and OLMo2 (a norm over all of q: its attention stays whole)
+    under tp=2; GPT-2's sharded checkpoint (its fused q|k|v is
+    split chunk by chunk) loads in one process. Negative control: NeoX's fused layer
+    split as q|k|v chunks (GPT-2's layout, wrong for NeoX) trains a different run (GPT-2's
+    split as one block: the everyday matrix test's controls)."""
+    import tempfile
+
+    from workers import build_lm, optimizer_factory
+
+    wrong = {
+        "gpt_neox.layers.*.attention.query_key_value": "colwise:3",
+        "gpt_neox.layers.*.attention.dense": "rowwise",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/gpt2"
+        specs = [
+            {"model": "bert", "plan": "tp=2"},
+            {"model": "neox", "plan": "tp=2"},
+            {"model": "gpt2", "plan": "tp=2", "save": path},
+            {"model": "olmo2", "plan": "tp=2"},
+            {"model": "neox", "plan": "tp=2", "options": {"tp_plan": wrong}},
+        ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = mf.launch(many_lm_runs, nproc=2, args=(specs,))
+        for spec, got in zip(specs[:4], results[:4], strict=True):
+            assert "refused" not in got, (spec, got)
+            share = re.fullmatch(
+                r"tensor parallel splits ([\d.]+)% of \w+ parameters", got["tp_split"]
+            )
+            # OLMo2 keeps its attention whole (its q/k norm spans all heads): MLP only
+            least = 50 if spec["model"] == "olmo2" else 95
+            assert share and float(share[1]) >= least, got["tp_split"]
+            ref = lm_run({**spec, "plan": None, "save": None})
+            if spec["model"] == "bert":
+                # the key bias gets an exactly-zero gradient (softmax ignores it): its
+                # values are rounding noise either way
+                for state in (got["state"], ref["state"]):
+                    for name in [n for n in state if n.endswith("key.bias")]:
+                        del state[name]
+            assert_same_run(got, ref, _rtol("gpt2"))
+        for control, got in zip(specs[4:], results[4:], strict=True):
+            assert "refused" not in got, got
+            with pytest.raises(AssertionError):
+                assert_same_run(got, lm_run({"model": control["model"]}), _rtol("gpt2"))
+        engine = mf.parallelize(
+            build_lm("gpt2"), None, loss_fn="model", optimizer=optimizer_factory("sgd")
+        )
+        engine.load(path)
+        loaded = engine.user_model.state_dict()
+        for name, value in results[2]["state"].items():
+            assert torch.equal(loaded[name], value), name
+        assert len(engine.optimizer.state) == len(list(engine.user_model.parameters()))

@@ -119,6 +119,19 @@ def test_model_without_repeated_blocks_is_refused_with_the_way_out() -> None:
         find_blocks(TwoHeads())
 
 
+def test_tp_refuses_attention_that_reshapes_with_a_head_count_it_cannot_localise() -> None:
+    # GlobalHeads views q/k/v with a count kept on its class: on a rank holding half the
+    # width it would make heads half as wide and train wrongly; the split model's check
+    # on the traced input refuses it on every rank, before any update.
+    spec = make_spec("global_heads", "tp=2")
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"tensor parallel split GlobalHeads as derived \(q: colwise, k: colwise, "
+        r"v: colwise, o: rowwise\) and its output moved by .*; pass a tp_plan",
+    ):
+        mf.launch(many_engine_runs, nproc=2, args=([spec],))
+
+
 def test_pipeline_refuses_more_stages_than_blocks() -> None:
     spec = make_spec("gpt", "pp=2,schedule=interleaved-1f1b")  # 4 stages, 2 blocks
     with pytest.raises(mf.MeshfitError, match="needs 4 stages but GPT has only 2 blocks"):
@@ -294,3 +307,152 @@ def test_tp_plan_and_pp_split_without_their_form_are_refused_not_ignored() -> No
         mf.parallelize(model, None, loss_fn=loss_fn, tp_plan={"0": "colwise"})
     with pytest.raises(mf.MeshfitError, match=r"pp_split is for pp > 1.*drop pp_split"):
         mf.parallelize(model, None, loss_fn=loss_fn, pp_split=[2])
+
+
+def _derived(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, float]]:
+    from meshfit.parallel.tensor import tp_share
+
+    plan = derive_tp_plan(model)
+    return plan, tp_share(model, plan)
+
+
+def test_tp_plan_is_derived_from_the_computation_for_transformer_families() -> None:
+    """No names: what reads the block input is column-parallel, what writes back to it
+    row-parallel, for GPT-2 (Conv1D, q|k|v fused in one), Llama (grouped-query
+    attention, a gated MLP), BERT (an encoder whose layers are all called `dense` or
+    query/key/value), T5 (encoder-decoder) and GPT-NeoX (fused per head); each splits >= 95% of its blocks'
+    parameters, even in these tiny configs (biases and norms weigh more here)."""
+    pytest.importorskip("transformers")
+    from workers import build_lm
+
+    from meshfit.parallel.tensor import _derive
+
+    gpt2 = build_lm("gpt2")
+    plan, share = _derived(gpt2)
+    h = "transformer.h.1"
+    assert (
+        plan
+        == {
+            **plan,
+            f"{h}.attn.c_attn": "colwise:3",  # split first into q, k, v: per chunk
+            f"{h}.attn.c_proj": "rowwise",
+            f"{h}.mlp.c_fc": "colwise",
+            f"{h}.mlp.c_proj": "rowwise",
+        }
+        and len(plan) == 8
+    )
+    # the forward splits c_attn's output with split_size: each rank needs its own width
+    assert _derive(gpt2).local_attrs[f"{h}.attn"] == {"split_size": 16}
+    assert share["GPT2Block"] >= 0.95
+
+    llama = build_lm("llama")
+    assert llama.config.num_key_value_heads < llama.config.num_attention_heads
+    plan, share = _derived(llama)
+    layer = "model.layers.0"
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                 "mlp.up_proj"):  # fmt: skip
+        assert plan[f"{layer}.{name}"] == "colwise", name
+    assert plan[f"{layer}.self_attn.o_proj"] == plan[f"{layer}.mlp.down_proj"] == "rowwise"
+    assert "lm_head" not in plan and share["LlamaDecoderLayer"] >= 0.95
+
+    plan, share = _derived(build_lm("bert"))
+    layer = "bert.encoder.layer.1"
+    assert {k.removeprefix(layer + "."): v for k, v in plan.items() if k.startswith(layer)} == {
+        "attention.self.query": "colwise",
+        "attention.self.key": "colwise",
+        "attention.self.value": "colwise",
+        "attention.output.dense": "rowwise",
+        "intermediate.dense": "colwise",
+        "output.dense": "rowwise",
+    }
+    assert share["BertLayer"] >= 0.95
+
+    # T5: the decoder's stack too, its cross-attention's k/v (reading the encoder output),
+    # and the per-head position table of each stack's first block, split with the heads
+    plan, share = _derived(build_lm("t5"))
+    for stack in ("encoder", "decoder"):
+        table = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
+        assert plan[table] == "colwise" and plan[f"{stack}.block.1.layer.0.SelfAttention.o"]
+    assert plan["decoder.block.1.layer.1.EncDecAttention.k"] == "colwise"
+    assert plan["decoder.block.1.layer.1.EncDecAttention.o"] == "rowwise"
+    assert share["T5Block"] >= 0.95
+
+    # OLMo2 normalises q and k over all heads at once: a rank holding half of q would
+    # normalise by half; its attention stays whole, its MLP splits
+    plan, share = _derived(build_lm("olmo2"))
+    assert not any("self_attn" in name for name in plan)
+    assert plan["model.layers.1.mlp.up_proj"] == "colwise"
+    assert plan["model.layers.1.mlp.down_proj"] == "rowwise"
+    assert 0.5 < share["Olmo2DecoderLayer"] < 0.95
+
+    # NeoX views the fused output per head before cutting q, k, v: a plain column split
+    # already gives each rank whole heads
+    plan, share = _derived(build_lm("neox"))
+    assert plan["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    assert plan["gpt_neox.layers.0.attention.dense"] == "rowwise"
+    assert share["GPTNeoXLayer"] >= 0.95
+
+
+def test_tp_refuses_a_cnn_with_the_plans_that_fit() -> None:
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.norm = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.relu(self.norm(self.conv(x)))
+
+    class CNN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = torch.nn.ModuleList(Stage() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for stage in self.stages:
+                x = stage(x)
+            return x.mean((2, 3))
+
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"tensor parallel finds nothing to split in CNN: its blocks hold no "
+        r"matrix-product layer \(Linear\), only BatchNorm2d, Conv2d, Stage; use dp, fsdp or pp",
+    ):
+        derive_tp_plan(CNN())
+
+    class Unpaired(torch.nn.Module):  # a Linear per block, its output the block output
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return h
+
+    with pytest.raises(mf.MeshfitError, match="finds nothing to split in Unpaired: no matrix"):
+        derive_tp_plan(Unpaired())
+
+
+def test_tp_refuses_heads_it_does_not_divide_in_a_derived_fused_plan() -> None:
+    """GPT-2's head count sits on its attention module, whatever the projections' names;
+    each of the fused q, k, v is checked on its own width."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=24, n_layer=1, n_head=3)
+    model = GPT2LMHeadModel(config)
+    plan = derive_tp_plan(model)
+    assert plan["transformer.h.0.attn.c_attn"] == "colwise:3"
+    with pytest.raises(
+        mf.MeshfitError, match=r"does not divide the 3 attention heads of transformer\.h\.0\.attn"
+    ):
+        check_tp_plan(model, plan, 2)
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"tp=5 does not divide transformer\.h\.0\.attn\.c_attn's output size 24 in each "
+        r"of its 3 fused parts",
+    ):
+        check_tp_plan(model, plan, 5)

@@ -61,6 +61,8 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return bn_cnn(), F.cross_entropy
     if kind == "titan":  # layers in a ModuleDict, and a larger stack that is not them
         return TitanStyle(), F.cross_entropy
+    if kind == "global_heads":
+        return GlobalHeads(), next_token_loss
     raise ValueError(kind)
 
 
@@ -114,6 +116,39 @@ def bn_cnn() -> torch.nn.Sequential:
         nn.ReLU(),
         nn.Linear(16, 5),
     )
+
+
+class _GlobalHeadsBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, GlobalHeads.HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class GlobalHeads(torch.nn.Module):
+    """Attention that reshapes with a head count kept on its class, not on the module: a
+    tp rank cannot be given its local count, so tp must refuse it."""
+
+    HEADS = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(TINY_GPT.vocab_size, 16)
+        self.blocks = torch.nn.ModuleList(_GlobalHeadsBlock() for _ in range(2))
+        self.head = torch.nn.Linear(16, TINY_GPT.vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
 
 
 class RootScaled(torch.nn.Module):
@@ -571,6 +606,46 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             attn_pdrop=0.0,
         )
         model = GPT2LMHeadModel(config)
+    elif kind == "bert":  # an encoder: query/key/value and three `dense` layers
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=LM_LEN,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model = BertForMaskedLM(config)
+    elif kind == "neox":  # q, k, v fused per head: [q_h, k_h, v_h] for each head h
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        config = GPTNeoXConfig(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=LM_LEN,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        model = GPTNeoXForCausalLM(config)
+    elif kind == "olmo2":  # q_norm / k_norm over all heads' width at once
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        config = Olmo2Config(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=LM_LEN,
+        )
+        model = Olmo2ForCausalLM(config)
     elif kind == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
 
@@ -612,7 +687,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
         return ids, targets
     if kind == "llama":
         return {"input_ids": ids, "attention_mask": mask}, labels
-    if kind.startswith("gpt2"):  # loss_fn="model": the labels travel in the batch
+    if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):  # labels travel in the batch
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if kind == "t5":  # the answer is the decoder's target
         decoder_ids = torch.zeros_like(ids)
@@ -624,7 +699,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
 def lm_loss(kind: str, mean: bool = False):
     """How each family is trained: the token-weighted pair, or the model's own loss.
     `mean=True`: a per-micro-batch mean instead (the negative control)."""
-    if kind.startswith("gpt2"):
+    if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):
         return "model"
     loss = mf.losses.cross_entropy(shift=kind == "llama")
     if not mean:
@@ -640,13 +715,20 @@ def lm_loss(kind: str, mean: bool = False):
 def lm_run(spec: dict) -> dict:
     """engine.step on SFT-like batches of a language model; losses and final weights."""
     model = build_lm(spec["model"])
+    options = dict(spec.get("options", {}))
+    if spec.get("plan") is None:  # the one-process reference: no form to split for
+        options = {k: v for k, v in options.items() if k not in ("tp_plan", "pp_split")}
     engine = mf.parallelize(
         model,
         spec.get("plan"),
         loss_fn=lm_loss(spec["model"], spec.get("mean", False)),
         optimizer=optimizer_factory("sgd"),
-        **spec.get("options", {}),
+        **options,
     )
+    if spec.get("local_split_size"):  # with a hand-written plan for GPT-2's fused c_attn
+        for module in model.modules():
+            if hasattr(module, "split_size"):
+                module.split_size //= engine.plan.tp
     if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
         engine.model_loss.sums = False
     if spec.get("tied_unsummed"):  # negative control: tied copies under pp apart
@@ -656,7 +738,14 @@ def lm_run(spec: dict) -> dict:
         for step in range(spec.get("steps", 3))
     ]
     eval_loss = float(engine.evaluate(sft_batch(spec["model"], spec.get("batch", 8), 999)))
-    return {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
+    if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
+        engine.save(spec["save"])
+    result = {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
+    if engine.plan.tp > 1:  # what fit's start-up line says tp split
+        from meshfit.parallel.tensor import describe_tp
+
+        result["tp_split"] = describe_tp(engine.user_model)
+    return result
 
 
 def many_lm_runs(specs: list[dict]) -> list[dict]:

@@ -242,6 +242,10 @@ def save_checkpoint(
         model_sd, optim_sd = get_state_dict(
             engine.parallel_model, engine.optimizer, options=options
         )
+        if engine.plan.tp > 1:  # fused q|k|v split per chunk: saved whole
+            from meshfit.parallel.tensor import strided_as_replicated
+
+            model_sd, optim_sd = strided_as_replicated([model_sd, optim_sd])
         with _single_process_quiet():
             dcp.save(
                 {"model": model_sd, "optim": optim_sd},
@@ -402,6 +406,11 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
     options = _state_dict_options(meta.get("optimizer_layout", "nested"))
     model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
+    strided: list = []
+    if engine.plan.tp > 1:  # fused q|k|v split per chunk: saved whole, loaded whole
+        from meshfit.parallel.tensor import strided_as_replicated
+
+        state = strided_as_replicated(state, strided)
     with _single_process_quiet():
         dcp.load(
             state,
@@ -409,6 +418,11 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
             planner=SafeLoadPlanner(),
             no_dist=not is_distributed(),
         )
+    if strided:
+        from meshfit.parallel.tensor import copy_back_strided
+
+        copy_back_strided(strided)
+        state = {"model": model_sd, "optim": optim_sd}
     set_state_dict(
         engine.parallel_model,
         engine.optimizer,

@@ -952,6 +952,12 @@ def _announce(
     )
     if engine.pipeline is not None:
         display.print(f"meshfit: {engine.pipeline.describe()}")
+    if engine.plan.tp > 1:
+        from meshfit.parallel.tensor import describe_tp
+
+        split = describe_tp(engine.user_model)
+        if split:
+            display.print(f"meshfit: {split}")
     if start.checkpoint:
         display.print(
             f"meshfit: resumed from {start.checkpoint} (step {engine.step_count}): kept the "

@@ -82,7 +82,7 @@ def apply_plan(
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 
-        model = apply_tensor_parallel(model, topology.submesh("tp"), tp_plan)
+        model = apply_tensor_parallel(model, topology.submesh("tp"), tp_plan, example_inputs)
     if plan.checkpointing != "none":
         from meshfit.parallel.recompute import apply_recomputation
 

@@ -1,22 +1,41 @@
-"""Tensor parallel: DTensor's ColwiseParallel / RowwiseParallel on each block's Linears.
+"""Tensor parallel: each block's matrix products split Megatron-LM's way.
 
-The plan is derived from the model: inside every repeated block, the Linears that read
-the block's input (attention's q/k/v projections, the MLP's expanding layer) become
-column-parallel and the ones that write back into the residual stream (attention's
-output projection, the MLP's contracting layer) row-parallel (Megatron-LM's layout:
-one all-reduce after attention and one after the MLP, in forward and in backward).
-Column-parallel q/k/v give each rank whole heads, so attention runs on the local heads
-with no communication. For an `nn.Sequential` model, Linears separated only by
-element-wise layers pair up the same way. Everything else (embeddings, norms, the LM
-head) stays replicated on every tp rank.
+The plan is derived from the computation, not from names: the model runs once on a tiny
+input (Hugging Face's `dummy_inputs`, token ids or features for a first Embedding /
+Linear, or the user's `example_inputs`) while every tensor computed inside a block is
+labelled with where it came from: the block's input (the residual stream) and the
+projections (nn.Linear, HF's Conv1D) it was computed from. A projection that reads only
+replicated values becomes column-parallel; one that reads only column-parallel outputs
+(through per-element and per-head steps: activations, attention) row-parallel, its
+all-reduce making the residual stream whole again: one all-reduce after attention and
+one after the MLP, in forward and in backward. Column-parallel q/k/v give each rank whole
+heads, so attention runs on the local heads with no communication. Everything else
+(embeddings, norms, the LM head) stays replicated on every tp rank.
+
+What the trace also settles: a fused projection whose output is first cut into N equal
+parts (GPT-2's q|k|v) is split chunk by chunk, so each rank keeps whole heads of q, of k
+and of v (GPT-NeoX views its fused output per head first: a plain column split does); an
+Embedding inside a block that feeds split heads (T5's position bias) is split with them;
+integer sizes the attention's forward reads (GPT-2's `split_size`, T5's `n_heads`) are
+set to the local value when that reproduces tp rank 0's unsplit output on the traced
+input. The split model is checked on that input before training: a split that changes
+it is refused, as is a model with nothing to pair (a CNN). For an `nn.Sequential`
+model, Linears separated only by element-wise layers pair up.
 
 Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
-"rowwise" | a torch ParallelStyle}``.
+"colwise:N" (fused, N chunks) | "rowwise" | a torch ParallelStyle}``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
+import itertools
+import re
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,20 +48,16 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from torch.overrides import TorchFunctionMode
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
+from meshfit.trees import call_model, tensors_in
 
 TPPlan = dict[str, "str | ParallelStyle"]
 
-# Last name component of Linears that read a block's input / write its output, as the
-# common model families spell them (nanoGPT/meshfit, Llama/Mistral/Qwen, GPT-NeoX, BERT,
-# Falcon, Megatron).
-COLWISE_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
-                 "up", "up_proj", "gate_proj", "fc1", "c_fc", "w1", "w3", "fc_in",
-                 "dense_h_to_4h"}  # fmt: skip
-ROWWISE_NAMES = {"out_proj", "o_proj", "wo", "down", "down_proj", "fc2", "c_proj", "w2",
-                 "fc_out", "dense_4h_to_h"}  # fmt: skip
+# q/k/v layers as the common families name them: only to find the head count on the
+# model's config when a hand-written plan splits them (check_tp_plan).
 QKV_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"}
 HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
@@ -53,37 +68,440 @@ ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def derive_tp_plan(model: nn.Module) -> dict[str, str]:
-    """{qualified Linear name: "colwise" | "rowwise"} for `model` (see the module doc)."""
+def derive_tp_plan(model: nn.Module, example_inputs: Any = None) -> dict[str, str]:
+    """{qualified projection name: "colwise" | "colwise:N" | "rowwise"} for `model`,
+    found by running it once (see the module doc); "colwise:N" is a fused projection
+    whose output is cut into N equal chunks (q|k|v) that are split one by one."""
+    return _derive(model, example_inputs).plan
+
+
+@dataclass
+class _Derivation:
+    plan: dict[str, str]
+    inputs: Any = None  # what the model was traced on (None: a Sequential, not traced)
+    # {attention-like module name: {int attribute its forward reads: global value}}
+    local_attrs: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
+    """The plan (a Sequential's pairs, else from one traced forward), with what the split
+    model is checked against."""
     if type(model) is nn.Sequential:
         plan = _sequential_pairs(model, prefix="")
         if plan:
-            return plan
-    stack = find_blocks(model)
+            return _Derivation(plan)
+    try:
+        stack = find_blocks(model)
+    except MeshfitError:
+        raise _nothing_to_split(model, "it has no stack of repeated blocks") from None
     plan: dict[str, str] = {}
-    for key, block in zip(stack.keys, stack.blocks, strict=True):
-        prefix = stack.qualified(key)
-        if type(block) is nn.Sequential:
-            plan.update(_sequential_pairs(block, prefix=f"{prefix}."))
-            continue
-        for name, module in block.named_modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in COLWISE_NAMES:
-                plan[f"{prefix}.{name}"] = "colwise"
-            elif leaf in ROWWISE_NAMES:
-                plan[f"{prefix}.{name}"] = "rowwise"
-    styles = set(plan.values())
-    if styles != {"colwise", "rowwise"}:
-        raise MeshfitError(
-            f"cannot derive a tensor-parallel plan for {type(model).__name__}: the blocks in "
-            f"{stack.name or 'the model'!r} have no recognisable pair of input/output "
-            f"Linears (looked for names such as q_proj/up/fc1 and out_proj/down/fc2). Pass "
-            f"one: parallelize(..., tp_plan={{'blocks.*.mlp.fc1': 'colwise', "
-            f"'blocks.*.mlp.fc2': 'rowwise'}})"
+    if all(type(b) is nn.Sequential for b in stack.blocks):
+        for key, block in zip(stack.keys, stack.blocks, strict=True):
+            plan.update(_sequential_pairs(block, prefix=f"{stack.qualified(key)}."))
+        if set(plan.values()) == {"colwise", "rowwise"}:
+            return _Derivation(plan)
+    if not any(_is_projection(m) for b in stack.blocks for m in b.modules()):
+        kinds = sorted(
+            {type(m).__name__ for b in stack.blocks for m in b.modules()} - {"Sequential"}
         )
+        raise _nothing_to_split(
+            model, f"its blocks hold no matrix-product layer (Linear), only {', '.join(kinds)}"
+        )
+    inputs = example_inputs if example_inputs is not None else _dummy_inputs(model)
+    units = _block_units(model, stack)
+    traces = _trace_blocks(model, units, inputs)
+    modules = dict(model.named_modules())
+    local_attrs: dict[str, dict[str, int]] = {}
+    for name, _ in units:
+        trace = traces.get(name)
+        if trace is None:
+            continue
+        block_plan = _classify(trace)
+        plan.update(block_plan)
+        local_attrs.update(_stored_sizes(modules, block_plan))
+    if "rowwise" not in plan.values():
+        raise _nothing_to_split(
+            model,
+            f"no matrix product in its blocks ({stack.name or 'the model'!r}) reads the block's "
+            f"input and feeds, through per-element or per-head steps only, one that writes back "
+            f"to the block's output",
+        )
+    return _Derivation(plan, inputs, local_attrs)
+
+
+def _nothing_to_split(model: nn.Module, reason: str) -> MeshfitError:
+    return MeshfitError(
+        f"tensor parallel finds nothing to split in {type(model).__name__}: {reason}; use dp, "
+        f"fsdp or pp (or pass parallelize(..., tp_plan={{'module.name': 'colwise', ...}}))"
+    )
+
+
+def _is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's GPT-2 style Conv1D (weight (in, out), y = x @ W + b), by class name so
+    transformers is not imported for models that do not use it."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+
+
+def _dims(module: nn.Module) -> tuple[int, int]:
+    """(input features, output features) of a projection."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    rows, cols = module.weight.shape  # Conv1D: (in, out)
+    return rows, cols
+
+
+def _dummy_inputs(model: nn.Module) -> Any:
+    """A tiny input to trace `model` on: Hugging Face's own `dummy_inputs`, else token ids
+    for a model whose first layer is an Embedding, else features for a first Linear."""
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, Mapping) and dummy:
+        device = next(model.parameters()).device
+        return {k: v.to(device) for k, v in dummy.items()}
+    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
+    if first is None:
+        raise _nothing_to_split(model, "meshfit cannot make an input to trace it with")
+    g = torch.Generator().manual_seed(0)
+    device = first.weight.device
+    if isinstance(first, nn.Embedding):
+        return torch.randint(0, first.num_embeddings, (2, 4), generator=g).to(device)
+    x = torch.randn(2, first.in_features, generator=g, dtype=torch.float64)
+    return x.to(device=device, dtype=first.weight.dtype)
+
+
+@dataclass
+class _Call:
+    """One projection call inside a block: where its input came from, and the operation
+    that first read its output."""
+
+    name: str  # qualified module name
+    sources: frozenset[str]  # "H" (the block's input) and earlier projections' names
+    chunks: int = 1  # > 1: the output was first split into this many equal parts
+
+
+@dataclass
+class _BlockTrace:
+    calls: list[_Call] = field(default_factory=list)
+    reaches_output: frozenset[str] = frozenset()
+    # projections whose full output width was reduced over (a norm across all of q, as
+    # OLMo2's q_norm): a rank holding a slice would normalise by its slice alone
+    across_width: set[str] = field(default_factory=set)
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+
+
+class _Flow(TorchFunctionMode):
+    """Labels every tensor computed inside a block with where it came from: the block's
+    input ("H") and/or the projections whose outputs it was computed from (a projection's
+    output starts a fresh label: its own name). Weights and side inputs (masks, position
+    tables) carry no label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: dict[int, frozenset[str]] = {}
+        self.alive: list[torch.Tensor] = []  # keeps ids unique while tracing
+        self.fresh: dict[int, _Call] = {}  # projection outputs not read yet
+        self.widths: dict[str, set[int]] = {}  # each projection's output (and chunk) width
+        self.across_width: set[str] = set()
+
+    def label(self, tree: Any) -> frozenset[str]:
+        found: frozenset[str] = frozenset()
+        for t in tensors_in(tree):
+            found |= self.labels.get(id(t), frozenset())
+        return found
+
+    def set(self, tree: Any, label: frozenset[str]) -> None:
+        for t in tensors_in(tree):
+            self.labels[id(t)] = label
+            self.alive.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        reads = getattr(func, "__name__", "") != "__get__"  # not `.shape` and the like
+        if reads and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.fresh:
+            call = self.fresh.pop(id(args[0]))
+            call.chunks = _equal_last_dim_parts(func, args[0], out)
+            if call.chunks > 1:
+                self.widths[call.name].add(args[0].shape[-1] // call.chunks)
+        if args and isinstance(args[0], torch.Tensor) and _reduces_last_dim(func, args, kwargs):
+            x = args[0]
+            for name in self.labels.get(id(x), frozenset()):
+                if x.shape[-1] > 1 and x.shape[-1] in self.widths.get(name, ()):
+                    self.across_width.add(name)
+        label = self.label((args, kwargs))
+        if label:
+            self.set(out, label | self.label(out) if _in_place(func) else label)
+        return out
+
+
+# Functions that combine the values along a tensor's last dimension.
+_REDUCTIONS = {"mean", "sum", "var", "std", "norm", "vector_norm", "amax", "amin",
+               "logsumexp", "softmax", "log_softmax", "var_mean", "std_mean"}  # fmt: skip
+_NORMS = {"layer_norm", "rms_norm", "group_norm"}
+
+
+def _reduces_last_dim(func: Any, args: tuple, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in _NORMS:
+        return True
+    if name not in _REDUCTIONS:
+        return False
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None:
+        return True  # over every dimension
+    ndim = args[0].ndim
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return any(isinstance(d, int) and d % max(ndim, 1) == ndim - 1 for d in dims)
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _equal_last_dim_parts(func: Any, x: torch.Tensor, out: Any) -> int:
+    """How many equal parts `func` cut `x`'s last dimension into (1: it did not): GPT-2's
+    fused q|k|v is first `.split(embed_dim, dim=2)`; GPT-NeoX views per head first."""
+    if getattr(func, "__name__", "") not in ("split", "chunk", "tensor_split", "split_with_sizes"):
+        return 1
+    if not isinstance(out, (tuple, list)) or len(out) < 2:
+        return 1
+    last = x.shape[-1]
+    widths = {t.shape[-1] for t in out if isinstance(t, torch.Tensor) and t.ndim == x.ndim}
+    if len(widths) == 1 and widths.pop() * len(out) == last:
+        return len(out)
+    return 1
+
+
+@torch.no_grad()
+def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
+    """(qualified name, block) of every block of the stack's type, in every container
+    holding only such blocks: an encoder-decoder's two stacks (T5) both split."""
+    kind = type(stack.blocks[0])
+    units = []
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or not len(container):
+            continue
+        if all(type(child) is kind for child in container.children()):
+            units += [(f"{name}.{k}" if name else k, b) for k, b in container._modules.items()]
+    return units or [(stack.qualified(k), b) for k, b in zip(stack.keys, stack.blocks, strict=True)]
+
+
+def _trace_blocks(
+    model: nn.Module, units: list[tuple[str, nn.Module]], inputs: Any
+) -> dict[str, _BlockTrace]:
+    """Run `model` once on `inputs` (eval mode), recording each block's first call."""
+    names = {id(m): n for n, m in model.named_modules()}
+    traces: dict[str, _BlockTrace] = {}
+    handles = []
+    current: list[tuple[str, _Flow, _BlockTrace]] = []
+
+    def enter(key: str):
+        def hook(block: nn.Module, args: tuple, kwargs: dict) -> None:
+            if current or key in traces:
+                return
+            flow, trace = _Flow(), _BlockTrace()
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(hidden, torch.Tensor):
+                return
+            # the residual stream, and a decoder's view of the encoder output (passed by
+            # name, or positionally with the same shape): replicated on every tp rank
+            streams = [t for t in tensors_in(args) if t.shape == hidden.shape]
+            streams += [v for k, v in kwargs.items() if "hidden_states" in k]
+            for t in tensors_in(streams):
+                if t.is_floating_point():
+                    flow.set(t, frozenset({"H"}))
+            traces[key] = trace
+            current.append((key, flow, trace))
+            flow.__enter__()
+
+        return hook
+
+    def leave(key: str):
+        def hook(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not current or current[-1][0] != key:
+                return
+            _, flow, trace = current.pop()
+            flow.__exit__(None, None, None)
+            trace.across_width = flow.across_width
+            first = tensors_in(output)[:1]  # the residual stream (not attention maps)
+            trace.reaches_output = flow.label(first)
+
+        return hook
+
+    def before_projection(module: nn.Module, args: tuple) -> None:
+        if not current:
+            return
+        _, flow, trace = current[-1]
+        name = names[id(module)]
+        trace.calls.append(_Call(name, flow.label(args)))
+        trace.modules[name] = module
+
+    def after_projection(module: nn.Module, args: tuple, output: Any) -> None:
+        if not current:
+            return
+        _, flow, trace = current[-1]
+        call = trace.calls[-1]
+        flow.set(output, frozenset({call.name}))
+        if isinstance(output, torch.Tensor):
+            flow.widths[call.name] = {output.shape[-1]}
+            flow.fresh[id(output)] = call
+
+    def after_table(module: nn.Module, args: tuple, output: Any) -> None:
+        if current:
+            _, flow, trace = current[-1]
+            name = names[id(module)]
+            trace.modules[name] = module
+            flow.set(output, frozenset({TABLE + name}))
+
+    for key, block in units:
+        handles.append(block.register_forward_pre_hook(enter(key), with_kwargs=True))
+        handles.append(block.register_forward_hook(leave(key), with_kwargs=True))
+        for module in block.modules():
+            if _is_projection(module):
+                handles.append(module.register_forward_pre_hook(before_projection))
+                handles.append(module.register_forward_hook(after_projection))
+            elif isinstance(module, nn.Embedding):
+                handles.append(module.register_forward_hook(after_table))
+    training = model.training
+    model.eval()
+    try:
+        call_model(model, inputs)
+    except Exception as error:
+        raise MeshfitError(
+            f"tensor parallel traces {type(model).__name__} once to find what to split, and "
+            f"its forward failed on {_describe_inputs(inputs)}: {type(error).__name__}: "
+            f"{_first_line(error)}; pass example_inputs=... "
+            f"(one micro-batch of inputs) or a tp_plan"
+        ) from error
+    finally:
+        while current:
+            current.pop()[1].__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+        model.train(training)
+    return traces
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
+
+
+def _describe_inputs(inputs: Any) -> str:
+    if isinstance(inputs, Mapping):
+        return "{" + ", ".join(f"{k}: {tuple(v.shape)}" for k, v in inputs.items()) + "}"
+    return ", ".join(str(tuple(t.shape)) for t in tensors_in(inputs))
+
+
+TABLE = "table:"  # the label of an Embedding's output inside a block
+
+
+def _classify(trace: _BlockTrace) -> dict[str, str]:
+    """Megatron's pairs in one block's trace. A projection whose inputs are all replicated
+    (the block input, a row-parallel output, an unsplit projection of those) is column-
+    parallel; one whose inputs all come from column-parallel projections is row-parallel
+    (its all-reduce makes its output replicated again). A column-parallel output that
+    reaches anything else (the block output, an unsplit projection, a mix with the
+    residual stream, a norm over its whole width) cannot be split: it is demoted and the
+    trace classified again.
+    An Embedding inside the block whose output mixes into a row-parallel input (T5's
+    per-head position bias, (buckets, heads)) is split with the heads: column-parallel."""
+    demoted: set[str] = set(trace.across_width)
+    while True:
+        state: dict[str, str] = {}
+        bad: set[str] = set()
+        for call in trace.calls:
+            if call.name in state:  # called twice in one block: leave it whole
+                bad.add(call.name)
+                continue
+            tables = {s for s in call.sources if s.startswith(TABLE)}
+            srcs = call.sources - tables
+            replicated = {s for s in srcs if s == "H" or state.get(s) in ("row", "whole")}
+            sharded = {s for s in srcs if state.get(s) == "col"}
+            if (
+                call.name not in demoted
+                and srcs
+                and replicated == srcs
+                and "H" in _roots(call, trace)
+            ):
+                state[call.name] = "col"
+            elif srcs and sharded == srcs:
+                state[call.name] = "row"
+                for table in tables:
+                    state.setdefault(table.removeprefix(TABLE), "table")
+            else:
+                state[call.name] = "whole"
+                bad |= sharded
+        bad |= {s for s in trace.reaches_output if state.get(s) == "col"}
+        read_by_row = {s for c in trace.calls if state.get(c.name) == "row" for s in c.sources}
+        bad |= {n for n, s in state.items() if s == "col" and n not in read_by_row}
+        if not bad:
+            break
+        demoted |= bad
+    plan: dict[str, str] = {n: "colwise" for n, s in state.items() if s == "table"}
+    for call in trace.calls:
+        if state.get(call.name) == "col":
+            plan[call.name] = f"colwise:{call.chunks}" if call.chunks > 1 else "colwise"
+        elif state.get(call.name) == "row":
+            plan[call.name] = "rowwise"
     return plan
+
+
+def _roots(call: _Call, trace: _BlockTrace) -> set[str]:
+    """The block-input roots behind `call` (through row-parallel and whole projections)."""
+    by_name = {c.name: c for c in trace.calls}
+    seen, todo, roots = set(), list(call.sources), set()
+    while todo:
+        s = todo.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        if s == "H":
+            roots.add(s)
+        elif s in by_name:
+            todo.extend(by_name[s].sources)
+    return roots
+
+
+def _stored_sizes(modules: dict[str, nn.Module], plan: dict[str, str]) -> dict[str, dict[str, int]]:
+    """{module holding a column/row pair: {int attribute its forward reads: value}} for
+    the attributes that hold a head count or a split width, which each tp rank must see
+    as its local value (GPT-2's `split_size`, T5's `n_heads`): candidates, which
+    `_settle_local_sizes` tries on the split model."""
+    widths = set()
+    for name, style in plan.items():
+        if style.startswith("colwise") and _is_projection(modules[name]):
+            chunks = int(style.split(":")[1]) if ":" in style else 1
+            widths.add(_dims(modules[name])[1] // chunks)
+    owners = {name.rsplit(".", 1)[0] for name in plan if "." in name}
+    found: dict[str, dict[str, int]] = {}
+    for owner in owners:
+        module = modules.get(owner)
+        if module is None:
+            continue
+        read = _attributes_read(type(module))
+        attrs = {}
+        for attr in read:
+            value = getattr(module, attr, None)
+            if type(value) is not int or attr.endswith(("head_dim", "head_size")):
+                continue
+            if attr in HEAD_ATTRS or attr in KV_HEAD_ATTRS or value in widths:
+                attrs[attr] = value
+        if attrs:
+            found[owner] = attrs
+    return found
+
+
+def _attributes_read(cls: type) -> set[str]:
+    """`self.<name>` reads in `cls.forward`'s source (empty when it has none to read)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(r"\bself\.([A-Za-z_]\w*)\b(?!\s*\()", source))
 
 
 def _sequential_pairs(seq: nn.Sequential, prefix: str) -> dict[str, str]:
@@ -114,28 +532,42 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
     }
     for name, style in plan.items():
         module = modules.get(name)
-        if not isinstance(module, nn.Linear) or style is None:
+        if isinstance(module, nn.Embedding) and style == "colwise":
+            if module.embedding_dim % tp:
+                raise MeshfitError(
+                    f"tp={tp} does not divide {name}'s {module.embedding_dim} columns (a "
+                    f"per-head table, split with the heads); use a tp that divides them"
+                )
             continue
-        size, what = (
-            (module.out_features, "output") if style == "colwise" else (module.in_features, "input")
-        )
-        if size % tp:
+        if module is None or not _is_projection(module) or style is None:
+            continue
+        fan_in, fan_out = _dims(module)
+        chunks = int(style.split(":")[1]) if ":" in style else 1
+        size, what = (fan_out, "output") if style.startswith("colwise") else (fan_in, "input")
+        if size % (tp * chunks):
+            each = f" in each of its {chunks} fused parts" if chunks > 1 else ""
             raise MeshfitError(
-                f"tp={tp} does not divide {name}'s {what} size {size} ({style}-parallel "
-                f"splits it); use a tp that divides {size}"
+                f"tp={tp} does not divide {name}'s {what} size {size // chunks}{each} "
+                f"({style.split(':')[0]}-parallel splits it); use a tp that divides "
+                f"{size // chunks}"
             )
     config = getattr(model, "config", None)
-    attention = dict.fromkeys(  # in plan order, so the first offender is named
-        n.rsplit(".", 1)[0]
-        for n, s in plan.items()
-        if s == "colwise" and "." in n and n.rsplit(".", 1)[1] in QKV_NAMES
-    )
-    for name in attention:
+    attention = {}  # in plan order, so the first offender is named
+    for n, s in plan.items():
+        if s is None or not s.startswith("colwise") or "." not in n:
+            continue
+        owner, leaf = n.rsplit(".", 1)
+        # a q/k/v name may keep its head count on the config; any other owner counts
+        # only with a head count of its own (an MLP has none)
+        attention.setdefault(owner, leaf in QKV_NAMES)
+    for name, use_config in attention.items():
         owner = modules.get(name)
         if owner is None:
             continue
         for attrs in (HEAD_ATTRS, KV_HEAD_ATTRS):
-            heads = _first_attr(owner, attrs) or _first_attr(config, attrs)
+            heads = _first_attr(owner, attrs)
+            if heads is None and use_config:
+                heads = _first_attr(config, attrs)
             if isinstance(heads, int) and heads % tp:
                 raise MeshfitError(
                     f"tp={tp} does not divide the {heads} attention heads of {name} (each "
@@ -161,6 +593,8 @@ def _style_name(style: object) -> str | None:
     """ "colwise" / "rowwise" for a style given as text or as torch's ParallelStyle."""
     if isinstance(style, str):
         return style
+    if isinstance(style, _LocalShard):
+        return style.style
     if isinstance(style, ColwiseParallel):
         return "colwise"
     if isinstance(style, RowwiseParallel):
@@ -177,32 +611,316 @@ def _first_attr(obj: object, names: tuple[str, ...]) -> object:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, mesh: DeviceMesh, tp_plan: TPPlan | None = None
+    model: nn.Module,
+    mesh: DeviceMesh,
+    tp_plan: TPPlan | None = None,
+    example_inputs: Any = None,
 ) -> nn.Module:
-    """Shard `model`'s Linears over `mesh` (a 1-D tp mesh) and make the replicated
-    parameters identical on every tp rank."""
+    """Shard `model`'s projections over `mesh` (a 1-D tp mesh) and make the replicated
+    parameters identical on every tp rank. A derived plan is checked on the traced
+    input: the split model must give tp rank 0's one-process output, or it is refused."""
     tp = mesh.size()
+    derivation = None
     if tp_plan is None:
-        plan = derive_tp_plan(model)
+        derivation = _derive(model, example_inputs)
+        plan: dict[str, Any] = dict(derivation.plan)
         check_tp_plan(model, plan, tp)
+        _check_local_sizes(derivation, tp)
     else:
         plan = {name: style for name, style in tp_plan.items()}
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
+    modules = dict(model.named_modules())
     styles: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
         if isinstance(style, ParallelStyle):
             styles[name] = style
-        elif style in STYLES:
-            styles[name] = STYLES[style]()
+        elif isinstance(style, str) and style.split(":")[0] in STYLES:
+            kind, _, chunks = style.partition(":")
+            module = modules.get(name)
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not chunks:
+                styles[name] = STYLES[kind]()
+            else:  # Conv1D, or a fused projection split chunk by chunk
+                styles[name] = _LocalShard(kind, int(chunks or 1))
         else:
             raise MeshfitError(
                 f"tp_plan[{name!r}] = {style!r}: use 'colwise', 'rowwise' or a "
                 f"torch.distributed.tensor.parallel ParallelStyle"
             )
+    reference, scale = None, True
+    if derivation is not None and derivation.inputs is not None:
+        reference = _outputs(model, derivation.inputs, _column_weights(model, derivation.plan))
+        if not all(bool(t.isfinite().all()) for t in reference):  # fp16 overflow: unscaled
+            scale = False
+            reference = _outputs(model, derivation.inputs)
     # DTensor shards each weight from tp rank 0's copy (src_data_rank=0).
     parallelize_module(model, mesh, styles)
     _broadcast_replicated(model, mesh)
+    if derivation is not None:
+        if reference is not None:
+            # the split model's own parameters (sharding replaced the objects)
+            scaled = _column_weights(model, derivation.plan) if scale else []
+            _settle_local_sizes(model, mesh, derivation, reference, scaled)
+        _SHARES[model] = tp_share(model, derivation.plan)
     return model
+
+
+def _check_local_sizes(derivation: _Derivation, tp: int) -> None:
+    for owner, attrs in derivation.local_attrs.items():
+        for attr, value in attrs.items():
+            if value % tp:
+                raise MeshfitError(
+                    f"tp={tp} does not divide {owner}.{attr} = {value}, which its forward "
+                    f"reshapes with (each rank keeps {attr} / tp); use a tp that divides {value}"
+                )
+
+
+# What the column-parallel weights are multiplied by while the split is checked: at
+# initialisation q.k scores are near zero, attention is near uniform, and a wrong
+# grouping of heads then moves the output by 1e-7 only (measured: meshfit's GPT with its
+# head count wrongly localised passed a 1e-3 check and trained 4e-7 off). Sharper scores
+# make any wrong grouping show; a power of two scales and unscales exactly.
+CHECK_SCALE = 16.0
+
+
+def _column_weights(model: nn.Module, plan: dict[str, str]) -> list[nn.Parameter]:
+    modules = dict(model.named_modules())
+    return [
+        modules[name].weight
+        for name, style in plan.items()
+        if style.startswith("colwise") and _is_projection(modules[name])
+    ]
+
+
+@torch.no_grad()
+def _outputs(
+    model: nn.Module, inputs: Any, scaled: list[nn.Parameter] | None = None
+) -> list[torch.Tensor]:
+    """The model's floating-point outputs on `inputs` in eval mode, with the `scaled`
+    weights multiplied by CHECK_SCALE meanwhile (a sharded one on its local shard)."""
+    training = model.training
+    model.eval()
+    locals_ = [w.to_local() if isinstance(w, DTensor) else w.data for w in scaled or []]
+    for w in locals_:
+        w.mul_(CHECK_SCALE)
+    try:
+        out = call_model(model, inputs)
+    finally:
+        for w in locals_:
+            w.div_(CHECK_SCALE)
+        model.train(training)
+    found = []
+    for t in tensors_in(out):
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        if t.is_floating_point():
+            found.append(t.detach().clone())
+    return found
+
+
+def _settle_local_sizes(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    derivation: _Derivation,
+    reference: list[torch.Tensor],
+    scaled: list[nn.Parameter],
+) -> None:
+    """Which stored sizes each rank must see as its local value, tried on the traced input:
+    GPT-2 splits its fused output with `split_size` (local: the q width per rank), while
+    meshfit's GPT divides the full width by `n_head` (global). Each choice of the
+    candidate attribute names, most localised first, is run; the first whose output
+    matches tp rank 0's unsplit model is kept. None matching (a reshape the split cannot
+    reach, a fused layout read another way) is refused on every tp rank alike."""
+    modules = dict(model.named_modules())
+    names = sorted({attr for attrs in derivation.local_attrs.values() for attr in attrs})
+    # every subset when there are few candidates (one forward each on a tiny input);
+    # with many, all of them or none
+    sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
+    choices = [set(chosen) for k in sizes for chosen in itertools.combinations(names, k)]
+    tp = mesh.size()
+    problem = ""
+    for chosen in choices:
+        for owner, attrs in derivation.local_attrs.items():
+            for attr, value in attrs.items():
+                setattr(modules[owner], attr, value // tp if attr in chosen else value)
+        problem = _compare(model, mesh, derivation.inputs, reference, scaled)
+        if not problem:
+            return
+    raise MeshfitError(
+        f"tensor parallel split {type(model).__name__} as derived "
+        f"({_plan_summary(derivation.plan)}) and {problem}; pass a tp_plan, or use dp, "
+        f"fsdp or pp"
+    )
+
+
+def _compare(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    inputs: Any,
+    reference: list[torch.Tensor],
+    scaled: list[nn.Parameter],
+) -> str:
+    """ "" when the split model reproduces tp rank 0's `reference` outputs on `inputs`,
+    else what differs (the same answer on every tp rank)."""
+    problem = ""
+    try:
+        got = _outputs(model, inputs, scaled)
+    except Exception as error:  # the same code on every rank: all fail alike
+        problem = f"its forward failed: {type(error).__name__}: {_first_line(error)}"
+    else:
+        if mesh.get_local_rank() == 0:
+            if len(got) != len(reference):
+                problem = f"it returned {len(got)} float tensors instead of {len(reference)}"
+            for a, b in zip(got, reference, strict=False):
+                if problem:
+                    break
+                if a.shape != b.shape:
+                    problem = f"an output's shape changed from {tuple(b.shape)} to {tuple(a.shape)}"
+                    break
+                scale = b.abs().max().item() + 1e-12
+                # a wrong split moves outputs by their own size (with CHECK_SCALE);
+                # rounding (the all-reduce sums in another order) by far less
+                rtol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(b.dtype, 3e-2)
+                if (a - b).abs().max().item() > rtol * scale:
+                    problem = (
+                        f"its output moved by {(a - b).abs().max().item():.3g} "
+                        f"(of {scale:.3g}) on the traced input"
+                    )
+                    break
+    box = [problem]
+    group = mesh.get_group()
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _plan_summary(plan: dict[str, str]) -> str:
+    leaves: dict[str, str] = {}
+    for name, style in plan.items():
+        leaves.setdefault(name.rsplit(".", 1)[-1], style)
+    return ", ".join(f"{leaf}: {style}" for leaf, style in leaves.items())
+
+
+_SHARES: weakref.WeakKeyDictionary[nn.Module, dict[str, float]] = weakref.WeakKeyDictionary()
+
+
+def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
+    """{block class name: fraction of that kind of block's parameters (by count) that
+    `plan` splits over the tp ranks}: a column-parallel weight and bias, a row-parallel
+    weight (its bias stays whole on every rank)."""
+    modules = dict(model.named_modules())
+    split: dict[str, int] = {}
+    total: dict[str, int] = {}
+    if type(model) is nn.Sequential:  # its layers are the pairs: one kind, the model
+        units = [("", model)]
+    else:
+        units = _block_units(model, find_blocks(model))
+    for unit, block in units:
+        kind = type(block).__name__
+        total[kind] = total.get(kind, 0) + sum(p.numel() for p in block.parameters())
+        prefix = f"{unit}." if unit else ""
+        for name, style in plan.items():
+            if not name.startswith(prefix) or name not in modules:
+                continue
+            module = modules[name]
+            count = module.weight.numel()
+            bias = getattr(module, "bias", None)
+            if str(style).startswith("colwise") and bias is not None:
+                count += bias.numel()
+            split[kind] = split.get(kind, 0) + count
+    return {kind: split.get(kind, 0) / n for kind, n in total.items() if n}
+
+
+def describe_tp(model: nn.Module) -> str | None:
+    """One line on what tensor parallel split in `model` (None: not split by a derived
+    plan), e.g. "tp splits 99.6% of GPT2Block parameters"."""
+    share = _SHARES.get(model)
+    if not share:
+        return None
+    parts = ", ".join(f"{100 * v:.1f}% of {k} parameters" for k, v in share.items())
+    return f"tensor parallel splits {parts}"
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward; the input's gradient summed over the tp ranks
+    (each rank's column slice contributes its part)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: the row-parallel partial products summed over the tp ranks; the
+    gradient passes through (it is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _LocalShard(ParallelStyle):
+    """Column- or row-parallel for what torch's styles do not take: HF's Conv1D (weight
+    stored (in, out)), and fused projections whose output is N chunks (q|k|v) each
+    split over the ranks. A fused weight is a DTensor with `_StridedShard(dim, N)`: rank
+    r holds [q_r, k_r, v_r], and its full tensor is the one-process layout, so gathered
+    state dicts keep it. The forward runs on the local shards with Megatron's f / g."""
+
+    def __init__(self, style: str, chunks: int = 1) -> None:
+        super().__init__()
+        self.style, self.chunks = style, chunks
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        conv1d = _is_conv1d(module)
+        out_dim = 1 if conv1d else 0  # the weight dimension of the output features
+        col = self.style == "colwise"
+        dim = out_dim if col else 1 - out_dim
+
+        def placement(d: int):
+            return _StridedShard(d, split_factor=self.chunks) if self.chunks > 1 else Shard(d)
+
+        w = module.weight
+        module.weight = nn.Parameter(
+            distribute_tensor(w.data, device_mesh, [placement(dim)]), w.requires_grad
+        )
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            layout = [placement(0)] if col else [Replicate()]
+            module.bias = nn.Parameter(
+                distribute_tensor(bias.data, device_mesh, layout), bias.requires_grad
+            )
+        group = device_mesh.get_group()
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight.to_local()
+            b = module.bias.to_local() if module.bias is not None else None
+            if col:
+                x = _CopyToTP.apply(x, group)
+            y = x @ weight if conv1d else x @ weight.t()
+            if not col:
+                y = _ReduceFromTP.apply(y, group)
+            return y if b is None else y + b
+
+        module.forward = forward
+        return module
+
+    def __repr__(self) -> str:
+        chunks = f", chunks={self.chunks}" if self.chunks > 1 else ""
+        return f"_LocalShard({self.style}{chunks})"
 
 
 @torch.no_grad()
@@ -214,3 +932,38 @@ def _broadcast_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
     for tensor in [*model.parameters(), *model.buffers()]:
         if not isinstance(tensor, DTensor):
             dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _is_strided(t: object) -> bool:
+    return isinstance(t, DTensor) and any(type(p).__name__ == "_StridedShard" for p in t.placements)
+
+
+def strided_as_replicated(tree: Any, pairs: list | None = None) -> Any:
+    """`tree` (a state dict, nested dicts/lists) with every DTensor split chunk by chunk
+    (a fused q|k|v under tp) replaced by a replicated copy: DCP cannot plan a save of
+    `_StridedShard` chunks (torch 2.13: "overlapping chunks"). The copy holds the
+    one-process layout, so the checkpoint is the same as from any other plan. `pairs`
+    collects (original, copy) for `copy_back_strided` after a load."""
+    from torch.distributed.tensor import Replicate
+
+    if _is_strided(tree):
+        copy = tree.redistribute(placements=[Replicate()] * len(tree.placements))
+        if pairs is not None:
+            pairs.append((tree, copy))
+        return copy
+    if isinstance(tree, dict):
+        return {k: strided_as_replicated(v, pairs) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [strided_as_replicated(v, pairs) for v in tree]
+    return tree
+
+
+@torch.no_grad()
+def copy_back_strided(pairs: list) -> None:
+    """Copy the loaded replicated values into the strided DTensors they stand for."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for original, copy in pairs:
+        full = copy.to_local()
+        local = distribute_tensor(full, original.device_mesh, original.placements).to_local()
+        original.to_local().copy_(local)

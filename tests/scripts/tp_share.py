@@ -1,0 +1,58 @@
+"""The share of block parameters that tensor parallel splits, per family, at real model
+widths (two layers each: the share is per block, so depth does not change it). Run from
+the repository root: PYTHONPATH=src:tests python tests/scripts/tp_share.py"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from meshfit.parallel.tensor import derive_tp_plan, tp_share
+
+CASES = {
+    "gpt2 (124M widths)": lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, vocab_size=256)),
+    "llama (1B widths: 2048/5632, 32 heads, 4 kv heads)": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=2,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=256,
+        )
+    ),
+    "bert-base widths": lambda: BertForMaskedLM(BertConfig(num_hidden_layers=2, vocab_size=256)),
+    "gpt-neox (pythia-160m widths)": lambda: GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_attention_heads=12,
+            num_hidden_layers=2,
+            vocab_size=256,
+        )
+    ),
+    "t5-small widths": lambda: T5ForConditionalGeneration(
+        T5Config(vocab_size=256, num_layers=2, num_decoder_layers=2)
+    ),
+}
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    for name, make in CASES.items():
+        torch.manual_seed(0)
+        model = make()
+        share = tp_share(model, derive_tp_plan(model))
+        print(f"{name}: " + ", ".join(f"{k} {100 * v:.2f}%" for k, v in share.items()))
