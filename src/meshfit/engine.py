@@ -506,12 +506,14 @@ def parallelize(
         training step.
     compile: run forward and loss through ``torch.compile`` (off by default: the first
         steps then take longer while it compiles; on a GPU the rest are faster).
-    tp_plan: for tp > 1, ``{module name or pattern: "colwise" | "rowwise"}`` instead of
-        the plan meshfit derives from the blocks.
+    tp_plan: for tp > 1, ``{module name or pattern: "colwise" | "colwise:N" | "rowwise"}``
+        instead of the plan meshfit derives by tracing the blocks' computation.
     pp_split: for pp > 1, the block indices where stages 2, 3, ... begin, instead of
         the balanced cut meshfit chooses.
     example_inputs: one micro-batch of inputs; with pp > 1 meshfit times each block
-        on it and balances the stages by measured time (else by parameter count).
+        on it and balances the stages by measured time (else by parameter count), and
+        checks the cut on it on every rank before training; with tp > 1 it traces the
+        blocks on it (else on an input it makes up).
     sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global
         batch, over the data-parallel ranks, as in one process (default). A BatchNorm
         model is then refused with more than one micro-batch, which BatchNorm would
