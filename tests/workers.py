@@ -748,15 +748,21 @@ def lm_run(spec: dict) -> dict:
     return result
 
 
-def many_lm_runs(specs: list[dict]) -> list[dict]:
-    """lm_run for each spec; a spec the plan refuses gives {"refused": its message}."""
+def runs_or_refusals(run, specs: list[dict]) -> list[dict]:
+    """run(spec) for each spec in one set of workers; a spec the plan refuses gives
+    {"refused": its message} (every rank refuses alike, so the next spec can go on)."""
     results = []
     for spec in specs:
         try:
-            results.append(lm_run(spec))
+            results.append(run(spec))
         except mf.MeshfitError as refusal:
             results.append({"refused": str(refusal)})
     return results
+
+
+def many_lm_runs(specs: list[dict]) -> list[dict]:
+    """lm_run for each spec, refusals kept (runs_or_refusals)."""
+    return runs_or_refusals(lm_run, specs)
 
 
 def slow_user_code(seconds: float) -> None:
@@ -908,14 +914,8 @@ def keras_run(spec: dict) -> dict:
 
 
 def many_keras_runs(specs: list[dict]) -> list[dict]:
-    """keras_run for each spec; a spec the plan refuses gives {"refused": its message}."""
-    results = []
-    for spec in specs:
-        try:
-            results.append(keras_run(spec))
-        except mf.MeshfitError as refusal:
-            results.append({"refused": str(refusal)})
-    return results
+    """keras_run for each spec, refusals kept (runs_or_refusals)."""
+    return runs_or_refusals(keras_run, specs)
 
 
 def export_run(plan: str, directory: str) -> dict:

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from workers import LM_LEN, LM_VOCAB
 
 import meshfit as mf
 
-VOCAB, LENGTH = 32, 12
+VOCAB, LENGTH = LM_VOCAB, LM_LEN  # as the language-model tests' batches
 
 
 @dataclass
@@ -67,54 +68,26 @@ def _logits_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
 
 
 # ---- transformers --------------------------------------------------------------------
-def hf_llama() -> nn.Module:  # grouped-query attention: 4 heads, 2 key/value heads
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _lm(kind: str) -> nn.Module:
+    """A language model of workers.build_lm (the same small configs as the LM tests)."""
+    from workers import build_lm
 
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=LENGTH,
-        )
-    )
+    return build_lm(kind)
+
+
+def hf_llama() -> nn.Module:  # grouped-query attention: 4 heads, 2 key/value heads
+    from transformers import LlamaForCausalLM
+    from workers import llama_config
+
+    return LlamaForCausalLM(llama_config(num_hidden_layers=2, max_position_embeddings=LENGTH))
 
 
 def hf_gpt2() -> nn.Module:  # Conv1D projections, fused q/k/v, tied LM head
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=LENGTH,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+    return _lm("gpt2")
 
 
 def hf_gpt_neox() -> nn.Module:  # q/k/v fused per head
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    return GPTNeoXForCausalLM(
-        GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=LENGTH,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        )
-    )
+    return _lm("neox")
 
 
 def hf_mixtral() -> nn.Module:  # mixture of experts: 4 experts, 2 per token
@@ -136,22 +109,7 @@ def hf_mixtral() -> nn.Module:  # mixture of experts: 4 experts, 2 per token
 
 
 def hf_t5() -> nn.Module:  # encoder-decoder: two stacks
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    return T5ForConditionalGeneration(
-        T5Config(
-            vocab_size=VOCAB,
-            d_model=16,
-            d_kv=4,
-            d_ff=32,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            dropout_rate=0.0,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-        )
-    )
+    return _lm("t5")
 
 
 def _t5_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
@@ -162,20 +120,7 @@ def _t5_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
 
 
 def hf_bert() -> nn.Module:  # a masked-LM encoder; its decoder is tied to the embedding
-    from transformers import BertConfig, BertForMaskedLM
-
-    return BertForMaskedLM(
-        BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=LENGTH,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
+    return _lm("bert")
 
 
 def hf_vit() -> nn.Module:  # a vision transformer classifier
@@ -352,11 +297,7 @@ def zoo_run(spec: dict) -> dict:
 
 
 def many_zoo_runs(specs: list[dict]) -> list[dict]:
-    """zoo_run for each spec; a refusal gives {"refused": its one line}."""
-    results = []
-    for spec in specs:
-        try:
-            results.append(zoo_run(spec))
-        except mf.MeshfitError as refusal:
-            results.append({"refused": str(refusal)})
-    return results
+    """zoo_run for each spec, refusals kept (workers.runs_or_refusals)."""
+    from workers import runs_or_refusals
+
+    return runs_or_refusals(zoo_run, specs)
