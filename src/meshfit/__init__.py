@@ -8,6 +8,7 @@ from meshfit.fit import History, fit
 from meshfit.launch import WorkerError, launch
 from meshfit.placement import place
 from meshfit.plan import Plan
+from meshfit.planner import estimate, plan_search
 from meshfit.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -27,11 +28,13 @@ __all__ = [
     "VerifyReport",
     "WorkerError",
     "__version__",
+    "estimate",
     "fit",
     "launch",
     "losses",
     "metrics",
     "parallelize",
     "place",
+    "plan_search",
     "verify",
 ]

@@ -134,6 +134,12 @@ def _demo_verify(args: argparse.Namespace) -> int:
     return _verify_status(reports)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from meshfit.planner.command import run_plan_command
+
+    return run_plan_command(args)
+
+
 def _verify_status(reports: list[VerifyReport]) -> int:
     """0: every plan the same run; 1: some plan a different run; 2: refused."""
     if any(not r.ok and r.refused is None for r in reports):
@@ -320,6 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("target", metavar="TARGET", help="module:function, see above")
     verify.set_defaults(handler=_verify)
+
+    from meshfit.planner.command import PLAN_HELP, add_plan_arguments
+
+    plan = commands.add_parser(
+        "plan",
+        help="rank every plan for a model by predicted speed, with memory per rank",
+        description=PLAN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=_plan)
 
     export = commands.add_parser(
         "export",

@@ -87,6 +87,7 @@ class Engine:
         self.grad_clip = options.grad_clip
         self.fingerprint = model_fingerprint(model)  # before wrapping: global shapes, user names
         self.num_parameters = sum(p.numel() for p in model.parameters())  # whole model
+        self.planned: Any = None  # plan="auto": the planner's choice and its prediction
         self.precision = Precision(self.plan.precision, self.device)
         self.model_loss = ModelOwnLoss(model) if options.loss_fn == "model" else None
         loss_fn = self.model_loss or options.loss_fn
@@ -491,6 +492,8 @@ def parallelize(
 
     plan: a Plan, its text form ("dp=4"), or None for data parallel over every process
         (or a Topology built from one: `fit` builds it first to size its example batch).
+        "auto": the planner chooses (mf.plan_search on this job's processes, for a global
+        batch of example_inputs' size); "auto,precision=bf16" keeps the fields given.
     optimizer: a function from parameters to an optimizer, e.g.
         ``lambda params: torch.optim.AdamW(params, lr=3e-4)`` (default: AdamW, lr 3e-4).
         A function, not an optimizer, because parallel forms may replace the parameters.
@@ -570,6 +573,12 @@ def parallelize(
         from meshfit.parallel.blocks import use_blocks
 
         use_blocks(model, blocks)
+    auto = None
+    if auto_requested(plan):
+        auto = _choose_auto(
+            model, auto_requested(plan), example_inputs, loss_fn, optimizer, compile
+        )
+        plan = auto.plan
     topology = plan if isinstance(plan, Topology) else create_topology(plan)
     for option, value, form in (("tp_plan", tp_plan, "tp"), ("pp_split", pp_split, "pp")):
         degree = getattr(topology.plan, form)
@@ -591,8 +600,45 @@ def parallelize(
         metrics=check_metrics(metrics),
     )
     engine = Engine(model, topology, options)
+    if auto is not None:
+        engine.planned = auto
+        if engine.rank == 0:
+            print(f"meshfit: {auto.describe()}", flush=True)
     watchdog.mark("script", "the training script before step 1", waiting=False)
     return engine
+
+
+def auto_requested(plan: Any) -> str | None:
+    """The "auto..." text when `plan` (or, for plan=None, `meshfit run --plan`) asks the
+    planner to choose; None otherwise."""
+    from meshfit.planner.auto import is_auto
+
+    if plan is None:
+        plan = os.environ.get("MESHFIT_PLAN")
+    return plan if is_auto(plan) else None
+
+
+def _choose_auto(
+    model: nn.Module, plan: str, example_inputs: Any, loss_fn: Any, optimizer: Any, compiled: bool
+) -> Any:
+    from meshfit.planner.auto import choose_plan
+
+    found = tensors_in(example_inputs) if example_inputs is not None else []
+    if not found:
+        raise MeshfitError(
+            "parallelize(model, 'auto') needs example_inputs=: one global batch of the "
+            "model's inputs (its size is the batch the planner plans for); or use "
+            "mf.fit(..., plan='auto'), which takes them from the dataset"
+        )
+    return choose_plan(
+        model,
+        plan,
+        batch_size=found[0].shape[0],
+        example_inputs=example_inputs,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        compiled=compiled,
+    )
 
 
 def create_topology(plan: Plan | str | None) -> Topology:

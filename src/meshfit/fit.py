@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from meshfit.data.sampling import GlobalBatchSampler, StreamShare
 from meshfit.engine import (
     Engine,
     LossFn,
+    auto_requested,
     check_batch_divides,
     create_topology,
     parallelize,
@@ -55,6 +57,8 @@ class History:
     records: list[dict[str, Any]] = field(default_factory=list)
     engine: Engine | None = None  # the engine that trained (its model, rank, device)
     stopped: str | None = None  # why a callback stopped the run early, if one did
+    # plan="auto": the plan chosen, its predicted step time and memory, and the measured
+    planned: dict[str, Any] | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -181,12 +185,20 @@ def fit(
         raise MeshfitError("checkpoint_every needs checkpoint_dir=... (where to save)")
 
     watchdog.set_dump_dir(checkpoint_dir)  # stacks of a hang go next to the checkpoints
+    auto = None
+    if auto_requested(plan):
+        auto = _choose_auto_plan(
+            model, auto_requested(plan), train_data, batch_size, reading, loss_fn,
+            parallelize_options,
+        )  # fmt: skip
+        plan = auto.plan
     topology = create_topology(plan)
     if "example_inputs" not in parallelize_options:
         parallelize_options["example_inputs"] = _pipeline_example(
             topology, train_data, batch_size, reading, model_loss=loss_fn == "model"
         )
     engine = parallelize(model, topology, loss_fn=loss_fn, **parallelize_options)
+    engine.planned = auto
     if report_memory:
         engine.memory_report()  # measure gradients from the first step on
     check_batch_divides(batch_size, engine.dp_size, engine.plan.num_microbatches)
@@ -266,6 +278,10 @@ def fit(
     history.append_new(log.records)
     log.summarize(step - start.step)
     result = History(log.records, engine=engine, stopped=hooks.stop)
+    if auto is not None:
+        result.planned = auto.as_record()
+        result.planned.update(_measured_against_plan(auto, log.records, batch_size, engine))
+        display.print(f"meshfit: {_closed_loop_line(result.planned)}")
     hooks.end(result)
     return result
 
@@ -731,6 +747,72 @@ def _check_options(
             )
 
 
+def _choose_auto_plan(
+    model: nn.Module,
+    plan: str,
+    data: Dataset,
+    batch_size: int,
+    reading: Reading,
+    loss_fn: Any,
+    options: dict[str, Any],
+) -> Any:
+    """plan="auto": the planner's choice for this job, profiled on two samples."""
+    from meshfit.planner.auto import choose_plan
+
+    samples = (
+        list(itertools.islice(iter(data), 2))
+        if isinstance(data, IterableDataset)
+        else [data[i] for i in range(min(len(data), 2))]
+    )
+    if not samples:
+        raise MeshfitError("plan='auto' needs at least one sample in the dataset to plan on")
+    inputs, targets = split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
+    return choose_plan(
+        model,
+        plan,
+        batch_size=batch_size,
+        example_inputs=options.get("example_inputs", inputs),
+        example_targets=targets,
+        loss_fn=loss_fn,
+        optimizer=options.get("optimizer"),
+        compiled=bool(options.get("compile", False)),
+    )
+
+
+def _measured_against_plan(
+    auto: Any, records: list[dict[str, Any]], batch_size: int, engine: Engine
+) -> dict[str, Any]:
+    """The run's measured step time (median over the logged rates after the first, which
+    holds start-up) and, on a GPU, peak memory, beside what the planner predicted."""
+    rates = [r["samples_per_s"] for r in records if r.get("samples_per_s")]
+    measured: dict[str, Any] = {}
+    if rates:
+        rates = rates[1:] or rates
+        measured["measured_step_time_s"] = batch_size / statistics.median(rates)
+    if engine.device.type == "cuda":
+        measured["measured_memory_bytes"] = torch.cuda.max_memory_allocated(engine.device)
+    return measured
+
+
+def _closed_loop_line(planned: dict[str, Any]) -> str:
+    parts = []
+    if "step_time_s" in planned and "measured_step_time_s" in planned:
+        predicted, measured = planned["step_time_s"], planned["measured_step_time_s"]
+        parts.append(
+            f"step time predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+            f"(x{measured / predicted:.2f})"
+        )
+    if "measured_memory_bytes" in planned:
+        predicted, measured = planned["memory_bytes"], planned["measured_memory_bytes"]
+        parts.append(
+            f"memory per rank predicted {predicted / 2**30:.2f} GiB, peak "
+            f"{measured / 2**30:.2f} GiB (x{measured / predicted:.2f})"
+        )
+    else:
+        parts.append(f"memory per rank predicted {planned['memory_bytes'] / 2**30:.3f} GiB")
+    return "the planner's prediction against this run: " + "; ".join(parts)
+
+
 def _pipeline_example(
     topology: Topology, data: Dataset, batch_size: int, reading: Reading, *, model_loss: bool
 ) -> Any:
@@ -950,6 +1032,8 @@ def _announce(
         f"global batch {batch_size} = {split} | {steps_per_epoch} steps/epoch, "
         f"training {total_steps} steps"
     )
+    if engine.planned is not None:
+        display.print(f"meshfit: {engine.planned.describe()}")
     if engine.pipeline is not None:
         display.print(f"meshfit: {engine.pipeline.describe()}")
     if engine.plan.tp > 1:

@@ -1,0 +1,140 @@
+"""`plan="auto"`: the planner's best plan for this job, chosen the same on every rank.
+
+Every rank profiles the model and searches on its own: the profile is computed on meta
+tensors (the same on every rank), and the hardware comes from device properties, not
+from timings (`hardware.this_machine`), so every rank arrives at the same plan without
+talking to the others (the process group does not exist yet: the plan decides its mesh).
+
+"auto" may fix some fields, which the search then keeps: "auto,precision=bf16",
+"auto,checkpointing=full", "auto,pp=1".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.errors import MeshfitError
+from meshfit.plan import Plan
+from meshfit.planner.estimate import Estimate, _gib
+from meshfit.planner.hardware import Hardware, this_machine
+from meshfit.planner.profile import profile_model
+from meshfit.planner.search import SearchResult, search_profile
+
+
+def is_auto(plan: Any) -> bool:
+    return isinstance(plan, str) and plan.replace(" ", "").split(",")[0] == "auto"
+
+
+def fixed_fields(plan: str) -> dict[str, Any]:
+    """The fields "auto,precision=bf16,..." fixes."""
+    rest = ",".join(plan.replace(" ", "").split(",")[1:])
+    if not rest:
+        return {}
+    given = Plan.parse(rest)
+    default = Plan()
+    return {
+        f.name: getattr(given, f.name)
+        for f in fields(Plan)
+        if getattr(given, f.name) != getattr(default, f.name)
+    }
+
+
+@dataclasses.dataclass
+class AutoChoice:
+    """What plan="auto" chose, its prediction, and the search it came from."""
+
+    plan: Plan
+    estimate: Estimate
+    result: SearchResult
+
+    def describe(self) -> str:
+        e = self.estimate
+        line = (
+            f"plan=auto chose {self.plan} (best of {len(self.result.ranked)} that fit; "
+            f"{len(self.result.dropped)} dropped): predicted {_gib(e.memory.total)} per rank"
+        )
+        if e.step_time is not None:
+            line += f", {e.step_time.total * 1e3:.1f} ms a step"
+        return line + f" on {self.result.hardware.source if self.result.hardware else '?'}"
+
+    def as_record(self) -> dict[str, Any]:
+        e = self.estimate
+        record: dict[str, Any] = {"plan": str(self.plan), "memory_bytes": e.memory.total}
+        if e.step_time is not None:
+            record["step_time_s"] = e.step_time.total
+        return record
+
+
+def choose_plan(
+    model: nn.Module,
+    plan: str,
+    *,
+    batch_size: int,
+    example_inputs: Any,
+    example_targets: Any = None,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    compiled: bool = False,
+    world_size: int | None = None,
+    hardware: Hardware | None = None,
+) -> AutoChoice:
+    """The best plan for `model` on this job's processes (WORLD_SIZE, as torchrun and
+    mf.launch set it) for a global batch of `batch_size`."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    hw = hardware or this_machine(per_node)
+    if hw.devices_per_node != per_node or hw.nodes * hw.devices_per_node != world:
+        hw = hw.with_nodes(max(1, world // per_node), per_node)
+    fixed = fixed_fields(plan)
+    profile = profile_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    result = search_profile(
+        profile,
+        world,
+        batch_size=batch_size,
+        hardware=hw,
+        optimizer=optimizer_state_bytes(optimizer),
+        precision=fixed.get("precision", "fp32"),
+        compiled=compiled,
+    )
+    if fixed:
+        keep = [e for e in result.ranked if all(getattr(e.plan, k) == v for k, v in fixed.items())]
+        if not keep:
+            raise MeshfitError(
+                f"plan={plan!r}: no plan with {fixed_text(fixed)} fits {world} process(es) "
+                f"for a batch of {batch_size}; drop a fixed field or change the batch size"
+            )
+        result = dataclasses.replace(result, ranked=keep)
+    best = result.best
+    return AutoChoice(best.plan, best, result)
+
+
+def fixed_text(fixed: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in fixed.items())
+
+
+def optimizer_state_bytes(factory: Any) -> float:
+    """Bytes of state per parameter of the optimizer `factory` builds, found by building
+    it on one parameter and taking a step (its state then exists): Adam's two moments 8,
+    SGD with momentum 4, plain SGD 0. Default (no factory): meshfit's AdamW."""
+    if factory is None:
+        return 8.0
+    probe = nn.Parameter(torch.zeros(4))
+    try:
+        optimizer = factory([probe])
+        probe.grad = torch.ones(4)
+        optimizer.step()
+    except Exception:  # an optimizer that needs more (a closure, named groups): assume Adam
+        return 8.0
+    state = optimizer.state.get(probe, {})
+    total = sum(
+        v.numel() * v.element_size()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim()
+    )
+    return total / probe.numel()

@@ -1,0 +1,117 @@
+"""`meshfit plan TARGET`: the ranked plans for a model, before launching anything."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from meshfit.errors import MeshfitError
+from meshfit.planner.auto import optimizer_state_bytes
+from meshfit.planner.hardware import Hardware, hardware, this_machine
+from meshfit.planner.profile import profile_model
+from meshfit.planner.search import search_profile
+from meshfit.trees import tensors_in
+
+PLAN_HELP = """\
+Predict memory per rank and time per step for every plan of N devices and print them
+ranked by throughput, with why the others were dropped. Nothing is launched: the model
+runs one forward, on the meta device where it can (no memory, no time).
+
+TARGET is module:function as for `meshfit verify` (returns (model, batch, loss_fn) or
+(model, batch, loss_fn, options)); the batch's size is the global batch planned for
+(--batch-size changes it). The model may be built on the meta device
+(`with torch.device("meta"): model = ...`) to plan a model too big for this machine.
+
+Hardware: this machine's devices by default (--nproc workers), or a preset for a
+machine you do not have: --hardware a100-40gb | a100-80gb | h100 | h200 with --nodes and
+--gpus-per-node (8 by default).
+"""
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=None, help="devices to plan for (total)")
+    parser.add_argument(
+        "--hardware", default=None, help="a100-40gb, a100-80gb, h100, h200 (default: this machine)"
+    )
+    parser.add_argument("--nodes", type=int, default=None, help="nodes of --hardware")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch to plan for")
+    parser.add_argument(
+        "--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="kept as given"
+    )
+    parser.add_argument("--compile", action="store_true", help="plan for compile=True runs")
+    parser.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
+    parser.add_argument("target", metavar="TARGET", help="module:function, see above")
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    from meshfit.verify import _Target
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    model, batch, loss_fn, options = _Target(args.target).call(0)
+    inputs, targets = _split(batch)
+    found = tensors_in(inputs)
+    if not found:
+        raise MeshfitError(f"the batch {args.target}() returns holds no input tensor to plan on")
+    batch_size = args.batch_size or found[0].shape[0]
+    hw = _hardware(args)
+    world = hw.world_size
+    start = time.perf_counter()
+    profile = profile_model(model, inputs, loss_fn=loss_fn, example_targets=targets)
+    result = search_profile(
+        profile,
+        world,
+        batch_size=batch_size,
+        hardware=hw,
+        optimizer=optimizer_state_bytes(options.get("optimizer")),
+        precision=args.precision,
+        compiled=args.compile,
+    )
+    seconds = time.perf_counter() - start
+    print(
+        f"meshfit plan: {profile.name}, {profile.total_params / 1e6:,.1f}M parameters, "
+        f"{len(profile.blocks)} {profile.block_kind} blocks, global batch {batch_size}, "
+        f"{world} x {hw.name} ({hw.nodes} node(s) of {hw.devices_per_node}; {hw.source})"
+    )
+    if profile.tp_error:
+        print(f"tensor parallel: {profile.tp_error}")
+    print(result.table(args.top))
+    print(f"({len(result.ranked) + len(result.dropped)} plans in {seconds:.1f} s)")
+    return 0 if result.ranked else 1
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, list) and batch and isinstance(batch[0], tuple):
+        batch = batch[0]  # a list of batches: plan on the first
+    if isinstance(batch, tuple) and len(batch) == 2:
+        return batch
+    return batch, None
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    if args.hardware is None:
+        if args.nodes is not None:
+            raise MeshfitError(
+                "--nodes is for --hardware (a preset); give --nproc for this machine"
+            )
+        nproc = args.nproc or 2
+        return this_machine(nproc).with_nodes(1, nproc)
+    per_node = args.gpus_per_node
+    if args.nodes is None and args.nproc is None:
+        raise MeshfitError("give --nodes (and --gpus-per-node) or --nproc with --hardware")
+    if args.nodes is None:
+        per_node = per_node or min(args.nproc, 8)
+        if args.nproc % per_node:
+            raise MeshfitError(f"--nproc {args.nproc} is not a whole number of nodes of {per_node}")
+        return hardware(args.hardware, nodes=args.nproc // per_node, devices_per_node=per_node)
+    hw = hardware(args.hardware, nodes=args.nodes, devices_per_node=per_node)
+    if args.nproc is not None and args.nproc != hw.world_size:
+        raise MeshfitError(
+            f"--nproc {args.nproc} differs from --nodes {args.nodes} x {hw.devices_per_node} "
+            f"devices per node; give one of them"
+        )
+    return hw

@@ -1,0 +1,426 @@
+"""Memory per rank and time per step of one plan, from a model's profile and hardware.
+
+Memory (bytes on the fullest rank) is what each form keeps (the ZeRO paper's
+accounting, Rajbhandari et al. 2020; activations as counted in the profile):
+
+- parameters 4 bytes, gradients 4, optimizer state 8 (Adam: two moments) per element of
+  the rank's share: a pipeline stage's parameters, tp-split ones divided by tp, all of
+  them divided by fsdp (ZeRO-3: 16 bytes / parameter / N);
+- buffers: DDP keeps its gradient buckets beside the gradients (one more gradient copy);
+  FSDP2 gathers two blocks' parameters at a time (the running one and the prefetched one)
+  and one block's unsharded gradients, and keeps the root's (embeddings, head) gathered
+  through the step; autocast keeps 2-byte copies of the weights for backward;
+- activations: the profile's saved bytes of the rank's blocks per sample x the
+  micro-batch x the micro-batches in flight (no pipeline: 1; GPipe: all; 1F1B: pp - stage;
+  interleaved: its warm-up), "full" recomputation keeps block inputs only plus one block
+  re-run at a time, "selective" keeps the matrix products' outputs.
+
+Time per step: the rank's FLOPs (forward, backward = 2 forwards, recomputation = one more)
+at the hardware's achieved matmul rate; tensor parallel's all-reduces (on the critical
+path); the pipeline's bubble ((pp - 1) micro-batch times, halved by interleaving); data
+parallel's gradient reduction and FSDP's gathers minus what hides behind computation
+(all but the last bucket / block when the computation is longer); the optimizer step
+(memory-bound). Collectives cost 2(n-1)/n (all-reduce) or (n-1)/n (gather, scatter) of
+their bytes over the group's bandwidth, inside a node or across (mesh order pp, dp, fsdp,
+tp: tp ranks are neighbours).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.pipeline.costs import StageCosts, balanced_starts
+from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+from meshfit.plan import MESH_DIMS, Plan
+from meshfit.planner.hardware import Hardware
+from meshfit.planner.profile import ModelProfile, PartCost
+
+# Optimizer state bytes per parameter element (float32 state).
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8,
+    "adam": 8,
+    "sgd": 0,
+    "sgd-momentum": 4,
+    "adagrad": 4,
+    "rmsprop": 4,
+}
+GRADIENT_BYTES = 4  # float32 gradients (master weights stay float32 under bf16)
+DDP_BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket: the last one cannot hide
+# Share of a device's memory a plan may fill: the allocator's fragmentation and the
+# CUDA context need the rest.
+USABLE_MEMORY = 0.92
+PCIE_BANDWIDTH = 25e9  # host <-> device per GPU (PCIe 4/5 x16, usable): offload's transfers
+HOST_MEMORY_BANDWIDTH = 10e9  # per process: offload's optimizer step runs on the CPU
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on one rank (device memory; with offload, state in host memory is `host`)."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+    host: float = 0.0
+    rank: str = ""  # which rank this is (e.g. "pp stage 0")
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        fields_ = ("parameters", "gradients", "optimizer", "activations", "buffers", "host")
+        return {name: getattr(self, name) for name in fields_} | {"total": self.total}
+
+
+@dataclass
+class TimeEstimate:
+    """Seconds of one training step on the slowest rank."""
+
+    compute: float = 0.0
+    communication: float = 0.0  # exposed: what does not hide behind computation
+    bubble: float = 0.0
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.bubble + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self) | {"total": self.total}
+
+
+@dataclass
+class Estimate:
+    """What `plan` costs: memory of its fullest rank, time of a step, throughput."""
+
+    plan: Plan
+    batch_size: int
+    memory: MemoryEstimate
+    ranks: list[MemoryEstimate]
+    step_time: TimeEstimate | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    flops_per_device: float | None = None  # achieved FLOP/s per device (recomputation counted)
+    mfu: float | None = None  # model FLOPs (3 x forward) / (time x devices x peak)
+    fits: bool | None = None
+    device_memory: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        text = f"{self.plan}: {_gib(self.memory.total)} per rank"
+        if self.step_time is not None:
+            text += f", {self.step_time.total * 1e3:.1f} ms a step"
+            if self.tokens_per_s is not None:
+                text += f", {self.tokens_per_s:,.0f} tokens/s"
+        return text
+
+
+def estimate_profile(
+    profile: ModelProfile,
+    plan: Plan,
+    *,
+    batch_size: int,
+    hardware: Hardware | None = None,
+    optimizer: str | float = "adamw",
+    compiled: bool = False,
+) -> Estimate:
+    """The Estimate of `plan` (dp resolved) for a global batch of `batch_size`;
+    `compiled`: the run uses parallelize(..., compile=True)."""
+    if plan.dp is None:
+        if hardware is None:
+            raise MeshfitError("give the plan's dp, or hardware to resolve dp=auto from")
+        plan = plan.resolve(hardware.world_size)
+    state_bytes = _optimizer_bytes(optimizer)
+    m = plan.num_microbatches
+    per_rank = batch_size / plan.data_parallel_size
+    mb = per_rank / m
+    layout = stage_layout(profile, plan)
+    ranks = [
+        _rank_memory(profile, plan, blocks, first, last, r, mb, state_bytes)
+        for r, (blocks, first, last) in enumerate(layout)
+    ]
+    fullest = max(ranks, key=lambda e: e.total)
+    result = Estimate(plan=plan, batch_size=batch_size, memory=fullest, ranks=ranks)
+    if hardware is not None:
+        result.device_memory = hardware.device_memory
+        result.fits = fullest.total <= hardware.device_memory * USABLE_MEMORY
+        _add_time(result, profile, plan, layout, mb, hardware, state_bytes, compiled)
+    return result
+
+
+def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], bool, bool]]:
+    """Per pipeline rank: (its block indices, holds the head, holds the tail). The cut
+    balances FLOPs the way meshfit's own cut balances measured time."""
+    n = len(profile.blocks)
+    if plan.pp == 1:
+        return [(list(range(n)), True, True)]
+    virtual = VIRTUAL_STAGES[plan.schedule]
+    stages = plan.pp * virtual
+    if stages > n:
+        raise MeshfitError(
+            f"{stages} pipeline stages need at least {stages} blocks; the model has {n}"
+        )
+    starts = _cached_starts(profile, stages, plan.tp)
+    bounds = [*starts, n]
+    layout = []
+    for r in range(plan.pp):
+        blocks = [i for s in range(r, stages, plan.pp) for i in range(bounds[s], bounds[s + 1])]
+        layout.append((blocks, r == 0, r == (stages - 1) % plan.pp))
+    return layout
+
+
+def _cached_starts(profile: ModelProfile, stages: int, tp: int) -> list[int]:
+    """meshfit cuts after tensor parallel has split the blocks (their time is measured
+    on the split model), so the cut balances the split blocks' FLOPs."""
+    cache = profile.__dict__.setdefault("_starts", {})
+    if (stages, tp) not in cache:
+        costs = StageCosts(
+            unit="flops",
+            blocks=[_block_flops(b, tp) or float(b.params) for b in profile.blocks],
+            head=_block_flops(profile.head, tp),
+            tail=_block_flops(profile.tail, tp),
+            trainable=[b.params > 0 for b in profile.blocks],
+        )
+        cache[stages, tp] = balanced_starts(costs, stages)
+    return cache[stages, tp]
+
+
+def _optimizer_bytes(optimizer: str | float) -> float:
+    if isinstance(optimizer, (int, float)):
+        return float(optimizer)
+    key = optimizer.lower()
+    if key not in OPTIMIZER_STATE_BYTES:
+        raise MeshfitError(
+            f"unknown optimizer {optimizer!r} for planning; known: "
+            f"{', '.join(OPTIMIZER_STATE_BYTES)}, or its state bytes per parameter (a number)"
+        )
+    return float(OPTIMIZER_STATE_BYTES[key])
+
+
+def _split(part: PartCost, tp: int) -> float:
+    """Parameters of `part` on one tp rank."""
+    if tp == 1:
+        return float(part.params)
+    return part.params * (1 - part.tp_share + part.tp_share / tp)
+
+
+def _compute_bytes(plan: Plan, profile: ModelProfile) -> float:
+    return 2.0 if plan.precision in ("bf16", "fp16") else float(profile.param_bytes)
+
+
+def _activation_scale(plan: Plan) -> float:
+    # Under autocast most saved tensors are the 2-byte inputs and outputs of matrix
+    # products; the profile counted them at the model's float32.
+    return 0.5 if plan.precision in ("bf16", "fp16") else 1.0
+
+
+def in_flight(plan: Plan, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak."""
+    m = plan.num_microbatches
+    if plan.pp == 1:
+        return 1.0
+    if plan.schedule == "gpipe":
+        return float(m)
+    if plan.schedule == "1f1b":
+        return float(min(m, plan.pp - rank))
+    # interleaved 1F1B / zero-bubble: (v - 1) pp + 2 (pp - 1 - rank) + 1 chunk
+    # micro-batches in warm-up, each a 1/v share of the rank's blocks.
+    v = VIRTUAL_STAGES[plan.schedule]
+    warmup = (v - 1) * plan.pp + 2 * (plan.pp - 1 - rank) + 1
+    return min(float(m), warmup / v)
+
+
+def _block_activations(part: PartCost, plan: Plan) -> tuple[float, float]:
+    """(bytes kept per sample for backward, bytes re-made at once during its backward)."""
+    tp = plan.tp if part.tp_share > 0 else 1
+    whole = part.saved - part.saved_split + part.saved_split / tp
+    if plan.checkpointing == "full":
+        return part.input_bytes, whole
+    if plan.checkpointing == "selective":
+        kept = part.kept_selective - part.kept_selective_split + part.kept_selective_split / tp
+        kept += part.input_bytes
+        return min(kept, whole), max(whole - kept, 0.0)
+    return whole, 0.0
+
+
+def _rank_memory(
+    profile: ModelProfile,
+    plan: Plan,
+    blocks: list[int],
+    first: bool,
+    last: bool,
+    rank: int,
+    mb: float,
+    state_bytes: float,
+) -> MemoryEstimate:
+    parts = [profile.blocks[i] for i in blocks]
+    block_params = sum(_split(p, plan.tp) for p in parts)
+    rest = (_split(profile.head, plan.tp) if first else 0) + (
+        _split(profile.tail, plan.tp) if last else 0
+    )
+    if first and last:
+        rest -= profile.tied_params  # one stage: a tied weight is one tensor
+    local = (block_params + rest) / plan.fsdp
+    cbytes = _compute_bytes(plan, profile)
+    memory = MemoryEstimate(
+        parameters=local * profile.param_bytes,
+        gradients=local * GRADIENT_BYTES,
+        optimizer=local * state_bytes,
+        rank=f"pp stage {rank}" if plan.pp > 1 else "every rank",
+    )
+    # buffers
+    if (plan.dp or 1) > 1 and not plan.uses_fsdp:
+        memory.buffers += local * GRADIENT_BYTES  # DDP's gradient buckets
+    if plan.uses_fsdp and plan.fsdp > 1 and parts:
+        largest = max(_split(p, plan.tp) for p in parts)
+        memory.buffers += 2 * largest * cbytes + largest * GRADIENT_BYTES
+        if plan.reshard_after_forward:
+            memory.buffers += rest * cbytes  # the root stays gathered
+        else:
+            memory.buffers += block_params * cbytes  # every block stays gathered
+    if plan.precision in ("bf16", "fp16") and not (plan.uses_fsdp and plan.fsdp > 1):
+        # autocast's 2-byte weight copies, saved for backward by every micro-batch in
+        # flight; recomputation re-makes them in backward instead, one block at a time.
+        copies = in_flight(plan, rank) if plan.checkpointing == "none" else 1
+        memory.buffers += (block_params + rest) * 2 * copies
+    # activations
+    scale = _activation_scale(plan)
+    kept = remade = 0.0
+    for part in parts:
+        k, r = _block_activations(part, plan)
+        kept += k
+        remade = max(remade, r)
+    per_microbatch = (
+        kept + (profile.head.saved if first else 0) + (profile.tail.saved if last else 0)
+    )
+    memory.activations = (per_microbatch * in_flight(plan, rank) + remade) * mb * scale
+    if last:  # the output's gradient, float32, beside the kept log-softmax
+        memory.buffers += 2 * profile.output_bytes * mb
+    if plan.pp > 1 and parts:  # receive buffers: an activation and a gradient
+        memory.buffers += 2 * parts[0].input_bytes * mb * scale
+    if plan.offload:
+        memory.host = memory.parameters + memory.gradients + memory.optimizer
+        memory.parameters = memory.gradients = memory.optimizer = 0.0
+    return memory
+
+
+def _group(plan: Plan, dim: str) -> tuple[int, int]:
+    """(span, stride) of `dim`'s groups in the mesh (order pp, dp, fsdp, tp)."""
+    degrees = plan.degrees
+    inner = MESH_DIMS[MESH_DIMS.index(dim) + 1 :]
+    stride = 1
+    for name in inner:
+        stride *= degrees[name] or 1
+    return stride * (degrees[dim] or 1), stride
+
+
+def _collective(hw: Hardware, plan: Plan, dim: str, nbytes: float, factor: float) -> float:
+    n = getattr(plan, dim) or 1
+    if n == 1 or nbytes == 0:
+        return 0.0
+    span, stride = _group(plan, dim)
+    return factor * (n - 1) / n * nbytes / hw.group_bandwidth(span, stride) + hw.latency
+
+
+def _add_time(
+    result: Estimate,
+    profile: ModelProfile,
+    plan: Plan,
+    layout: list[tuple[list[int], bool, bool]],
+    mb: float,
+    hw: Hardware,
+    state_bytes: float,
+    compiled: bool,
+) -> None:
+    m = plan.num_microbatches
+    rate = hw.flops(plan.precision, compiled)
+    cbytes = _compute_bytes(plan, profile)
+    act_scale = _activation_scale(plan)
+    recompute = {"none": 0.0, "selective": 0.1, "full": 1.0}[plan.checkpointing]
+    slowest = None
+    for blocks, first, last in layout:
+        parts = [profile.blocks[i] for i in blocks]
+        flops = sum(_block_flops(p, plan.tp) for p in parts)
+        fwd_extra = (_block_flops(profile.head, plan.tp) if first else 0) + (
+            _block_flops(profile.tail, plan.tp) if last else 0
+        )
+        t_mb = (flops * (3 + recompute) + fwd_extra * 3) * mb / rate
+        # fixed cost per operator: forward, about twice as many in backward, and the
+        # forward again under recomputation; a GPU launches ahead of its kernels
+        ops = sum(p.ops for p in parts) * (3 + recompute)
+        ops += ((profile.head.ops if first else 0) + (profile.tail.ops if last else 0)) * 3
+        launches = ops * hw.op_overhead * (0.3 if compiled else 1.0)
+        t_mb = max(t_mb, launches) if hw.launch_ahead else t_mb + launches
+        # tensor parallel: every row-parallel output is all-reduced, forward and backward
+        for p in parts:
+            calls = p.tp_reductions * (2 + (1 if plan.checkpointing == "full" else 0))
+            nbytes = p.input_bytes * mb * act_scale
+            t_mb += calls * _collective(hw, plan, "tp", nbytes, 2.0)
+        if plan.pp > 1 and parts:  # an activation out, a gradient back
+            t_mb += 2 * _collective(hw, plan, "pp", parts[0].input_bytes * mb * act_scale, 2.0)
+        params = sum(_split(p, plan.tp) for p in parts)
+        params += (_split(profile.head, plan.tp) if first else 0) + (
+            _split(profile.tail, plan.tp) if last else 0
+        )
+        if slowest is None or t_mb > slowest[0]:
+            slowest = (t_mb, params, len(parts), flops * (3 + recompute) * mb / rate)
+    assert slowest is not None
+    t_mb, params, nblocks, _ = slowest
+    v = VIRTUAL_STAGES[plan.schedule]
+    bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3}
+    bubble = (plan.pp - 1) * t_mb * bubble_share[plan.schedule] if plan.pp > 1 else 0.0
+    compute = m * t_mb
+    # data parallel
+    grad_bytes = params * GRADIENT_BYTES
+    comm, hidden_behind = 0.0, 0.0
+    if plan.uses_fsdp:
+        gathers = 2 if plan.reshard_after_forward else 1
+        if plan.fsdp > 1:
+            comm += m * gathers * _collective(hw, plan, "fsdp", params * cbytes, 1.0)
+            comm += _collective(hw, plan, "fsdp", grad_bytes, 1.0)
+            # one gather per block and pass, one reduce-scatter per block: each pays latency
+            comm += (m * gathers + 1) * nblocks * hw.latency
+        comm += _collective(hw, plan, "dp", grad_bytes / plan.fsdp, 2.0)
+        hidden_behind = compute
+        tail = comm / max(nblocks, 1)
+    else:
+        comm = _collective(hw, plan, "dp", grad_bytes, 2.0)
+        hidden_behind = t_mb * 2 / 3  # the last micro-batch's backward
+        tail = comm * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1.0))
+    exposed = max(comm - hidden_behind, 0.0) + min(tail, comm)
+    local = params / plan.fsdp
+    if plan.offload:
+        step = local * (8 + state_bytes) * 2 / HOST_MEMORY_BANDWIDTH
+        step += local * (profile.param_bytes + GRADIENT_BYTES) / PCIE_BANDWIDTH
+    else:
+        step = (
+            local * (profile.param_bytes + GRADIENT_BYTES + state_bytes) * 2 / hw.memory_bandwidth
+        )
+    result.step_time = TimeEstimate(
+        compute=compute, communication=exposed, bubble=bubble, optimizer=step
+    )
+    total = result.step_time.total
+    result.samples_per_s = result.batch_size / total
+    result.tokens_per_s = result.samples_per_s * profile.tokens_per_sample
+    model_flops = sum(b.flops for b in profile.blocks) + profile.head.flops + profile.tail.flops
+    world = plan.world_size or 1
+    done = model_flops * (3 + recompute) * result.batch_size
+    result.flops_per_device = done / total / world
+    peak = hw.peak_flops.get(plan.precision)
+    if peak:
+        result.mfu = model_flops * 3 * result.batch_size / total / world / peak
+
+
+def _block_flops(part: PartCost, tp: int) -> float:
+    if tp == 1 or part.tp_share == 0:
+        return part.flops
+    dense = part.flops - part.attention_flops
+    return dense * (1 - part.tp_share + part.tp_share / tp) + part.attention_flops / tp
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 / 10 else f"{n / 1024**2:.1f} MiB"

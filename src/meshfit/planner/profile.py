@@ -1,0 +1,495 @@
+"""What a model costs, per sample, found by running its forward once.
+
+The forward runs where the model lives: on the `meta` device a 175B model is profiled
+with no memory and in seconds (every op computes shapes only). While it runs, three
+PyTorch tools watch it:
+
+- `FlopCounterMode` counts the FLOPs of the matrix products and attention;
+- `saved_tensors_hooks` sees every tensor autograd keeps for backward: the activation
+  memory (parameters excluded, each storage counted once);
+- a dispatch mode notes the outputs that "selective" recomputation keeps (the same op
+  list as `parallel/recompute.py`).
+
+Each is attributed to what was running: the part before the first block ("head"), a
+block, or the part after the last block and the loss ("tail"). A saved tensor whose last
+dimension is not the block's width (attention heads, the MLP's inner width) is one that
+tensor parallel splits; the block-wide ones (norm inputs, the residual stream) stay whole
+on every tp rank (Korthikanti et al. 2022 count the same way).
+
+On `meta`, `scaled_dot_product_attention` would take its unfused math path and keep a
+sequence x sequence score matrix that no real run keeps: the profile runs it as the fused
+memory-efficient kernel instead (what CPU and GPU runs use), whose meta kernel and FLOP
+count PyTorch ships.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.recompute import _SAVE as SELECTIVE_KEEPS
+from meshfit.trees import call_model, map_tensors, tensors_in
+
+
+@dataclass
+class PartCost:
+    """One part of the model (a block, the head or the tail), per sample."""
+
+    params: int = 0  # parameter elements
+    flops: float = 0.0  # forward FLOPs (matrix products and attention)
+    attention_flops: float = 0.0  # the attention part of `flops` (split with the heads)
+    saved: float = 0.0  # bytes autograd keeps for backward (not parameters)
+    saved_split: float = 0.0  # the part of `saved` tensor parallel splits
+    kept_selective: float = 0.0  # bytes "selective" recomputation keeps
+    kept_selective_split: float = 0.0
+    input_bytes: float = 0.0  # the part's input ("full" recomputation keeps it; stages send it)
+    tp_share: float = 0.0  # fraction of `params` tensor parallel splits
+    tp_reductions: int = 0  # all-reduces of a tp forward (row-parallel outputs)
+    ops: int = 0  # operators its forward runs (each costs a fixed launch / dispatch time)
+
+
+@dataclass
+class ModelProfile:
+    """A model's costs per sample, as the planner needs them."""
+
+    name: str
+    blocks: list[PartCost]
+    head: PartCost
+    tail: PartCost
+    total_params: int  # every parameter once (tied ones once)
+    tied_params: int  # used before and after the blocks: on the first and the last stage
+    output_bytes: float  # the model's output per sample (its gradient is a temporary)
+    tokens_per_sample: int
+    param_bytes: int  # element size of the parameters (4: fp32)
+    tp_error: str | None = None  # why tensor parallel cannot split this model
+    max_tp: int = 1 << 30  # head counts and widths tp must divide
+    block_kind: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def block_params(self) -> int:
+        return sum(b.params for b in self.blocks)
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any, Any], Any] | str | None = None,
+    example_targets: Any = None,
+    tp: bool = True,
+) -> ModelProfile:
+    """Run `model` forward on `example_inputs` (any batch size; on the model's device,
+    `meta` included) and return its costs per sample. With `loss_fn` and
+    `example_targets` the loss runs too; without them a floating output is taken to be
+    logits, whose cross-entropy keeps a float32 copy (log-softmax) for backward."""
+    if not tensors_in(example_inputs):
+        raise MeshfitError("planning needs example_inputs: one batch of the model's inputs")
+    _device_of(model)
+    try:  # on meta: no memory, no time, the same shapes
+        profile = _profile(model, example_inputs, loss_fn, example_targets, on_meta=True)
+    except Exception as error:
+        if _device_of(model).type == "meta":
+            raise MeshfitError(
+                f"cannot plan {type(model).__name__} on the meta device: its forward failed "
+                f"there ({type(error).__name__}: {str(error).splitlines()[0][:200]}); build "
+                f"the model on the CPU (a smaller config of it plans the same per block)"
+            ) from error
+        # Data-dependent code (.item(), a mask check) cannot run on meta: run the real model.
+        profile = _profile(model, example_inputs, loss_fn, example_targets, on_meta=False)
+        profile.notes.append(f"profiled on {_device_of(model)}: its forward cannot run on meta")
+    if tp:
+        _tensor_parallel_costs(model, find_blocks(model), example_inputs, profile)
+    return profile
+
+
+def _profile(
+    model: nn.Module, example_inputs: Any, loss_fn: Any, example_targets: Any, on_meta: bool
+) -> ModelProfile:
+    stack = find_blocks(model)
+    device = torch.device("meta") if on_meta else _device_of(model)
+    inputs = map_tensors(example_inputs, lambda t: t.to(device))
+    targets = map_tensors(example_targets, lambda t: t.to(device))
+    first = tensors_in(inputs)
+    samples = first[0].shape[0]
+    tokens = first[0].shape[1] if first[0].dim() == 2 and not first[0].is_floating_point() else 1
+
+    state = _meta_state(model) if on_meta else None
+    params = {
+        t.untyped_storage()._cdata
+        for t in (state.values() if state is not None else model.parameters())
+    }
+    keys = list(stack.keys)
+    parts: dict[str, PartCost] = {k: PartCost() for k in ["head", *keys, "tail"]}
+    current = ["head"]
+    width: dict[str, int] = {}
+    seen: set[int] = set()
+    counter = FlopCounterMode(display=False)
+    flops_at = [0.0, 0.0]  # total, attention: when the current part began
+
+    def totals() -> tuple[float, float]:
+        counts = counter.get_flop_counts().get("Global", {})
+        attention = sum(v for op, v in counts.items() if "scaled_dot_product" in str(op))
+        return float(sum(counts.values())), float(attention)
+
+    def switch(to: str) -> None:
+        total, attention = totals()
+        part = parts[current[0]]
+        part.flops += total - flops_at[0]
+        part.attention_flops += attention - flops_at[1]
+        flops_at[:] = [total, attention]
+        current[0] = to
+
+    def before(key: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            switch(key)
+            found = tensors_in((args, kwargs))
+            if found:
+                width[key] = found[0].shape[-1] if found[0].dim() else 1
+                parts[key].input_bytes += _nbytes(found[0])
+
+        return hook
+
+    def after(key: str, nxt: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            switch(nxt)
+
+        return hook
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()._cdata
+        if storage in params or storage in seen:
+            return t
+        seen.add(storage)
+        part = parts[current[0]]
+        size = t.untyped_storage().nbytes()
+        part.saved += size
+        if _splits(t, width.get(current[0])):
+            part.saved_split += size
+        return t
+
+    def kept(t: torch.Tensor | None) -> None:
+        part = parts[current[0]]
+        if t is None:  # any operator: count it
+            part.ops += 1
+            return
+        if current[0] in ("head", "tail"):
+            return
+        part.kept_selective += _nbytes(t)
+        if _splits(t, width.get(current[0])):
+            part.kept_selective_split += _nbytes(t)
+
+    handles = []
+    for i, (key, block) in enumerate(zip(keys, stack.blocks, strict=True)):
+        nxt = keys[i + 1] if i + 1 < len(keys) else "tail"
+        handles.append(block.register_forward_pre_hook(before(key), with_kwargs=True))
+        handles.append(block.register_forward_hook(after(key, nxt), with_kwargs=True))
+    was_training = model.training
+    model.train()
+    attention = _FusedAttention(on_meta, counter)
+    try:
+        with (
+            _repeats_skipped(stack, active=on_meta) as repeats,
+            torch.enable_grad(),
+            counter,
+            attention,
+            _SelectiveOutputs(kept),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            if state is not None:
+                outputs = _call_functional(model, state, inputs)
+            else:
+                outputs = call_model(model, inputs)
+            output_bytes = sum(_nbytes(t) for t in tensors_in(outputs) if t.is_floating_point())
+            _run_loss(loss_fn, outputs, targets, pack)
+            switch("tail")
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    for key, source in repeats.items():
+        parts[key] = dataclasses.replace(parts[source])
+
+    _count_parameters(model, stack, parts)
+    tied = _tied_parameters(model, stack)
+    return ModelProfile(
+        name=type(model).__name__,
+        blocks=[_per_sample(parts[k], samples) for k in keys],
+        head=_per_sample(parts["head"], samples),
+        tail=_per_sample(parts["tail"], samples),
+        total_params=sum(p.numel() for p in model.parameters()),
+        tied_params=tied,
+        output_bytes=output_bytes / samples,
+        tokens_per_sample=tokens,
+        param_bytes=next(model.parameters()).element_size(),
+        block_kind=type(stack.blocks[0]).__name__,
+    )
+
+
+def _meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Meta stand-ins for every parameter and buffer (tied ones shared)."""
+    state: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    named = [*model.named_parameters(remove_duplicate=False)]
+    named += [*model.named_buffers(remove_duplicate=False)]
+    for name, t in named:
+        if id(t) not in made:
+            stand_in = torch.empty_like(t, device="meta")
+            if isinstance(t, nn.Parameter):
+                stand_in.requires_grad_(t.requires_grad)
+            made[id(t)] = stand_in
+        state[name] = made[id(t)]
+    return state
+
+
+def _call_functional(model: nn.Module, state: dict[str, torch.Tensor], inputs: Any) -> Any:
+    from collections.abc import Mapping
+
+    if isinstance(inputs, Mapping):
+        return torch.func.functional_call(model, state, args=(), kwargs=dict(inputs))
+    return torch.func.functional_call(model, state, args=(inputs,))
+
+
+@contextlib.contextmanager
+def _repeats_skipped(stack: Any, active: bool = True) -> Iterator[dict[str, str]]:
+    """Blocks the same as an earlier one (class and parameter shapes) skip their forward
+    and hand on the first one's output: on meta they would cost what the first of their
+    kind costs, and a 96-layer model profiles as fast as a 1-layer one. Yields
+    {repeated block's key: the first one's key}; the blocks are as before afterwards."""
+    first: dict[tuple, str] = {}
+    repeats: dict[str, str] = {}
+    for key, block in zip(stack.keys, stack.blocks, strict=True) if active else ():
+        shapes = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+        signature = (type(block), shapes)
+        repeats[key] = first.setdefault(signature, key)
+    repeats = {k: v for k, v in repeats.items() if k != v}
+    outputs: dict[str, Any] = {}
+    handles = []
+    for key in set(repeats.values()):
+
+        def remember(module, args, kwargs, output, _key=key):
+            outputs[_key] = output
+
+        block = stack.container._modules[key]
+        handles.append(block.register_forward_hook(remember, with_kwargs=True))
+    for key, source in repeats.items():
+        block = stack.container._modules[key]
+        block.forward = lambda *args, _source=source, **kwargs: outputs[_source]
+    try:
+        yield repeats
+    finally:
+        for h in handles:
+            h.remove()
+        for key in repeats:
+            del stack.container._modules[key].forward  # the class's own forward again
+
+
+def _run_loss(loss_fn: Any, outputs: Any, targets: Any, pack: Callable) -> None:
+    if callable(loss_fn) and targets is not None:
+        loss_fn(outputs, targets)
+        return
+    if loss_fn == "model":
+        return  # the model computed its loss in its forward (labels among its inputs)
+    logits = [t for t in tensors_in(outputs) if t.is_floating_point()]
+    if logits and logits[0].dim() >= 2:
+        # cross-entropy's log-softmax, in float32, kept for backward
+        pack(torch.empty(logits[0].shape, dtype=torch.float32, device="meta"))
+
+
+def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) -> None:
+    in_blocks: set[int] = set()
+    for key, block in zip(stack.keys, stack.blocks, strict=True):
+        unique = {id(p): p for p in block.parameters()}
+        parts[key].params = sum(p.numel() for p in unique.values())
+        in_blocks.update(unique)
+    # Outside the blocks: a parameter belongs to the head if a module that runs before
+    # the blocks holds it; meshfit's pipeline cut decides the same way (registration
+    # order of the modules around the stack).
+    before, after = _around(model, stack)
+    for name, ids in (("head", before), ("tail", after)):
+        parts[name].params = sum(p.numel() for i, p in ids.items() if i not in in_blocks)
+
+
+def _around(
+    model: nn.Module, stack: Any
+) -> tuple[dict[int, nn.Parameter], dict[int, nn.Parameter]]:
+    from meshfit.parallel.pipeline.cut import _head_tail_parameters
+
+    head, tail = _head_tail_parameters(model, stack)
+    return {id(p): p for _, _, p in head}, {id(p): p for _, _, p in tail}
+
+
+def _tied_parameters(model: nn.Module, stack: Any) -> int:
+    head, tail = _around(model, stack)
+    return sum(p.numel() for i, p in head.items() if i in tail)
+
+
+def _tensor_parallel_costs(
+    model: nn.Module, stack: Any, example_inputs: Any, profile: ModelProfile
+) -> None:
+    """The share of each block tp splits and its all-reduces, from the plan meshfit
+    would derive (parallel/tensor.py), or why it cannot split the model."""
+    from meshfit.parallel import tensor
+
+    on_meta = _device_of(model).type == "meta"
+    try:
+        with _repeats_skipped(stack, active=on_meta) as repeats:
+            plan = tensor.derive_tp_plan(model, _first_samples(example_inputs, 1))
+    except MeshfitError as error:
+        profile.tp_error = str(error).split(";")[0]
+        return
+    except Exception as error:  # the trace itself failed: planning goes on without tp
+        profile.tp_error = f"tracing for tensor parallel failed ({type(error).__name__})"
+        return
+    modules = dict(model.named_modules())
+    for key, part in zip(stack.keys, profile.blocks, strict=True):
+        prefix = f"{stack.qualified(repeats.get(key, key))}."
+        mine = {n: s for n, s in plan.items() if n.startswith(prefix) and n in modules}
+        split = 0
+        for name, style in mine.items():
+            module = modules[name]
+            split += module.weight.numel()
+            bias = getattr(module, "bias", None)
+            if style.startswith("colwise") and bias is not None:
+                split += bias.numel()
+        part.tp_share = split / part.params if part.params else 0.0
+        part.tp_reductions = sum(1 for style in mine.values() if style == "rowwise")
+    profile.max_tp = _largest_tp(model, plan)
+
+
+def _largest_tp(model: nn.Module, plan: dict[str, str]) -> int:
+    """The greatest common divisor of what tp must divide: split widths and head counts."""
+    from meshfit.parallel.tensor import HEAD_ATTRS, KV_HEAD_ATTRS
+
+    sizes = []
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        module = modules.get(name)
+        weight = getattr(module, "weight", None)
+        if weight is None:
+            continue
+        chunks = int(style.split(":")[1]) if ":" in style else 1
+        out_dim, in_dim = weight.shape[0], weight.shape[-1]
+        sizes.append((out_dim // chunks) if style.startswith("colwise") else in_dim)
+    config = getattr(model, "config", None)
+    for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):
+        value = getattr(config, attr, None) if config is not None else None
+        for module in modules.values():
+            value = value or getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            sizes.append(value)
+    return math.gcd(*sizes) if sizes else 1
+
+
+def _first_samples(inputs: Any, n: int) -> Any:
+    return map_tensors(inputs, lambda t: t[:n] if t.dim() else t)
+
+
+def _per_sample(part: PartCost, samples: int) -> PartCost:
+    for name in (
+        "flops",
+        "attention_flops",
+        "saved",
+        "saved_split",
+        "kept_selective",
+        "kept_selective_split",
+        "input_bytes",
+    ):
+        if name == "ops":
+            continue
+        setattr(part, name, getattr(part, name) / samples)
+    return part
+
+
+def _splits(t: torch.Tensor, width: int | None) -> bool:
+    return width is not None and t.dim() >= 2 and t.shape[-1] != width
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    raise MeshfitError(f"{type(model).__name__} has no parameters: there is nothing to plan")
+
+
+class _FusedAttention(TorchFunctionMode):
+    """On `meta`, run scaled_dot_product_attention as the fused memory-efficient kernel
+    (see the module doc). Elsewhere the call goes through unchanged, and its FLOPs are
+    added by hand where FlopCounterMode has no formula for the kernel (CPU's)."""
+
+    def __init__(self, active: bool, counter: FlopCounterMode) -> None:
+        super().__init__()
+        self.active = active
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        if not self.active:
+            before = sum(self.counter.get_flop_counts().get("Global", {}).values())
+            out = func(*args, **kwargs)
+            if sum(self.counter.get_flop_counts().get("Global", {}).values()) == before:
+                q, k = args[0], args[1]
+                flops = 4 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+                self.counter.flop_counts["Global"][_HAND_COUNTED] += flops
+            return out
+        query, key, value = args[:3]
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+        scale = kwargs.get("scale")
+        if key.shape[-3] != query.shape[-3]:  # grouped-query attention: heads repeat
+            repeat = query.shape[-3] // key.shape[-3]
+            key = key.repeat_interleave(repeat, dim=-3)
+            value = value.repeat_interleave(repeat, dim=-3)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        if mask is not None:
+            mask = mask.expand(*query.shape[:-1], key.shape[-2])
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, mask, True, 0.0, bool(causal), scale=scale
+        )
+        return out[0]
+
+
+# Operators besides views that launch no kernel.
+_NO_KERNEL = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default}
+
+
+_HAND_COUNTED = "scaled_dot_product_attention (counted by meshfit)"
+
+
+class _SelectiveOutputs(TorchDispatchMode):
+    """Reports every operator (with None) and the outputs of the ops "selective"
+    recomputation keeps."""
+
+    def __init__(self, report: Callable[[torch.Tensor | None], None]) -> None:
+        super().__init__()
+        self.report = report
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        if not getattr(func, "is_view", False) and func not in _NO_KERNEL:
+            self.report(None)
+        if func in SELECTIVE_KEEPS:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.report(t)
+        return out

@@ -1,0 +1,217 @@
+"""The search: every plan for a world size, those that do not fit or are refused dropped,
+the rest ranked by predicted throughput.
+
+Plans are enumerated the way the Plan is built: dp x fsdp x tp x pp = world size (tp at
+most the devices of a node and a divisor of the heads and split widths, pp at most the
+blocks), then for pipelines the micro-batches (pp, 2 pp, 4 pp, 8 pp) and the schedule,
+then recomputation (none, selective, full) and offload. Precision is the user's (it
+changes the numbers, so the planner does not choose it). Every candidate costs a few
+arithmetic operations (the profile is measured once, the pipeline cut is cached per stage
+count), so a thousand GPUs plan in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+from meshfit.plan import SCHEDULES, Plan
+from meshfit.planner.estimate import Estimate, _gib, estimate_profile
+from meshfit.planner.hardware import Hardware
+from meshfit.planner.profile import ModelProfile
+
+
+@dataclass
+class Dropped:
+    plan: Plan
+    reason: str
+
+
+@dataclass
+class SearchResult:
+    """The ranked plans (best first) and the ones dropped, with why."""
+
+    ranked: list[Estimate]
+    dropped: list[Dropped] = field(default_factory=list)
+    hardware: Hardware | None = None
+
+    @property
+    def best(self) -> Estimate:
+        if not self.ranked:
+            reasons = sorted({d.reason.split(":")[0] for d in self.dropped})
+            raise MeshfitError(
+                f"no plan fits: all {len(self.dropped)} were dropped ({'; '.join(reasons[:4])}); "
+                f"use more devices, a smaller batch, or recomputation/offload"
+            )
+        return self.ranked[0]
+
+    def table(self, limit: int = 10) -> str:
+        """The ranked plans as a text table, then a count of the dropped ones by reason."""
+        rows = [("plan", "memory/rank", "step", "tokens/s", "MFU", "fits")]
+        for e in self.ranked[:limit]:
+            t = e.step_time
+            rows.append(
+                (
+                    str(e.plan),
+                    _gib(e.memory.total),
+                    f"{t.total * 1e3:.1f} ms" if t else "-",
+                    f"{e.tokens_per_s:,.0f}" if e.tokens_per_s else "-",
+                    f"{100 * e.mfu:.1f}%" if e.mfu else "-",
+                    "yes" if e.fits else ("no" if e.fits is False else "?"),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        if len(self.ranked) > limit:
+            lines.append(f"... and {len(self.ranked) - limit} more that fit")
+        if self.dropped:
+            counts: dict[str, int] = {}
+            for d in self.dropped:
+                key = d.reason.split(":")[0]
+                counts[key] = counts.get(key, 0) + 1
+            lines.append(
+                "dropped: "
+                + "; ".join(
+                    f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda x: -x[1])
+                )
+            )
+        return "\n".join(lines)
+
+
+def candidate_plans(
+    world_size: int,
+    *,
+    num_blocks: int,
+    batch_size: int,
+    devices_per_node: int,
+    max_tp: int = 1 << 30,
+    tp_possible: bool = True,
+    precision: str = "fp32",
+    offload: bool = True,
+) -> tuple[list[Plan], list[Dropped]]:
+    """Every plan the search considers, and those refused before costing them."""
+    plans: list[Plan] = []
+    dropped: list[Dropped] = []
+    for pp in _divisors(world_size):
+        for tp in _divisors(world_size // pp):
+            for fsdp in _divisors(world_size // (pp * tp)):
+                dp = world_size // (pp * tp * fsdp)
+                base = Plan(dp=dp, fsdp=fsdp, tp=tp, pp=pp, precision=precision)
+                reason = _refusal(base, num_blocks, devices_per_node, max_tp, tp_possible)
+                if reason:
+                    dropped.append(Dropped(base, reason))
+                    continue
+                for plan in _variants(base, offload):
+                    why = _refusal_of_variant(plan, batch_size, num_blocks)
+                    if why:
+                        dropped.append(Dropped(plan, why))
+                    else:
+                        plans.append(plan)
+    return plans, dropped
+
+
+def _refusal(plan: Plan, num_blocks: int, per_node: int, max_tp: int, tp_possible: bool) -> str:
+    if plan.tp > 1 and not tp_possible:
+        return "refused: tensor parallel finds nothing to split in this model"
+    if plan.tp > 1 and max_tp % plan.tp:
+        return f"refused: tp={plan.tp} does not divide the heads/widths (largest tp {max_tp})"
+    if plan.tp > per_node:
+        return f"refused: tp={plan.tp} would span nodes ({per_node} devices per node)"
+    if plan.pp > num_blocks:
+        return f"refused: pp={plan.pp} exceeds the model's {num_blocks} blocks"
+    return ""
+
+
+def _variants(base: Plan, offload: bool):
+    recomputation = ("none", "selective", "full")
+    offloads = (False, True) if offload else (False,)
+    if base.pp == 1:
+        for ckpt in recomputation:
+            for off in offloads:
+                yield dataclasses.replace(base, checkpointing=ckpt, offload=off)
+        return
+    for factor in (1, 2, 4, 8):
+        for schedule in SCHEDULES:
+            for ckpt in recomputation:
+                for off in offloads:
+                    yield dataclasses.replace(
+                        base,
+                        microbatches=base.pp * factor,
+                        schedule=schedule,
+                        checkpointing=ckpt,
+                        offload=off,
+                    )
+
+
+def _refusal_of_variant(plan: Plan, batch_size: int, num_blocks: int) -> str:
+    unit = plan.data_parallel_size * plan.num_microbatches
+    if batch_size % unit:
+        return f"batch does not divide: {batch_size} over {unit} (ranks x micro-batches)"
+    try:
+        plan.validate()
+    except MeshfitError as error:
+        return f"refused: {str(error).split(';')[0]}"
+    if plan.pp > 1 and plan.pp * VIRTUAL_STAGES[plan.schedule] > num_blocks:
+        return f"refused: {plan.schedule} needs {plan.pp * VIRTUAL_STAGES[plan.schedule]} blocks"
+    return ""
+
+
+def search_profile(
+    profile: ModelProfile,
+    world_size: int,
+    *,
+    batch_size: int,
+    hardware: Hardware,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    offload: bool = True,
+    compiled: bool = False,
+) -> SearchResult:
+    """Rank every plan for `world_size` devices of `hardware` by predicted tokens/s."""
+    plans, dropped = candidate_plans(
+        world_size,
+        num_blocks=len(profile.blocks),
+        batch_size=batch_size,
+        devices_per_node=hardware.devices_per_node,
+        max_tp=profile.max_tp,
+        tp_possible=profile.tp_error is None,
+        precision=precision,
+        offload=offload,
+    )
+    fitting: list[Estimate] = []
+    for plan in plans:
+        e = estimate_profile(
+            profile,
+            plan,
+            batch_size=batch_size,
+            hardware=hardware,
+            optimizer=optimizer,
+            compiled=compiled,
+        )
+        if e.fits:
+            fitting.append(e)
+        else:
+            dropped.append(
+                Dropped(
+                    plan, f"does not fit: {_gib(e.memory.total)} > {_gib(hardware.device_memory)}"
+                )
+            )
+    # Fastest first; among equals the one with less memory, then the simpler plan.
+    fitting.sort(key=lambda e: (-e.samples_per_s, e.memory.total, _complexity(e.plan)))
+    return SearchResult(fitting, dropped, hardware)
+
+
+def _complexity(plan: Plan) -> int:
+    return (
+        (plan.pp > 1) * 4
+        + (plan.tp > 1) * 2
+        + (plan.fsdp > 1)
+        + ("none", "selective", "full").index(plan.checkpointing)
+        + plan.offload * 3
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,288 @@
+"""The planner: its formulas, its profile of a model and its search (one process, fast).
+
+Memory measured against the prediction on CPU workers is in test_planner_memory.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshfit as mf
+from meshfit.errors import MeshfitError
+from meshfit.models.gpt import GPT, GPTConfig
+from meshfit.plan import Plan
+from meshfit.planner import Hardware, estimate, hardware, plan_search, profile_model
+from meshfit.planner.auto import choose_plan, fixed_fields, optimizer_state_bytes
+from meshfit.planner.estimate import in_flight
+from meshfit.planner.profile import ModelProfile, PartCost
+from meshfit.planner.search import search_profile
+
+CONFIG = GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=32)
+
+
+def gpt(device: str = "cpu") -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(CONFIG)
+
+
+def tokens(n: int = 2) -> torch.Tensor:
+    return torch.zeros(n, CONFIG.block_size, dtype=torch.long)
+
+
+def hand_profile(blocks: int = 8, params: int = 1000, flops: float = 1e6) -> ModelProfile:
+    """A model described by hand: `blocks` equal blocks, no head or tail."""
+    part = PartCost(params=params, flops=flops, saved=4000, input_bytes=400, tp_share=1.0)
+    return ModelProfile(
+        name="Hand",
+        blocks=[dataclasses.replace(part, tp_reductions=2) for _ in range(blocks)],
+        head=PartCost(),
+        tail=PartCost(),
+        total_params=blocks * params,
+        tied_params=0,
+        output_bytes=0.0,
+        tokens_per_sample=1,
+        param_bytes=4,
+    )
+
+
+# ---- the formulas ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zero3_model_state_is_16_bytes_per_parameter_over_n(n):
+    """ZeRO-3 with Adam: 4 (parameter) + 4 (gradient) + 8 (two moments) bytes per
+    parameter, divided over the n shards (Rajbhandari et al. 2020)."""
+    profile = hand_profile()
+    e = estimate(profile, Plan(dp=1, fsdp=n), batch_size=n)
+    states = e.memory.parameters + e.memory.gradients + e.memory.optimizer
+    assert states == pytest.approx(16 * profile.total_params / n)
+
+
+def test_ddp_keeps_a_second_gradient_copy_in_its_buckets():
+    profile = hand_profile()
+    e = estimate(profile, Plan(dp=2), batch_size=2, optimizer="sgd")
+    assert e.memory.gradients == pytest.approx(4 * profile.total_params)
+    assert e.memory.buffers == pytest.approx(4 * profile.total_params)
+    assert e.memory.optimizer == 0
+
+
+def test_tensor_parallel_divides_the_split_share_and_its_activations():
+    profile = hand_profile()
+    for part in profile.blocks:
+        part.tp_share, part.saved_split = 0.75, 3000
+    one = estimate(profile, Plan(dp=1), batch_size=1)
+    two = estimate(profile, Plan(dp=1, tp=2), batch_size=1)
+    assert two.memory.parameters == pytest.approx(one.memory.parameters * (0.25 + 0.75 / 2))
+    assert two.memory.activations == pytest.approx(one.memory.activations * (1000 + 1500) / 4000)
+
+
+def test_schedules_hold_the_micro_batches_they_should():
+    """GPipe keeps every micro-batch's activations, 1F1B at most pp - stage."""
+    gpipe = Plan(dp=1, pp=4, microbatches=8, schedule="gpipe")
+    one_f_one_b = Plan(dp=1, pp=4, microbatches=8, schedule="1f1b")
+    assert [in_flight(gpipe, r) for r in range(4)] == [8, 8, 8, 8]
+    assert [in_flight(one_f_one_b, r) for r in range(4)] == [4, 3, 2, 1]
+    profile = hand_profile()
+    e_gpipe = estimate(profile, gpipe, batch_size=8)
+    e_1f1b = estimate(profile, one_f_one_b, batch_size=8)
+    assert e_gpipe.memory.activations == pytest.approx(2 * e_1f1b.memory.activations)
+
+
+def test_full_recomputation_keeps_block_inputs_and_one_block():
+    profile = hand_profile()
+    none = estimate(profile, Plan(dp=1), batch_size=1)
+    full = estimate(profile, Plan(dp=1, checkpointing="full"), batch_size=1)
+    assert none.memory.activations == pytest.approx(8 * 4000)
+    assert full.memory.activations == pytest.approx(8 * 400 + 4000)
+
+
+def test_offload_moves_the_model_state_to_host_memory():
+    e = estimate(hand_profile(), Plan(dp=1, fsdp=2, offload=True), batch_size=2)
+    assert e.memory.parameters == e.memory.gradients == e.memory.optimizer == 0
+    assert e.memory.host == pytest.approx(16 * 8000 / 2)
+
+
+def test_optimizer_state_bytes_are_read_from_the_optimizer_itself():
+    assert optimizer_state_bytes(lambda p: torch.optim.AdamW(p)) == 8
+    assert optimizer_state_bytes(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) == 4
+    assert optimizer_state_bytes(lambda p: torch.optim.SGD(p, lr=0.1)) == 0
+    assert optimizer_state_bytes(None) == 8  # meshfit's default: AdamW
+
+
+def test_pipeline_bubble_is_pp_minus_one_micro_batch_times():
+    hw = Hardware("ideal", 1e12, {"fp32": 1e9}, {"fp32": 1e9}, 1e15, 1e15, 1e15, 8,
+                  latency=0.0, op_overhead=0.0)  # fmt: skip
+    profile = hand_profile()
+    e = estimate(profile, Plan(dp=1, pp=4, microbatches=8), batch_size=8, hardware=hw)
+    per_microbatch = 2 * 1e6 * 3 / 1e9  # two blocks a stage, forward + backward
+    assert e.step_time.compute == pytest.approx(8 * per_microbatch, rel=1e-3)
+    assert e.step_time.bubble == pytest.approx(3 * per_microbatch, rel=1e-3)
+
+
+# ---- the profile -------------------------------------------------------------------
+
+
+def test_profile_on_meta_matches_the_profile_on_cpu():
+    """The meta device (no memory) sees the same FLOPs and the same saved bytes as the
+    real model, within the attention kernel's extra log-sum-exp."""
+    on_cpu = profile_model(gpt("cpu"), tokens())
+    on_meta = profile_model(gpt("meta"), tokens())
+    assert on_meta.total_params == on_cpu.total_params
+    for a, b in zip(on_cpu.blocks, on_meta.blocks, strict=True):
+        assert b.flops == pytest.approx(a.flops, rel=1e-6)
+        assert b.saved == pytest.approx(a.saved, rel=0.02)
+        assert b.tp_share == pytest.approx(a.tp_share)
+
+
+def test_profile_is_per_sample_and_counts_what_autograd_saves():
+    two, eight = profile_model(gpt("meta"), tokens(2)), profile_model(gpt("meta"), tokens(8))
+    assert two.blocks[0].saved == pytest.approx(eight.blocks[0].saved, rel=1e-3)
+    assert two.blocks[0].flops == pytest.approx(eight.blocks[0].flops)
+    # a Linear(64 -> 64) on 32 positions: 2 * 32 * 64 * 64 FLOPs a sample
+    lin = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    p = profile_model(lin, torch.zeros(3, 32, 64))
+    assert p.blocks[1].flops == 2 * 32 * 64 * 64
+    assert p.blocks[1].saved == 32 * 64 * 4  # its input, float32
+
+
+def test_profile_of_a_large_model_on_meta_needs_no_memory():
+    with torch.device("meta"):
+        big = GPT(GPTConfig(n_layer=48, n_embd=4096, n_head=32, block_size=1024, vocab_size=50304))
+    p = profile_model(big, torch.zeros(1, 1024, dtype=torch.long))
+    assert p.total_params > 9.5e9
+    assert len(p.blocks) == 48 and p.blocks[47].flops == p.blocks[0].flops
+    assert p.max_tp == 32 and p.blocks[0].tp_share > 0.99
+
+
+def test_profile_of_a_hugging_face_model_on_meta():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    p = profile_model(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+    assert p.total_params == sum(x.numel() for x in model.parameters())
+    assert p.max_tp == 2  # the key/value heads
+    assert p.blocks[0].tp_share > 0.95
+    assert p.tail.flops == 2 * 16 * 64 * 128  # the LM head
+
+
+def test_a_model_tensor_parallel_cannot_split_is_planned_without_tp():
+    cnn = nn.Sequential(*[nn.Conv2d(3, 3, 3, padding=1) for _ in range(4)])
+    p = profile_model(cnn, torch.zeros(2, 3, 8, 8))
+    assert p.tp_error and "nothing to split" in p.tp_error
+    result = plan_search(p, 4, batch_size=8, hardware="cpu")
+    assert result.ranked and all(e.plan.tp == 1 for e in result.ranked)
+    assert any("tensor parallel finds nothing" in d.reason for d in result.dropped)
+
+
+# ---- the search --------------------------------------------------------------------
+
+
+def fast_net_slow_chips() -> Hardware:
+    return Hardware("hand", 1e6, {"fp32": 1e9}, {"fp32": 1e9}, 1e12, 1e12, 1e12, 8,
+                    latency=0.0, op_overhead=0.0)  # fmt: skip
+
+
+def test_search_never_ranks_a_plan_that_does_not_fit():
+    profile = hand_profile(params=20000)
+    hw = dataclasses.replace(fast_net_slow_chips(), device_memory=1.2e6)
+    result = search_profile(profile, 8, batch_size=16, hardware=hw)
+    assert result.ranked
+    assert all(e.memory.total <= 0.92 * 1.2e6 for e in result.ranked)
+    assert any(d.reason.startswith("does not fit") for d in result.dropped)
+    # 20000 x 8 parameters x 16 bytes = 2.56 MB: only sharded or offloaded plans hold it
+    assert all(e.plan.fsdp * e.plan.tp * e.plan.pp > 2 or e.plan.offload for e in result.ranked)
+
+
+def test_search_picks_the_known_best_on_a_hand_made_cost_table():
+    """With free communication, every plan computes the same FLOPs over the same
+    devices; the pipeline's bubble and recomputation only add time. The best is
+    therefore a plan without either, and the search must find exactly those on top."""
+    result = search_profile(hand_profile(), 4, batch_size=8, hardware=fast_net_slow_chips())
+    best = result.best
+    assert best.plan.pp == 1 and best.plan.checkpointing == "none"
+    assert not best.plan.offload
+    ideal = 8 * 8 * 1e6 * 3 / 1e9 / 4  # samples x blocks x FLOPs x (fwd + bwd) / rate / devices
+    assert best.step_time.compute == pytest.approx(ideal, rel=1e-6)
+
+
+def test_search_prefers_tensor_parallel_inside_a_node_over_a_slow_network():
+    """Slow links between nodes and a model that fits: data parallel across nodes
+    pays the gradient all-reduce over the slow link. Check the search ranks a plan
+    whose slow-link traffic is smaller above pure data parallel across nodes."""
+    hw = Hardware("two nodes", 1e12, {"fp32": 1e12}, {"fp32": 1e12}, 1e12, 1e12, 1e6, 2,
+                  nodes=2, latency=0.0, op_overhead=0.0)  # fmt: skip
+    profile = hand_profile(params=1_000_000, flops=1e6)
+    result = search_profile(profile, 4, batch_size=8, hardware=hw)
+    dp4 = next(e for e in result.ranked if e.plan == Plan(dp=4))
+    assert result.best.samples_per_s > 1.5 * dp4.samples_per_s
+
+
+def test_search_drops_plans_the_batch_does_not_divide_and_says_why():
+    result = search_profile(hand_profile(), 4, batch_size=6, hardware=fast_net_slow_chips())
+    assert all(
+        6 % (e.plan.data_parallel_size * e.plan.num_microbatches) == 0 for e in result.ranked
+    )
+    assert any("batch does not divide" in d.reason for d in result.dropped)
+    assert "dropped:" in result.table()
+
+
+def test_planning_a_thousand_gpus():
+    """A 96-layer GPT-3-shaped model on 1024 A100s: every plan costed, none that does
+    not fit ranked (the time it takes is in BENCHMARKS.md, not asserted here)."""
+    with torch.device("meta"):
+        big = GPT(GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288))
+    result = plan_search(
+        big, 1024, batch_size=1536, example_inputs=torch.zeros(1, 2048, dtype=torch.long),
+        hardware="a100-80gb", precision="bf16",
+    )  # fmt: skip
+    assert len(result.ranked) > 100
+    assert all(e.fits for e in result.ranked)
+    assert result.best.plan.world_size == 1024
+
+
+# ---- auto --------------------------------------------------------------------------
+
+
+def test_auto_fixes_the_fields_it_is_given():
+    assert fixed_fields("auto") == {}
+    assert fixed_fields("auto,precision=bf16,pp=1") == {"precision": "bf16"}  # pp=1 default
+    choice = choose_plan(
+        gpt(), "auto,checkpointing=full", batch_size=8, example_inputs=tokens(), world_size=4,
+        hardware=hardware("cpu").with_nodes(1, 4),
+    )  # fmt: skip
+    assert choice.plan.checkpointing == "full" and choice.plan.world_size == 4
+    assert "plan=auto chose" in choice.describe()
+
+
+def test_auto_without_example_inputs_is_refused_with_the_fix():
+    with pytest.raises(MeshfitError, match="example_inputs"):
+        mf.parallelize(gpt(), "auto", loss_fn=F.cross_entropy)
+
+
+def test_fit_with_auto_plan_in_one_process_records_prediction_and_measurement(tmp_path):
+    model = gpt()
+    x = torch.randint(0, 256, (16, CONFIG.block_size))
+
+    def loss(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    history = mf.fit(model, (x, x), loss_fn=loss, batch_size=8, plan="auto", max_steps=4,
+                     log_every=1, progress=False)  # fmt: skip
+    assert history.planned["plan"] == str(history.engine.plan)
+    assert history.planned["memory_bytes"] > 0
+    assert history.planned["measured_step_time_s"] > 0
+
+
+def test_unknown_hardware_is_refused_with_the_known_names():
+    with pytest.raises(MeshfitError, match="a100-40gb"):
+        hardware("tpu-v5")
