@@ -123,6 +123,49 @@ def measure(rate: str | None, steps: int, quick: bool = False) -> list[dict]:
             return json.load(f)
 
 
+# Link rates in bytes/s for the planner; "none" is the unshaped veth pair, where gloo's
+# TCP over loopback-like links is the limit (the planner's nominal CPU figure).
+RATES = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8, "none": None}
+
+
+_MEASURED: list = []  # this machine, measured once per run of the script
+
+
+def predict(rate: str, quick: bool = False) -> dict[str, float]:
+    """The planner's step time for each plan on 2 hosts x 2 workers at `rate`: this
+    machine's matmul rate and per-operator cost measured here, halved because 4 workers
+    share 2 cores, the inter-host bandwidth set to the link's."""
+    import dataclasses
+
+    import torch
+
+    from meshfit.models import GPT, GPTConfig
+    from meshfit.planner import estimate, measure, profile_model
+
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
+    if quick:
+        config = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    with torch.device("meta"):
+        model = GPT(config)
+    profile = profile_model(model, torch.zeros(1, config.block_size, dtype=torch.long))
+    if not _MEASURED:
+        _MEASURED.append(measure(width=config.n_embd, processes=2))
+    here = _MEASURED[0]
+    share = min(1.0, (os.cpu_count() or 1) / 4)
+    hw = dataclasses.replace(
+        here,
+        matmul_flops={k: v * share for k, v in here.matmul_flops.items()},
+        op_overhead=here.op_overhead / share,
+        nodes=2,
+        devices_per_node=2,
+    )
+    if RATES.get(rate) is not None:
+        hw = dataclasses.replace(hw, inter_node_bandwidth=RATES[rate])
+    return {
+        plan: estimate(profile, plan, batch_size=32, hardware=hw).step_time.total for plan in PLANS
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="100mbit,1gbit,none", help="comma-separated tc rates")
@@ -130,9 +173,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, 100mbit")
     parser.add_argument("--out", default=None, help="write the rows here as JSON")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--predict", action="store_true", help="only the planner's predictions (no root needed)"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.quick)
+        return
+    if args.predict:
+        print("| link | plan | predicted step (s) |\n| --- | --- | --- |")
+        for rate in args.rates.split(","):
+            for plan, seconds in predict(rate, args.quick).items():
+                print(f"| {rate if rate != 'none' else 'unshaped'} | {plan} | {seconds:.3f} |")
         return
     if args.quick:
         args.rates, args.steps = "100mbit", 1
@@ -143,12 +195,19 @@ def main() -> None:
             rows.append({"link": rate if rate != "none" else "unshaped", **res})
             print(json.dumps(rows[-1]), flush=True)
         print(f"# {rate}: {time.monotonic() - started:.0f} s", flush=True)
-    print("\n| link | plan | median step (s) | steps (s) | MB sent per host per step |")
-    print("| --- | --- | --- | --- | --- |")
+    predicted = {rate: predict(rate, args.quick) for rate in args.rates.split(",")}
+    print(
+        "\n| link | plan | median step (s) | predicted (s) | steps (s) | MB sent per host per step |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
         steps = " ".join(f"{t:.2f}" for t in row["step_times"])
         mb = " / ".join(f"{m:.2f}" for m in row["host_mb_per_step"])
-        print(f"| {row['link']} | {row['plan']} | {row['median_s']:.3f} | {steps} | {mb} |")
+        rate = "none" if row["link"] == "unshaped" else row["link"]
+        guess = predicted[rate][row["plan"]]
+        print(
+            f"| {row['link']} | {row['plan']} | {row['median_s']:.3f} | {guess:.3f} | {steps} | {mb} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

@@ -15,6 +15,8 @@ Rows:
   (recomputation included). Two predictions: as meshfit runs the plan (the LM head whole
   on the last stage), and with the head split over tp as Megatron's vocabulary-parallel
   head is.
+- Megatron-LM Table 2: GPT-3 175B under ZeRO-3 without model parallelism on 384, 768
+  and 1536 A100s at batch 1536 (the network-bound case of sharded data parallel).
 - ZeRO (Rajbhandari et al. 2020, Figure 1 / Table 1): model-state memory per device of a
   7.5B model with Adam and mixed precision, 64-way sharding of everything (ZeRO-3):
   16 bytes x parameters / 64.
@@ -67,6 +69,29 @@ def megatron_rows() -> list[dict]:
                 "predicted": round(as_megatron.flops_per_device / 1e12, 1),
                 "predicted as meshfit runs it": round(as_meshfit.flops_per_device / 1e12, 1),
                 "memory per GPU (GiB)": round(as_megatron.memory.total / GIB, 1),
+            }
+        )
+    return rows
+
+
+def zero3_scaling_rows() -> list[dict]:
+    """Megatron-LM's Table 2: GPT-3 (174.6B) under ZeRO-3 alone (no model parallel) at
+    a fixed batch of 1536: the parameter gathers per GPU stay the same as GPUs are
+    added while each GPU's computation shrinks, so the network decides."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288))  # fmt: skip
+    profile = profile_model(model, torch.zeros(1, 2048, dtype=torch.long), tp=False)
+    rows = []
+    for gpus, published in ((384, 144), (768, 88), (1536, 44)):
+        plan = f"dp=1,fsdp={gpus},checkpointing=full,precision=bf16"
+        hw = hardware("a100-80gb", nodes=gpus // 8)
+        e = estimate(profile, plan, batch_size=1536, hardware=hw, compiled=True)
+        rows.append(
+            {
+                "run": f"Megatron-LM Table 2: GPT-3 ZeRO-3 alone, {gpus} A100, batch 1536",
+                "metric": "TFLOP/s per GPU",
+                "published": published,
+                "predicted": round(e.flops_per_device / 1e12, 1),
             }
         )
     return rows
@@ -136,7 +161,7 @@ def torchtitan_rows() -> list[dict]:
 
 def main() -> None:
     start = time.perf_counter()
-    rows = [*megatron_rows(), zero_row(), *torchtitan_rows()]
+    rows = [*megatron_rows(), *zero3_scaling_rows(), zero_row(), *torchtitan_rows()]
     print("| run | metric | published | predicted | off by |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -88,7 +88,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.plan:
         from meshfit.plan import Plan
 
-        Plan.parse(args.plan).validate()  # refuse a bad plan before starting workers
+        Plan.check_text(args.plan)  # refuse a bad plan before starting workers
     return run(
         RunOptions(
             target="meshfit.demo",
@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--plan",
         default=None,
-        help="the plan (e.g. tp=2,pp=2) for the script's parallelize / fit calls that give "
-        "none; a script that gives another one is refused",
+        help="the plan (e.g. tp=2,pp=2, or auto: the planner chooses) for the script's "
+        "parallelize / fit calls that give none; a script that gives another one is refused",
     )
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"

@@ -652,6 +652,8 @@ def as_plan(plan: Plan | str | None) -> Plan:
     """The Plan of `plan`; None is `meshfit run --plan`'s (MESHFIT_PLAN), else dp over
     every process. A plan given in code that differs from --plan's is refused."""
     given = os.environ.get("MESHFIT_PLAN")
+    if auto_requested(given):  # the planner chose `plan` for --plan auto
+        given = None
     from_command = Plan.parse(given) if given else None
     if plan is None:
         return from_command or Plan()

@@ -432,7 +432,7 @@ def run(options: RunOptions) -> int:
     if options.plan is not None:
         from meshfit.plan import Plan
 
-        Plan.parse(options.plan).validate()  # refuse bad text here, not in every worker
+        Plan.check_text(options.plan)  # refuse bad text here, not in every worker
         setup.env[PLAN_ENV] = options.plan
     # One node: a secret made here, kept in memory. Several: the one every node was given.
     secret = rendezvous.new_secret() if is_single_node(options) else None

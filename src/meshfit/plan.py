@@ -187,6 +187,17 @@ class Plan:
         return ",".join(parts)
 
     @classmethod
+    def check_text(cls, text: str) -> None:
+        """Refuse bad plan text early (the CLI, before any worker starts); "auto" and
+        "auto,precision=bf16" are for the planner and pass when their fields do."""
+        head, _, rest = text.replace(" ", "").partition(",")
+        if head == "auto":
+            if rest:
+                cls.parse(rest)
+            return
+        cls.parse(text).validate()
+
+    @classmethod
     def parse(cls, text: str) -> Plan:
         """Read a plan from "dp=2,tp=2,precision=bf16" (the form `str(plan)` writes)."""
         if not isinstance(text, str):

@@ -354,6 +354,9 @@ def _add_time(
         ops = sum(p.ops for p in parts) * (3 + recompute)
         ops += ((profile.head.ops if first else 0) + (profile.tail.ops if last else 0)) * 3
         launches = ops * hw.op_overhead * (0.3 if compiled else 1.0)
+        if plan.tp > 1:
+            redo = 1 + (1 if plan.checkpointing == "full" else 0)
+            launches += sum(p.tp_projections for p in parts) * hw.dtensor_overhead * redo
         t_mb = max(t_mb, launches) if hw.launch_ahead else t_mb + launches
         # tensor parallel: every row-parallel output is all-reduced, forward and backward
         for p in parts:

@@ -52,6 +52,8 @@ class Hardware:
         (meshfit's default): the unfused norms and activations cost more time.
     op_overhead: seconds of fixed cost per operator (Python, dispatch, kernel launch);
         a GPU runs it ahead of the kernels (`launch_ahead`), a CPU worker in line.
+    dtensor_overhead: seconds a tensor-parallel layer adds per forward and backward
+        (DTensor's dispatch in Python around the local matmul).
     """
 
     name: str
@@ -67,6 +69,7 @@ class Hardware:
     eager_efficiency: float = 1.0
     op_overhead: float = 10e-6
     launch_ahead: bool = True
+    dtensor_overhead: float = 300e-6
     source: str = "preset"
 
     @property
@@ -176,6 +179,7 @@ def this_machine(processes: int = 1) -> Hardware:
         latency=100e-6,
         op_overhead=15e-6,
         launch_ahead=False,
+        dtensor_overhead=1e-3,
         source="nominal CPU rates",
     )
 
@@ -220,13 +224,54 @@ def measure_op_overhead(repeats: int = 2000) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def measure_dtensor_overhead(repeats: int = 50) -> float | None:
+    """Seconds a column- plus a row-parallel Linear pair adds per forward and backward
+    over plain Linears, per layer, on a one-process mesh; None where a process group
+    already runs (the probe needs its own)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if dist.is_initialized():
+        return None
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x = torch.randn(2, 8, 16)
+
+        def pair() -> nn.Module:
+            return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+
+        def timed(model: nn.Module) -> float:
+            for _ in range(3):
+                model(x).sum().backward()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                model(x).sum().backward()
+            return (time.perf_counter() - start) / repeats
+
+        split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        return max(timed(split) - timed(pair()), 0.0) / 2
+    finally:
+        dist.destroy_process_group()
+
+
 def measure(width: int = 512, processes: int = 1) -> Hardware:
     """This machine with its matrix-product rate measured at `width` (fp32; bf16 too on
-    a GPU) and, on a CPU, its cost per operator. Rates differ between runs: plan on
+    a GPU), its cost per tensor-parallel layer and, on a CPU, per operator. Rates differ between runs: plan on
     every rank from the same numbers (measure on one and pass the Hardware on)."""
     base = this_machine(processes)
     if not torch.cuda.is_available():
         base = dataclasses.replace(base, op_overhead=measure_op_overhead())
+    dtensor = measure_dtensor_overhead()
+    if dtensor is not None:
+        base = dataclasses.replace(base, dtensor_overhead=dtensor)
     rates = {"fp32": measure_matmul_flops(width, "fp32")}
     if torch.cuda.is_available():
         rates["bf16"] = rates["fp16"] = measure_matmul_flops(width, "bf16")

@@ -59,6 +59,7 @@ class PartCost:
     input_bytes: float = 0.0  # the part's input ("full" recomputation keeps it; stages send it)
     tp_share: float = 0.0  # fraction of `params` tensor parallel splits
     tp_reductions: int = 0  # all-reduces of a tp forward (row-parallel outputs)
+    tp_projections: int = 0  # layers tp splits (each a DTensor dispatch, forward and backward)
     ops: int = 0  # operators its forward runs (each costs a fixed launch / dispatch time)
 
 
@@ -368,6 +369,7 @@ def _tensor_parallel_costs(
                 split += bias.numel()
         part.tp_share = split / part.params if part.params else 0.0
         part.tp_reductions = sum(1 for style in mine.values() if style == "rowwise")
+        part.tp_projections = len(mine)
     profile.max_tp = _largest_tp(model, plan)
 
 
