@@ -5,6 +5,7 @@ Memory measured against the prediction on CPU workers is in test_planner_memory.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshfit as mf
+from meshfit.checkpoint import META_FILE
 from meshfit.errors import MeshfitError
 from meshfit.models.gpt import GPT, GPTConfig
 from meshfit.plan import Plan
@@ -277,10 +279,12 @@ def test_fit_with_auto_plan_in_one_process_records_prediction_and_measurement(tm
         return F.cross_entropy(out.flatten(0, 1), t.flatten())
 
     history = mf.fit(model, (x, x), loss_fn=loss, batch_size=8, plan="auto", max_steps=4,
-                     log_every=1, progress=False)  # fmt: skip
+                     log_every=1, progress=False, checkpoint_dir=str(tmp_path))  # fmt: skip
     assert history.planned["plan"] == str(history.engine.plan)
     assert history.planned["memory_bytes"] > 0
     assert history.planned["measured_step_time_s"] > 0
+    meta = json.loads(next(tmp_path.glob(f"step-*/{META_FILE}")).read_text())
+    assert meta["extra"]["planned"]["plan"] == history.planned["plan"]
 
 
 def test_unknown_hardware_is_refused_with_the_known_names():

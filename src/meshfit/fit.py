@@ -932,11 +932,16 @@ def _save(
         save_checkpoint(
             engine,
             os.path.join(root, step_dir_name(step)),
-            extra={"fit": {"step": step, **asdict(config)}},
+            extra={"fit": {"step": step, **asdict(config)}, **_planned_extra(engine)},
             rank_state=rank_state,
             latest_root=root,
         )
         prune_checkpoints(root, keep)
+
+
+def _planned_extra(engine: Engine) -> dict[str, Any]:
+    """plan="auto": the planner's choice and prediction, kept in the checkpoint."""
+    return {"planned": engine.planned.as_record()} if engine.planned is not None else {}
 
 
 def _check_resume(meta: dict, config: _RunConfig, path: str) -> int:
