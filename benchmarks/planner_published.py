@@ -6,6 +6,7 @@ where each figure comes from). Nothing here is fitted to the rows it predicts: t
 efficiency constant is meshfit's own H100 measurement.
 
     python benchmarks/planner_published.py            # prints the Markdown table
+    python benchmarks/planner_published.py --out rows.json
 
 Rows:
 - Megatron-LM (Narayanan et al. 2021, Table 1): GPT 145.6B (tp=8, pp=8, 1536 A100s,
@@ -174,8 +175,9 @@ def main() -> None:
             f"{off:+.0f}% |"
         )
     print(f"\n({time.perf_counter() - start:.1f} s, torch {torch.__version__})", file=sys.stderr)
-    if "--json" in sys.argv:
-        print(json.dumps(rows, indent=1))
+    if "--out" in sys.argv:
+        with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

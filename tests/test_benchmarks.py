@@ -89,3 +89,17 @@ def test_cluster_bandwidth_benchmark_quick(tmp_path) -> None:
     rows = _run_quick("cluster_bandwidth.py", tmp_path, timeout=300)[1]["rows"]
     assert [(r["link"], r["plan"]) for r in rows] == [("100mbit", "dp=4"), ("100mbit", "dp=2,tp=2")]
     assert all(r["median_s"] > 0 and min(r["host_mb_per_step"]) > 0 for r in rows)
+
+
+def test_planner_gpu_benchmark_quick(tmp_path) -> None:
+    rows = _run_quick("planner_gpu.py", tmp_path, timeout=120)[1]["rows"]
+    assert rows[0]["measured_step_s"] > 0 and rows[0]["predicted_step_s"] > 0
+
+
+def test_planner_published_benchmark(tmp_path) -> None:
+    """The published-runs table is produced, and its arithmetic row holds: ZeRO-3's
+    model states for 7.5B parameters over 64 devices are 1.875 GB."""
+    rows = _run_quick("planner_published.py", tmp_path, timeout=180)[1]["rows"]
+    assert len(rows) == 10
+    zero = next(r for r in rows if r["run"].startswith("ZeRO-3, 7.5B"))
+    assert zero["predicted"] == 1.875
