@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -238,6 +239,7 @@ def test_search_drops_plans_the_batch_does_not_divide_and_says_why():
     assert "dropped:" in result.table()
 
 
+@pytest.mark.slow
 def test_planning_a_thousand_gpus():
     """A 96-layer GPT-3-shaped model on 1024 A100s: every plan costed, none that does
     not fit ranked (the time it takes is in BENCHMARKS.md, not asserted here)."""
@@ -290,3 +292,59 @@ def test_fit_with_auto_plan_in_one_process_records_prediction_and_measurement(tm
 def test_unknown_hardware_is_refused_with_the_known_names():
     with pytest.raises(MeshfitError, match="a100-40gb"):
         hardware("tpu-v5")
+
+
+# ---- the planner knows what meshfit refuses -------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_planner_refuses_exactly_the_zoo_cells_meshfit_refuses():
+    """Every (family, plan) cell of the model-zoo matrix (tests/test_model_zoo.py, which
+    runs them): the planner drops a cell if and only if meshfit refuses it there. A plan
+    the planner proposed and meshfit refused would stop plan="auto"."""
+    pytest.importorskip("transformers")
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    pytest.importorskip("keras")
+    from test_model_zoo import REFUSED
+    from zoo import FAMILIES
+
+    from meshfit.parallel.blocks import use_blocks
+    from meshfit.planner.search import ModelLimits, why_refused
+
+    disagreements = []
+    for name, family in FAMILIES.items():
+        torch.manual_seed(0)
+        dtype = getattr(torch, family.dtype)
+        model = family.build().to(dtype)
+        if family.options and "blocks" in family.options:
+            use_blocks(model, family.options["blocks"])
+        inputs, targets = family.batch(8, 0)
+        inputs = mf.trees.map_tensors(
+            inputs, lambda t, d=dtype: t.to(d) if t.is_floating_point() else t
+        )
+        limits = ModelLimits.of(
+            profile_model(model, inputs, loss_fn=family.loss(), example_targets=targets)
+        )
+        for cell in ("dp=2", "fsdp=2", "tp=2", "pp=2", "dp=2,pp=2"):
+            plan = Plan.parse(cell)
+            plan = plan.resolve(2 if plan.dp is None else plan.world_size)
+            planner = why_refused(plan, limits)
+            meshfit = REFUSED.get((name, cell))
+            if (planner is None) != (meshfit is None):
+                disagreements.append((name, cell, planner, meshfit))
+    assert not disagreements, disagreements
+
+
+@pytest.mark.slow
+def test_plan_auto_on_two_workers_trains_the_one_process_run():
+    """Both workers plan on their own and must arrive at the same plan (or the run
+    could not start); the run it trains is the one-process run."""
+    from helpers import assert_same_run
+    from workers import fit_run
+
+    spec = {"model": "gpt4", "steps": 4, "batch": 8, "samples": 32}
+    ref = fit_run({**spec, "plan": "dp=1"})
+    got = mf.launch(fit_run, nproc=2, args=({**spec, "plan": "auto"},))
+    assert Plan.parse(got["planned"]["plan"]).world_size == 2
+    assert got["planned"]["measured_step_time_s"] > 0
+    assert_same_run(got, ref)

@@ -288,7 +288,12 @@ def fit_run(spec: dict) -> dict:
     data = dataset(spec["model"], spec.get("samples", 64))
     history = mf.fit(model, data, **kwargs)
     state = history.engine.full_state_dict()
-    return {"losses": history.losses, "steps": [r["step"] for r in history], "state": state}
+    return {
+        "losses": history.losses,
+        "steps": [r["step"] for r in history],
+        "state": state,
+        "planned": history.planned,
+    }
 
 
 def raise_on_rank(rank_to_fail: int) -> int:

@@ -70,6 +70,7 @@ class Hardware:
     op_overhead: float = 10e-6
     launch_ahead: bool = True
     dtensor_overhead: float = 300e-6
+    separate_host_memory: bool = True  # False on CPU workers: offload frees nothing
     source: str = "preset"
 
     @property
@@ -180,6 +181,7 @@ def this_machine(processes: int = 1) -> Hardware:
         op_overhead=15e-6,
         launch_ahead=False,
         dtensor_overhead=1e-3,
+        separate_host_memory=False,
         source="nominal CPU rates",
     )
 

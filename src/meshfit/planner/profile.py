@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -42,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
 from meshfit.parallel.recompute import _SAVE as SELECTIVE_KEEPS
-from meshfit.trees import call_model, map_tensors, tensors_in
+from meshfit.trees import map_tensors, tensors_in
 
 
 @dataclass
@@ -77,6 +78,9 @@ class ModelProfile:
     tokens_per_sample: int
     param_bytes: int  # element size of the parameters (4: fp32)
     tp_error: str | None = None  # why tensor parallel cannot split this model
+    pp_error: str | None = None  # why meshfit's pipeline cut refuses it
+    own_weights_error: str | None = None  # why FSDP2 (and tp) cannot replace its weights
+    has_batchnorm: bool = False  # micro-batches would each be normalised alone
     max_tp: int = 1 << 30  # head counts and widths tp must divide
     block_kind: str = ""
     notes: list[str] = field(default_factory=list)
@@ -113,15 +117,57 @@ def profile_model(
         # Data-dependent code (.item(), a mask check) cannot run on meta: run the real model.
         profile = _profile(model, example_inputs, loss_fn, example_targets, on_meta=False)
         profile.notes.append(f"profiled on {_device_of(model)}: its forward cannot run on meta")
-    if tp:
-        _tensor_parallel_costs(model, find_blocks(model), example_inputs, profile)
+    stack = _blocks_or_none(model)
+    profile.has_batchnorm = any(isinstance(m, _BatchNorm) for m in model.modules())
+    if stack is None:
+        profile.tp_error = profile.pp_error = (
+            f"{type(model).__name__} has no stack of repeated blocks to split or cut"
+        )
+        return profile
+    profile.pp_error = _pipeline_refusal(model, stack, example_inputs)
+    if profile.own_weights_error:
+        profile.tp_error = profile.own_weights_error
+    elif tp:
+        _tensor_parallel_costs(model, stack, example_inputs, profile)
     return profile
+
+
+def _blocks_or_none(model: nn.Module) -> Any:
+    try:
+        return find_blocks(model)
+    except MeshfitError:
+        return None
+
+
+def _pipeline_refusal(model: nn.Module, stack: Any, example_inputs: Any) -> str | None:
+    """Why meshfit's pipeline cut would refuse the model (its pre-flight checks, on one
+    forward: a block that reads more than the previous block's output, a module outside
+    the blocks run between them), or None."""
+    from meshfit.parallel.pipeline.cut import _checked, _head_tail_parameters
+
+    head, tail = _head_tail_parameters(model, stack)
+    inputs = _first_samples(example_inputs, 1)
+    for on_meta in (True, False):
+        if not on_meta and _device_of(model).type == "meta":
+            return None  # no real forward to check on: the profile ran on meta
+        state = _meta_state(model) if on_meta else _clones(model)
+        device = torch.device("meta") if on_meta else _device_of(model)
+        moved = map_tensors(inputs, lambda t, d=device: t.to(d))
+        try:  # with autograd on: a side input that needs a gradient is one of the refusals
+            with _checked(model, stack, head, tail):
+                _call_functional(model, state, moved)
+            return None
+        except MeshfitError as error:
+            return str(error).split(";")[0]
+        except Exception:
+            continue  # meta cannot run it: the real forward next
+    return None
 
 
 def _profile(
     model: nn.Module, example_inputs: Any, loss_fn: Any, example_targets: Any, on_meta: bool
 ) -> ModelProfile:
-    stack = find_blocks(model)
+    stack = _blocks_or_none(model) or _NoBlocks()
     device = torch.device("meta") if on_meta else _device_of(model)
     inputs = map_tensors(example_inputs, lambda t: t.to(device))
     targets = map_tensors(example_targets, lambda t: t.to(device))
@@ -129,11 +175,14 @@ def _profile(
     samples = first[0].shape[0]
     tokens = first[0].shape[1] if first[0].dim() == 2 and not first[0].is_floating_point() else 1
 
-    state = _meta_state(model) if on_meta else None
-    params = {
-        t.untyped_storage()._cdata
-        for t in (state.values() if state is not None else model.parameters())
-    }
+    # Stand-ins for the weights (meta tensors, or clones: the user's own weights and
+    # BatchNorm statistics are never touched). A forward that still reads the originals
+    # keeps its own references to them, past the module's: FSDP2 and tp, which replace a
+    # module's parameters, would then train nothing (Keras layers do this).
+    state = _meta_state(model) if on_meta else _clones(model)
+    params = {t.untyped_storage()._cdata for t in state.values()}
+    originals = {p.untyped_storage()._cdata for p in model.parameters()}
+    own_weights = [False]
     keys = list(stack.keys)
     parts: dict[str, PartCost] = {k: PartCost() for k in ["head", *keys, "tail"]}
     current = ["head"]
@@ -173,7 +222,9 @@ def _profile(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()._cdata
-        if storage in params or storage in seen:
+        if storage in originals and not on_meta:
+            own_weights[0] = True
+        if storage in params or storage in seen or storage in originals:
             return t
         seen.add(storage)
         part = parts[current[0]]
@@ -211,10 +262,7 @@ def _profile(
             _SelectiveOutputs(kept),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
-            if state is not None:
-                outputs = _call_functional(model, state, inputs)
-            else:
-                outputs = call_model(model, inputs)
+            outputs = _call_functional(model, state, inputs)
             output_bytes = sum(_nbytes(t) for t in tensors_in(outputs) if t.is_floating_point())
             _run_loss(loss_fn, outputs, targets, pack)
             switch("tail")
@@ -226,7 +274,7 @@ def _profile(
         parts[key] = dataclasses.replace(parts[source])
 
     _count_parameters(model, stack, parts)
-    tied = _tied_parameters(model, stack)
+    tied = _tied_parameters(model, stack) if keys else 0
     return ModelProfile(
         name=type(model).__name__,
         blocks=[_per_sample(parts[k], samples) for k in keys],
@@ -237,8 +285,38 @@ def _profile(
         output_bytes=output_bytes / samples,
         tokens_per_sample=tokens,
         param_bytes=next(model.parameters()).element_size(),
-        block_kind=type(stack.blocks[0]).__name__,
+        block_kind=type(stack.blocks[0]).__name__ if keys else "",
+        own_weights_error=(
+            f"{type(model).__name__}'s forward reads its weights through references of "
+            f"its own, not its modules' parameters, which FSDP2 and tp replace"
+            if own_weights[0]
+            else None
+        ),
     )
+
+
+class _NoBlocks:
+    """A model without a stack of blocks: all of it is the head."""
+
+    name = ""
+    keys: list[str] = []
+    blocks: list[nn.Module] = []
+
+
+def _clones(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every parameter (requiring grad as the original) and buffer."""
+    state: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    named = [*model.named_parameters(remove_duplicate=False)]
+    named += [*model.named_buffers(remove_duplicate=False)]
+    for name, t in named:
+        if id(t) not in made:
+            copy = t.detach().clone()
+            if isinstance(t, nn.Parameter):
+                copy.requires_grad_(t.requires_grad)
+            made[id(t)] = copy
+        state[name] = made[id(t)]
+    return state
 
 
 def _meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -312,6 +390,9 @@ def _run_loss(loss_fn: Any, outputs: Any, targets: Any, pack: Callable) -> None:
 
 
 def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) -> None:
+    if not stack.keys:
+        parts["head"].params = sum(p.numel() for p in model.parameters())
+        return
     in_blocks: set[int] = set()
     for key, block in zip(stack.keys, stack.blocks, strict=True):
         unique = {id(p): p for p in block.parameters()}
@@ -375,17 +456,16 @@ def _tensor_parallel_costs(
 
 def _largest_tp(model: nn.Module, plan: dict[str, str]) -> int:
     """The greatest common divisor of what tp must divide: split widths and head counts."""
-    from meshfit.parallel.tensor import HEAD_ATTRS, KV_HEAD_ATTRS
+    from meshfit.parallel.tensor import HEAD_ATTRS, KV_HEAD_ATTRS, _dims, _is_projection
 
     sizes = []
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules.get(name)
-        weight = getattr(module, "weight", None)
-        if weight is None:
+        if module is None or not _is_projection(module):
             continue
         chunks = int(style.split(":")[1]) if ":" in style else 1
-        out_dim, in_dim = weight.shape[0], weight.shape[-1]
+        in_dim, out_dim = _dims(module)
         sizes.append((out_dim // chunks) if style.startswith("colwise") else in_dim)
     config = getattr(model, "config", None)
     for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):

@@ -80,14 +80,35 @@ class SearchResult:
         return "\n".join(lines)
 
 
+@dataclass
+class ModelLimits:
+    """What the model itself rules out (from its profile), each with the reason."""
+
+    num_blocks: int
+    max_tp: int = 1 << 30
+    tp_error: str | None = None
+    pp_error: str | None = None
+    fsdp_error: str | None = None  # FSDP2 cannot replace its weights
+    batchnorm: bool = False  # one micro-batch only (meshfit refuses more)
+
+    @classmethod
+    def of(cls, profile: ModelProfile) -> ModelLimits:
+        return cls(
+            num_blocks=len(profile.blocks),
+            max_tp=profile.max_tp,
+            tp_error=profile.tp_error,
+            pp_error=profile.pp_error,
+            fsdp_error=profile.own_weights_error,
+            batchnorm=profile.has_batchnorm,
+        )
+
+
 def candidate_plans(
     world_size: int,
     *,
-    num_blocks: int,
+    limits: ModelLimits,
     batch_size: int,
     devices_per_node: int,
-    max_tp: int = 1 << 30,
-    tp_possible: bool = True,
     precision: str = "fp32",
     offload: bool = True,
 ) -> tuple[list[Plan], list[Dropped]]:
@@ -99,12 +120,12 @@ def candidate_plans(
             for fsdp in _divisors(world_size // (pp * tp)):
                 dp = world_size // (pp * tp * fsdp)
                 base = Plan(dp=dp, fsdp=fsdp, tp=tp, pp=pp, precision=precision)
-                reason = _refusal(base, num_blocks, devices_per_node, max_tp, tp_possible)
+                reason = _refusal(base, limits, devices_per_node)
                 if reason:
                     dropped.append(Dropped(base, reason))
                     continue
-                for plan in _variants(base, offload):
-                    why = _refusal_of_variant(plan, batch_size, num_blocks)
+                for plan in _variants(base, offload and not limits.fsdp_error, limits):
+                    why = _refusal_of_variant(plan, batch_size, limits.num_blocks)
                     if why:
                         dropped.append(Dropped(plan, why))
                     else:
@@ -112,25 +133,46 @@ def candidate_plans(
     return plans, dropped
 
 
-def _refusal(plan: Plan, num_blocks: int, per_node: int, max_tp: int, tp_possible: bool) -> str:
-    if plan.tp > 1 and not tp_possible:
-        return "refused: tensor parallel finds nothing to split in this model"
-    if plan.tp > 1 and max_tp % plan.tp:
-        return f"refused: tp={plan.tp} does not divide the heads/widths (largest tp {max_tp})"
+def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:
+    if plan.tp > 1 and limits.tp_error:
+        return f"refused: {limits.tp_error}"
+    if plan.tp > 1 and limits.max_tp % plan.tp:
+        return (
+            f"refused: tp={plan.tp} does not divide the heads/widths (largest tp {limits.max_tp})"
+        )
     if plan.tp > per_node:
         return f"refused: tp={plan.tp} would span nodes ({per_node} devices per node)"
-    if plan.pp > num_blocks:
-        return f"refused: pp={plan.pp} exceeds the model's {num_blocks} blocks"
+    if plan.pp > 1 and limits.pp_error:
+        return f"refused: {limits.pp_error}"
+    if plan.pp > 1 and plan.pp > limits.num_blocks:
+        return f"refused: pp={plan.pp} exceeds the model's {limits.num_blocks} blocks"
+    if limits.fsdp_error and plan.uses_fsdp:
+        return f"refused: {limits.fsdp_error}"
     return ""
 
 
-def _variants(base: Plan, offload: bool):
-    recomputation = ("none", "selective", "full")
+def why_refused(plan: Plan, limits: ModelLimits, devices_per_node: int = 8) -> str | None:
+    """Why meshfit would refuse `plan` (dp resolved) for this model, as the search
+    knows it, or None: what the search never proposes."""
+    reason = _refusal(plan, limits, devices_per_node)
+    if reason:
+        return reason
+    if limits.batchnorm and plan.num_microbatches > 1:
+        return "refused: BatchNorm would normalise each micro-batch on its own"
+    return None
+
+
+def _variants(base: Plan, offload: bool, limits: ModelLimits):
+    recomputation = ("none", "selective", "full") if limits.num_blocks else ("none",)
     offloads = (False, True) if offload else (False,)
     if base.pp == 1:
         for ckpt in recomputation:
             for off in offloads:
                 yield dataclasses.replace(base, checkpointing=ckpt, offload=off)
+        return
+    if limits.batchnorm:  # BatchNorm: the one micro-batch GPipe runs whole
+        for ckpt in recomputation:
+            yield dataclasses.replace(base, microbatches=1, schedule="gpipe", checkpointing=ckpt)
         return
     for factor in (1, 2, 4, 8):
         for schedule in SCHEDULES:
@@ -172,13 +214,11 @@ def search_profile(
     """Rank every plan for `world_size` devices of `hardware` by predicted tokens/s."""
     plans, dropped = candidate_plans(
         world_size,
-        num_blocks=len(profile.blocks),
+        limits=ModelLimits.of(profile),
         batch_size=batch_size,
         devices_per_node=hardware.devices_per_node,
-        max_tp=profile.max_tp,
-        tp_possible=profile.tp_error is None,
         precision=precision,
-        offload=offload,
+        offload=offload and hardware.separate_host_memory,
     )
     fitting: list[Estimate] = []
     for plan in plans:
