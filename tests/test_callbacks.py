@@ -15,16 +15,15 @@ import meshfit as mf
 
 def _fit(tmp_path, callbacks=(), **extra) -> mf.History:
     model, loss_fn = build("mlp")
+    options = {"max_steps": 10, "log_every": 5, **extra}
     return mf.fit(
         model,
         dataset("mlp", 64),
         loss_fn=loss_fn,
         batch_size=8,
-        max_steps=10,
         progress=False,
-        log_every=5,
         callbacks=callbacks,
-        **extra,
+        **options,
     )
 
 
@@ -99,6 +98,70 @@ def test_csv_and_tensorboard_loggers_write_every_record(tmp_path) -> None:
     assert [e.step for e in events.Scalars("loss")] == list(range(1, 11))
     assert [e.step for e in events.Scalars("eval_loss")] == [5, 10]
     assert "lr" in events.Tags()["scalars"]
+
+
+def test_learning_rate_monitor_records_every_group_as_the_step_trains(tmp_path) -> None:
+    # Two groups (weights decayed, biases not) whose rates fall at different paces;
+    # each record must hold the rates its step trained with (the scheduler moves them
+    # inside the step: read after it, every record showed the next step's rate).
+    import torch
+
+    def optimizer(params):
+        params = list(params)
+        return torch.optim.SGD(
+            [
+                {"params": [p for p in params if p.ndim > 1], "name": "weights"},
+                {"params": [p for p in params if p.ndim == 1], "name": "biases", "lr": 0.2},
+            ],
+            lr=0.1,
+            momentum=0.9,
+            weight_decay=0.01,
+        )
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.5**s, lambda s: 1 / (1 + s)])
+
+    history = _fit(
+        tmp_path,
+        [mf.LearningRateMonitor(momentum=True)],
+        max_steps=4,
+        log_every=3,  # records of steps 1-3 made at step 3, when the rates have moved
+        optimizer=optimizer,
+        lr_scheduler=schedule,
+        loggers=["csv", "tensorboard"],
+        log_dir=str(tmp_path / "runs"),
+    )
+    weights = [0.1 * 0.5**s for s in range(4)]
+    biases = [0.2 / (1 + s) for s in range(4)]
+    records = history.records
+    assert [r["lr"] for r in records] == pytest.approx(weights)  # fit's own: group 0
+    assert [r["lr/weights"] for r in records] == pytest.approx(weights)
+    assert [r["lr/biases"] for r in records] == pytest.approx(biases)
+    assert all(r["momentum/weights"] == r["momentum/biases"] == 0.9 for r in records)
+    assert "weight_decay/weights" not in records[0]  # not asked for
+    with open(tmp_path / "runs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["lr/biases"]) for r in rows] == pytest.approx(biases)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("lr/biases")] == pytest.approx(biases)
+    assert os.path.getsize(history.plot(str(tmp_path / "lr.png"))) > 1000  # groups' panel
+
+
+def test_learning_rate_monitor_with_one_group_adds_only_what_is_asked(tmp_path) -> None:
+    import torch
+
+    history = _fit(
+        tmp_path,
+        [mf.LearningRateMonitor(momentum=True, weight_decay=True)],
+        max_steps=2,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, betas=(0.8, 0.99)),
+    )
+    record = history.records[-1]
+    assert record["lr"] == 1e-3 and record["momentum"] == 0.8 and record["weight_decay"] == 0.01
+    assert not [k for k in record if k.startswith("lr/")]  # one group: "lr" says it
 
 
 def test_bad_loggers_are_refused_with_the_fix(tmp_path) -> None:

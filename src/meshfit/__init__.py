@@ -1,7 +1,14 @@
 """meshfit: train a PyTorch model on many devices through one small API."""
 
 from meshfit import _worker_errors, losses, metrics
-from meshfit.callbacks import BestCheckpoint, Callback, CSVLogger, EarlyStopping, TensorBoardLogger
+from meshfit.callbacks import (
+    BestCheckpoint,
+    Callback,
+    CSVLogger,
+    EarlyStopping,
+    LearningRateMonitor,
+    TensorBoardLogger,
+)
 from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
 from meshfit.fit import History, fit
@@ -21,6 +28,7 @@ __all__ = [
     "EarlyStopping",
     "Engine",
     "History",
+    "LearningRateMonitor",
     "MeshfitError",
     "Plan",
     "TensorBoardLogger",
