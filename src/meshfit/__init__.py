@@ -12,6 +12,7 @@ from meshfit.callbacks import (
 from meshfit.engine import Engine, parallelize
 from meshfit.errors import MeshfitError
 from meshfit.fit import History, fit
+from meshfit.inference import predict
 from meshfit.launch import WorkerError, launch
 from meshfit.placement import place
 from meshfit.plan import Plan
@@ -41,5 +42,6 @@ __all__ = [
     "metrics",
     "parallelize",
     "place",
+    "predict",
     "verify",
 ]
