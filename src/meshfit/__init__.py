@@ -17,6 +17,7 @@ from meshfit.launch import WorkerError, launch
 from meshfit.placement import place
 from meshfit.plan import Plan
 from meshfit.verify import VerifyReport, verify
+from meshfit.wandb_logger import WandbLogger
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "Plan",
     "TensorBoardLogger",
     "VerifyReport",
+    "WandbLogger",
     "WorkerError",
     "__version__",
     "fit",

@@ -300,7 +300,13 @@ class TensorBoardLogger(Callback):
                 self.writer.add_scalar(key, value, record["step"])
 
 
-LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
+def _wandb(log_dir: str) -> Callback:
+    from meshfit.wandb_logger import WandbLogger  # its own module: wandb is an extra
+
+    return WandbLogger(log_dir)
+
+
+LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": _wandb}
 
 
 def make_loggers(names: Any, log_dir: str | None) -> list[Callback]:
