@@ -323,6 +323,7 @@ class RunOptions:
     threads: int | None = None
     hang_timeout: float | None = None  # seconds; None: the default, 0: off
     plan: str | None = None  # the plan for parallelize/fit calls that give none
+    torchrun_args: tuple[str, ...] = ()  # torchrun's own options, passed as they are
 
 
 PLAN_ENV = "MESHFIT_PLAN"  # meshfit run --plan: read by parallelize / fit (engine.as_plan)
@@ -399,6 +400,7 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
                 "--rdzv-id",
                 rdzv_id,
             ]
+    argv += list(options.torchrun_args)  # checked in run_config: none of the above
     if options.module:
         argv.append("--module")
     argv.append(options.target)
