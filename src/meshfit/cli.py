@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="'OPTIONS'",
         help="torchrun options passed as they are, in one quoted string split as a shell "
-        "would, e.g. --torchrun '--log-dir logs --redirects 3' (repeatable; those meshfit "
+        "would, e.g. --torchrun '--log-dir logs --redirects 3' or --torchrun=--tee=3 (repeatable; those meshfit "
         "sets itself, such as --nproc-per-node, are refused naming meshfit's option)",
     )
     run.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]")
