@@ -200,3 +200,82 @@ def test_example_runs_under_meshfit_run() -> None:
     result = meshfit("run", "--nproc", "2", example, "--steps", "20")
     assert result.returncode == 0, result.stderr
     assert "fit: loss" in result.stdout
+
+
+def _run_options(monkeypatch, *argv: str):
+    """The RunOptions `meshfit run ARGV` would start the workers with (none started)."""
+    import importlib
+
+    from meshfit.cli import main
+
+    launcher = importlib.import_module("meshfit.launch")  # mf.launch is the function
+    seen = []
+    monkeypatch.setattr(launcher, "run", lambda options: seen.append(options) or 0)
+    assert main(["run", *argv]) == 0
+    return seen[0]
+
+
+def test_run_config_file_with_the_command_line_winning(tmp_path, monkeypatch) -> None:
+    (tmp_path / "train.py").write_text("")
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'script = "train.py"\nargs = ["--lr", "3e-4"]\nnproc = 4\nplan = "tp=2"\n'
+        'max_restarts = 2\ndevices = [0, 2]\ntorchrun = ["--log-dir", "logs"]\n'
+    )
+    options = _run_options(monkeypatch, "--config", str(config))
+    assert options.target == str(tmp_path / "train.py")  # found beside the file
+    assert options.target_args == ("--lr", "3e-4")
+    assert (options.nproc, options.plan, options.max_restarts) == (4, "tp=2", 2)
+    assert options.devices == "0,2" and options.nnodes == 1
+    assert options.torchrun_args == ("--log-dir", "logs")
+    # the command line wins, option by option; its script replaces the file's and args
+    options = _run_options(
+        monkeypatch,
+        "--config",
+        str(config),
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "0",
+        "--torchrun",
+        "--redirects 3 --tee=1",
+        "other.py",
+        "--seed",
+        "1",
+    )
+    assert (options.nproc, options.plan, options.max_restarts) == (2, "tp=2", 0)
+    assert (options.target, options.target_args) == ("other.py", ("--seed", "1"))
+    assert options.torchrun_args == ("--log-dir", "logs", "--redirects", "3", "--tee=1")
+
+
+def test_run_config_and_torchrun_options_refused_with_the_fix(tmp_path) -> None:
+    config = tmp_path / "run.toml"
+    cases = [
+        ('scrpt = "train.py"\n', "unknown key(s) scrpt"),
+        ('script = "train.py"\nnproc = "four"\n', "nproc must be a whole number"),
+        ("nproc = [\n", "is not valid TOML"),
+        ('script = "t.py"\ntorchrun = ["--nproc_per_node", "4"]\n', "use --nproc instead"),
+        ('script = "t.py"\ntorchrun = ["--log-dri", "x"]\n', "torchrun has no option --log-dri"),
+    ]
+    for text, message in cases:
+        config.write_text(text)
+        result = meshfit("run", "--config", str(config))
+        assert result.returncode == 2 and message in result.stderr, (text, result.stderr)
+    result = meshfit("run", "--torchrun", "--master-port 1", "x.py")
+    assert "torchrun option --master-port is meshfit's to set: use --master" in result.stderr
+
+
+def test_run_config_starts_the_workers_with_torchrun_options_passed(tmp_path) -> None:
+    # torchrun's --redirects/--log-dir (passed through) send each worker's stdout to a
+    # file; the command line's --plan wins over the file's
+    config = tmp_path / "run.toml"
+    logs = tmp_path / "logs"
+    config.write_text(
+        f'script = "{os.path.join(SCRIPTS, "plan_from_command.py")}"\nnproc = 2\n'
+        f'plan = "fsdp=2"\ntorchrun = ["--log-dir", "{logs}", "--redirects", "1"]\n'
+    )
+    result = meshfit("run", "--config", str(config), "--plan", "dp=2", timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "plan:" not in result.stdout  # redirected
+    rank0 = list(logs.glob("**/attempt_0/0/stdout.log"))
+    assert len(rank0) == 1 and "plan: dp=2" in rank0[0].read_text()

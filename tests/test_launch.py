@@ -26,20 +26,66 @@ def test_dead_worker_is_reported_not_waited_for() -> None:
         mf.launch(die_on_rank, nproc=2, args=(1,))
 
 
-def test_interactive_functions_are_refused_up_front() -> None:
-    import sys
-    import types
+STDIN_SCRIPT = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-    main = types.ModuleType("__main__")  # a REPL / notebook __main__ has no __file__
-    fn = lambda: 0  # noqa: E731
-    fn.__module__ = "__main__"
-    saved = sys.modules["__main__"]
-    sys.modules["__main__"] = main
-    try:
-        with pytest.raises(mf.MeshfitError, match="move it into a .py module"):
-            mf.launch(fn, nproc=2)
-    finally:
-        sys.modules["__main__"] = saved
+import meshfit as mf
+
+OFFSET = 10  # a global of a __main__ that has no file: workers cannot import it
+
+
+class Doubler(torch.nn.Module):  # a class of that __main__ too
+    def forward(self, x):
+        return 2 * x
+
+
+def work(scale):
+    mf.parallelize(torch.nn.Linear(1, 1), "dp=2", loss_fn=F.mse_loss)  # joins the group
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return {"sum": total.item() * scale + OFFSET, "double": Doubler()(torch.ones(1)).item()}
+
+
+if __name__ == "__main__":
+    print("RESULT", mf.launch(work, nproc=2, args=(3,)))
+    print("LAMBDA", mf.launch(lambda: OFFSET + 1, nproc=2))
+"""
+
+
+def test_a_function_of_a_main_without_a_file_runs_on_workers() -> None:
+    # `python -` (stdin), like a notebook cell or python -c: spawned workers can neither
+    # import __main__.work nor run "<stdin>" again; it is sent by value (cloudpickle)
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("cloudpickle")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(
+        [sys.executable, "-"],
+        input=STDIN_SCRIPT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESULT {'sum': 19.0, 'double': 2.0}" in done.stdout  # (1 + 2) * 3 + 10
+    assert "LAMBDA 11" in done.stdout
+
+
+def test_only_functions_workers_cannot_import_go_by_value() -> None:
+    from meshfit.launch import sends_by_value
+
+    assert not sends_by_value(world_info)  # tests/workers.py: imported by name
+    assert sends_by_value(lambda: 0)
+
+    def nested() -> None: ...
+
+    assert sends_by_value(nested)
 
 
 def test_a_process_srun_started_several_times_over_is_refused(monkeypatch) -> None:

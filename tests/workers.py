@@ -1004,3 +1004,13 @@ def predict_runs(plans: list[str]) -> list[dict]:
         output = llama.predict({"input_ids": make_batch("gpt4", 8, 1)[0]})
         results.append({"gpt": logits, "llama": output.logits, "kind": type(output).__name__})
     return results
+
+
+def mf_predict_runs(checkpoint: str, plans: list[str]) -> list[torch.Tensor]:
+    """mf.predict as a user calls it after training: a fresh model, the checkpoint, a
+    plan, 13 inputs in global batches of 4 (the last one padded to split)."""
+    inputs = make_batch("gpt4", 13, 5)[0]
+    return [
+        mf.predict(build("gpt4")[0], inputs, checkpoint=checkpoint, plan=plan, batch_size=4)
+        for plan in plans
+    ]

@@ -31,6 +31,12 @@ class Callback:
     def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:
         """Before the first step (after a resume, at the resumed step)."""
 
+    def on_step_begin(self, step: int, engine: Any) -> dict[str, float] | None:
+        """Before training step `step` (numbered from 1): fields to add to that step's
+        record, e.g. the settings it trains with. Read host-side values here (no device
+        sync): the record itself is made at the next log."""
+        return None
+
     def on_step_end(self, record: dict[str, Any], engine: Any) -> bool | None:
         """After every step, with its record (one device sync per step: see the module
         doc; `on_log` costs nothing extra)."""
@@ -50,6 +56,10 @@ class Callback:
 
 def wants_every_step(callback: Callback) -> bool:
     return type(callback).on_step_end is not Callback.on_step_end
+
+
+def adds_fields(callback: Callback) -> bool:
+    return type(callback).on_step_begin is not Callback.on_step_begin
 
 
 class _Monitor:
@@ -157,6 +167,56 @@ class BestCheckpoint(Callback):
             )
 
 
+class LearningRateMonitor(Callback):
+    """Every parameter group's learning rate, as the step trains with it, in each
+    record (so in History, history.jsonl and every logger).
+
+    fit's records always carry "lr", the first group's rate. With several groups this
+    adds "lr/<name>" for each (the group's "name" key, else group0, group1, ...).
+    momentum=True adds "momentum" (SGD's momentum, Adam's beta1) and weight_decay=True
+    "weight_decay", per group ("momentum/<name>") when there are several."""
+
+    def __init__(self, momentum: bool = False, weight_decay: bool = False) -> None:
+        self.momentum, self.weight_decay = bool(momentum), bool(weight_decay)
+
+    def on_step_begin(self, step: int, engine: Any) -> dict[str, float] | None:
+        groups = engine.optimizer.param_groups
+        names = _group_names(groups)
+        fields: dict[str, float] = {}
+        for name, group in zip(names, groups, strict=True):
+            suffix = f"/{name}" if len(groups) > 1 else ""
+            if suffix:  # one group: fit's own "lr" is it
+                fields[f"lr{suffix}"] = _number(group["lr"])
+            if self.momentum and _momentum(group) is not None:
+                fields[f"momentum{suffix}"] = _momentum(group)
+            if self.weight_decay and "weight_decay" in group:
+                fields[f"weight_decay{suffix}"] = _number(group["weight_decay"])
+        return fields
+
+
+def _group_names(groups: list[dict[str, Any]]) -> list[str]:
+    """Each group's "name" when every group has a distinct one, else group0, group1..."""
+    names = [g.get("name") for g in groups]
+    if all(isinstance(n, str) and n and "/" not in n for n in names) and len(set(names)) == len(
+        names
+    ):
+        return names
+    return [f"group{i}" for i in range(len(groups))]
+
+
+def _momentum(group: dict[str, Any]) -> float | None:
+    if "betas" in group:  # Adam, AdamW, ...: beta1 plays momentum's part
+        return _number(group["betas"][0])
+    if "momentum" in group:
+        return _number(group["momentum"])
+    return None
+
+
+def _number(value: Any) -> float:
+    # a tensor lr (capturable / fused optimizers) lives on the CPU: no device sync
+    return float(value.item()) if hasattr(value, "item") else float(value)
+
+
 # ---- loggers ------------------------------------------------------------------------
 class CSVLogger(Callback):
     """`<log_dir>/metrics.csv`: one row per logged step, a column per field (written by
@@ -240,7 +300,13 @@ class TensorBoardLogger(Callback):
                 self.writer.add_scalar(key, value, record["step"])
 
 
-LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger}
+def _wandb(log_dir: str) -> Callback:
+    from meshfit.wandb_logger import WandbLogger  # its own module: wandb is an extra
+
+    return WandbLogger(log_dir)
+
+
+LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": _wandb}
 
 
 def make_loggers(names: Any, log_dir: str | None) -> list[Callback]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import traceback
 from typing import TYPE_CHECKING
@@ -45,28 +46,56 @@ def _devices(args: argparse.Namespace) -> int:
     return 0
 
 
+# meshfit run's options that a --config file may hold, and their defaults; the run
+# parser's own defaults are None so that an option given on the command line is known
+RUN_DEFAULTS = {
+    "nproc": None,
+    "devices": None,
+    "threads": None,
+    "max_restarts": 0,
+    "hang_timeout": None,
+    "nnodes": 1,
+    "node_rank": None,
+    "master": None,
+    "plan": None,
+}
+
+
 def _run(args: argparse.Namespace) -> int:
     from meshfit.launch import RunOptions, run
+    from meshfit.run_config import read_config, torchrun_passthrough
 
-    if not args.script:
+    config = read_config(args.config) if args.config else {}
+    if args.script:  # the command line's script replaces the file's, with its args
+        target, *rest = args.script
+        module = args.module
+    elif "script" in config or "module" in config:
+        target = config.get("script") or config["module"]
+        rest = list(config.get("args", []))
+        module = "module" in config or args.module
+    else:
         raise MeshfitError(
-            "meshfit run needs a script: meshfit run [options] train.py [script args]"
+            "meshfit run needs a script: meshfit run [options] train.py [script args], or "
+            "script = ... in a --config file"
         )
-    target, *rest = args.script
+    if config.get("script") and not args.script and not os.path.isabs(target):
+        # a script named in the file is found next to the file, wherever meshfit runs
+        beside = os.path.join(os.path.dirname(os.path.abspath(args.config)), target)
+        target = beside if os.path.isfile(beside) else target
+    chosen = {
+        key: getattr(args, key) if getattr(args, key) is not None else config.get(key, default)
+        for key, default in RUN_DEFAULTS.items()
+    }
+    passthrough = list(config.get("torchrun", []))
+    for text in args.torchrun or []:
+        passthrough += shlex.split(text)
     return run(
         RunOptions(
             target=target,
             target_args=tuple(rest),
-            module=args.module,
-            nproc=args.nproc,
-            devices=args.devices,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master=args.master,
-            max_restarts=args.max_restarts,
-            threads=args.threads,
-            hang_timeout=args.hang_timeout,
-            plan=args.plan,
+            module=module,
+            torchrun_args=torchrun_passthrough(passthrough),
+            **chosen,
         )
     )
 
@@ -277,8 +306,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"
     )
+    run.add_argument(
+        "--config",
+        default=None,
+        metavar="RUN.TOML",
+        help="the run's options in a TOML file (script, args, nproc, plan, devices, threads, "
+        "max_restarts, hang_timeout, nnodes, node_rank, master, torchrun); options on the "
+        "command line win over it",
+    )
+    run.add_argument(
+        "--torchrun",
+        action="append",
+        default=None,
+        metavar="'OPTIONS'",
+        help="torchrun options passed as they are, in one quoted string split as a shell "
+        "would, e.g. --torchrun '--log-dir logs --redirects 3' or --torchrun=--tee=3 (repeatable; those meshfit "
+        "sets itself, such as --nproc-per-node, are refused naming meshfit's option)",
+    )
     run.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]")
-    run.set_defaults(handler=_run)
+    run.set_defaults(handler=_run, **dict.fromkeys(RUN_DEFAULTS))
 
     demo = commands.add_parser(
         "demo",

@@ -398,7 +398,7 @@ class Engine:
         """The model's outputs on the GLOBAL batch `inputs` (a tensor, or a mapping the
         model takes as keywords), gathered whole on every rank as CPU tensors, in the
         model's own form; no gradients, evaluation mode. Every rank calls it."""
-        from meshfit.predict import predict
+        from meshfit.prediction import predict
 
         with watchdog.phase("evaluate", f"prediction after step {self.step_count}"):
             return predict(self, inputs)

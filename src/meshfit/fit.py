@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from meshfit import watchdog
 from meshfit.batch_errors import first_batch_explained
 from meshfit.callbacks import Callback as CallbackBase
-from meshfit.callbacks import make_loggers, wants_every_step
+from meshfit.callbacks import adds_fields, make_loggers, wants_every_step
 from meshfit.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
@@ -51,7 +51,8 @@ Callback = Callable[[int, Engine], None]
 
 @dataclass
 class History:
-    """What a `fit` run recorded: one dict per step ("step", "loss", "lr", "time", and
+    """What a `fit` run recorded: one dict per step ("step", "loss", "lr" (the first
+    parameter group's, as the step trained with it), "time", and
     "eval_loss" / "samples_per_s" / "tokens_per_s" on the steps where they were measured)."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -146,7 +147,7 @@ def fit(
     history_file: JSONL written by rank 0 (default: <checkpoint_dir>/history.jsonl).
     callbacks: `mf.Callback` objects (on_step_end / on_eval_end / on_log hooks that
         get each record and may stop the run by returning True; built-ins
-        mf.EarlyStopping, mf.BestCheckpoint), or functions called as cb(step, engine)
+        mf.EarlyStopping, mf.BestCheckpoint, mf.LearningRateMonitor), or functions called as cb(step, engine)
         on every rank after each step (and after that step's checkpoint, if any).
     loggers, log_dir: ["csv", "tensorboard"] write every record to log_dir
         (metrics.csv; TensorBoard event files, which need the tensorboard package).
@@ -236,10 +237,12 @@ def fit(
     try:
         for batch in loader:
             batch_inputs, batch_targets = engine.split_batch(reading.pick(batch))
+            # the rate this step trains with: the scheduler moves it inside step_local
+            lr = engine.optimizer.param_groups[0].get("lr", 0.0)
+            fields = hooks.step_fields(step + 1)
             loss = engine.step_local(batch_inputs, batch_targets)
             step += 1
-            lr = engine.optimizer.param_groups[0].get("lr", 0.0)
-            log.add(step, loss, lr, _real_tokens(batch_inputs, batch_targets))
+            log.add(step, loss, lr, _real_tokens(batch_inputs, batch_targets), fields)
             at_end = step == total_steps
             logged = step % log_every == 0 or at_end
             if logged or hooks.every_step:
@@ -297,6 +300,7 @@ class _Hooks:
         self.callbacks = callbacks
         self.engine = engine
         self.every_step = any(wants_every_step(c) for c in callbacks)
+        self.adding = [c for c in callbacks if adds_fields(c)]
         self.seen = 0  # records already handed out
         self.stop: str | None = None
 
@@ -304,6 +308,13 @@ class _Hooks:
         self.seen = seen  # a resumed run's earlier records are not handed out again
         for c in self.callbacks:
             c.on_train_begin(self.engine, checkpoint_dir)
+
+    def step_fields(self, step: int) -> dict[str, Any]:
+        """What the callbacks add to `step`'s record (on_step_begin)."""
+        fields: dict[str, Any] = {}
+        for c in self.adding:
+            fields.update(c.on_step_begin(step, self.engine) or {})
+        return fields
 
     def after_flush(self, records: list[dict[str, Any]]) -> None:
         for record in records[self.seen :]:
@@ -418,20 +429,27 @@ class _StepLog:
         self.batch_size = batch_size
         self.report_memory = report_memory
         self.records = records
-        # (step, loss, lr, metrics): read from the device at the next flush
-        self._pending: list[tuple[int, torch.Tensor, float, dict[str, torch.Tensor]]] = []
+        # (step, loss, lr, metrics, callbacks' fields): read at the next flush
+        self._pending: list[
+            tuple[int, torch.Tensor, float, dict[str, torch.Tensor], dict[str, Any]]
+        ] = []
         self._tokens: torch.Tensor | int | None = None  # this rank's real tokens since the last log
         self._last_time, self._last_step = time.perf_counter(), start_step
         self._start_time = time.perf_counter()
 
     def add(
-        self, step: int, loss: torch.Tensor, lr: float, tokens: torch.Tensor | int | None
+        self,
+        step: int,
+        loss: torch.Tensor,
+        lr: float,
+        tokens: torch.Tensor | int | None,
+        fields: dict[str, Any] | None = None,
     ) -> None:
         """Keep a step's loss and real-token count (still on the device) until the next
-        flush."""
+        flush, with the host-side fields callbacks add to its record."""
         if tokens is not None:
             self._tokens = tokens if self._tokens is None else self._tokens + tokens
-        self._pending.append((step, loss, lr, dict(self.engine.last_metrics)))
+        self._pending.append((step, loss, lr, dict(self.engine.last_metrics), fields or {}))
 
     def flush(self, step: int, log_line: bool) -> None:
         """Read the pending losses into records and show the status at `step`."""
@@ -470,11 +488,11 @@ class _StepLog:
 
     def _read_pending(self) -> None:
         # every pending loss and metric in one read from the device
-        flat = [loss.double() for _, loss, _, _ in self._pending]
-        flat += [v for *_, metrics in self._pending for v in metrics.values()]
+        flat = [loss.double() for _, loss, *_ in self._pending]
+        flat += [v for _, _, _, metrics, _ in self._pending for v in metrics.values()]
         read = torch.stack([t.reshape(()).to(flat[0].device) for t in flat]).tolist()
         values, rest = read[: len(self._pending)], iter(read[len(self._pending) :])
-        for (step, _, lr, metrics), value in zip(self._pending, values, strict=True):
+        for (step, _, lr, metrics, fields), value in zip(self._pending, values, strict=True):
             if not math.isfinite(value):
                 raise MeshfitError(
                     f"the loss became {value} at step {step}; lower the learning rate, set "
@@ -483,6 +501,7 @@ class _StepLog:
             elapsed = round(time.perf_counter() - self._start_time, 4)
             record = {"step": step, "loss": value, "lr": lr, "time": elapsed}
             record.update({name: next(rest) for name in metrics})
+            record.update({k: v for k, v in fields.items() if k not in record})
             self.records.append(record)
         self._pending.clear()
 

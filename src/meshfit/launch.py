@@ -181,8 +181,10 @@ def launch(
     result.
 
     Each worker is a fresh Python process (spawn) with RANK/WORLD_SIZE/... set, so
-    `mf.parallelize` inside `fn` joins the group by itself. `fn` and its arguments must be
-    importable and picklable (define `fn` in a module, not a notebook cell). If a worker
+    `mf.parallelize` inside `fn` joins the group by itself. `fn` may be defined in a
+    module, or where workers cannot import it (a notebook cell, `python -c`, a script
+    read from stdin, a lambda or a nested function): it is then sent by value with
+    cloudpickle, with its arguments and the globals it uses. If a worker
     raises, the same exception type is raised here with the worker's rank and traceback
     attached; if a worker dies (signal, exit), a WorkerError says which one. A rank that
     makes no progress for `hang_timeout` seconds (default 120, 0: off) while its peers
@@ -190,12 +192,6 @@ def launch(
     """
     if not callable(fn):
         raise MeshfitError(f"launch needs a function to run, not {fn!r}")
-    main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
-        raise MeshfitError(
-            f"{fn.__name__} is defined interactively (a notebook cell or the REPL), so the "
-            f"worker processes cannot import it; move it into a .py module and import it"
-        )
     if max_restarts < 0:
         raise MeshfitError(f"max_restarts must be >= 0, not {max_restarts}")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -218,21 +214,82 @@ def launch(
         monitor_interval=0.1,
         start_method="spawn",
     )
+    call = (fn, tuple(args), dict(kwargs or {}))
+    if sends_by_value(fn):
+        call = (ByValue.of(*call), (), {})
     try:
         with (
             _patched_environ({**setup.env, **loopback_env()}),
             rendezvous.using_secret(secret),
             _quiet_elastic_logs(logging.CRITICAL),
+            _main_without_phantom_file(),
         ):
-            results = elastic_launch(config, _worker_main)(
-                fn, tuple(args), dict(kwargs or {}), error_dir
-            )
+            results = elastic_launch(config, _worker_main)(*call, error_dir)
     except ChildFailedError as failed:
         raise _rebuild_worker_exception(error_dir, failed) from None
     finally:
         os.environ.pop(rendezvous.ROUND_ENV, None)  # set by the handler for the workers
         shutil.rmtree(error_dir, ignore_errors=True)
     return results[0]
+
+
+def sends_by_value(fn: Callable[..., Any]) -> bool:
+    """Whether spawned workers could not import `fn` by its name: defined in a __main__
+    with no file to run again (a notebook, `python -c`, a script on stdin), or a lambda
+    or a function nested in another."""
+    qualname = getattr(fn, "__qualname__", "")
+    return (getattr(fn, "__module__", None) == "__main__" and not _main_has_file()) or any(
+        part in qualname for part in ("<lambda>", "<locals>")
+    )
+
+
+def _main_has_file() -> bool:
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(path) and os.path.isfile(path)
+
+
+@dataclass(frozen=True)
+class ByValue:
+    """A call pickled by value with cloudpickle: the function's code and the globals it
+    uses travel to the workers, which need not import it. Plain pickle loads it (with
+    cloudpickle importable there: the workers run the same Python environment)."""
+
+    payload: bytes
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], args: tuple, kwargs: dict) -> ByValue:
+        try:
+            import cloudpickle
+        except ImportError:
+            raise MeshfitError(
+                f"{getattr(fn, '__qualname__', fn)} cannot be imported by the worker "
+                f"processes (a notebook cell, python -c, stdin, a lambda or a nested "
+                f"function) and sending it by value needs cloudpickle: pip install "
+                f"cloudpickle, or move it into a .py module"
+            ) from None
+        return cls(cloudpickle.dumps((fn, args, kwargs)))
+
+    def __call__(self) -> Any:
+        import pickle
+
+        fn, args, kwargs = pickle.loads(self.payload)
+        return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _main_without_phantom_file() -> Iterator[None]:
+    """Hide a __main__.__file__ that names no file (`python -` sets "<stdin>"): spawn
+    would run it again in every worker, which fails at start-up."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(path) or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: str) -> Any:
@@ -323,6 +380,7 @@ class RunOptions:
     threads: int | None = None
     hang_timeout: float | None = None  # seconds; None: the default, 0: off
     plan: str | None = None  # the plan for parallelize/fit calls that give none
+    torchrun_args: tuple[str, ...] = ()  # torchrun's own options, passed as they are
 
 
 PLAN_ENV = "MESHFIT_PLAN"  # meshfit run --plan: read by parallelize / fit (engine.as_plan)
@@ -399,6 +457,7 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
                 "--rdzv-id",
                 rdzv_id,
             ]
+    argv += list(options.torchrun_args)  # checked in run_config: none of the above
     if options.module:
         argv.append("--module")
     argv.append(options.target)

@@ -32,12 +32,17 @@ def plot_records(records: list[dict[str, Any]], path: str, title: str | None = N
         raise MeshfitError("there is nothing to plot: the run has no records")
     names = [n for n in dict.fromkeys(k for r in records for k in r) if _plotted(n, records)]
     panels = [n for n in names if not n.startswith("eval_")]
-    if len({r.get("lr") for r in records}) > 1:
+    # the rate of each parameter group (LearningRateMonitor's lr/<group>) shares a panel
+    rates = [k for k in dict.fromkeys(k for r in records for k in r) if k.startswith("lr/")]
+    if any(len({r.get(k) for r in records}) > 1 for k in ["lr", *rates]):
         panels.append("lr")
     figure, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), sharex=True)
     axes = [axes] if len(panels) == 1 else list(axes)
     for axis, name in zip(axes, panels, strict=True):
-        for shown, style in ((name, "-"), (f"eval_{name}", "o-")):
+        curves = [(name, "-"), (f"eval_{name}", "o-")]
+        if name == "lr" and rates:
+            curves = [(k, "-") for k in rates]
+        for shown, style in curves:
             points = [(r["step"], r[shown]) for r in records if _number(r.get(shown))]
             if points:
                 steps, values = zip(*points, strict=True)
