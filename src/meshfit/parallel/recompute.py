@@ -43,6 +43,9 @@ _SAVE = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
+# a mixture of experts' products (transformers' grouped_mm experts), where torch has it
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE.add(torch.ops.aten._grouped_mm.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -18,9 +18,13 @@ and of v (GPT-NeoX views its fused output per head first: a plain column split d
 Embedding inside a block that feeds split heads (T5's position bias) is split with them;
 integer sizes the attention's forward reads (GPT-2's `split_size`, T5's `n_heads`) are
 set to the local value when that reproduces tp rank 0's unsplit output on the traced
-input. The split model is checked on that input before training: a split that changes
-it is refused, as is a model with nothing to pair (a CNN). For an `nn.Sequential`
-model, Linears separated only by element-wise layers pair up.
+input. Experts kept as weight parameters of their own module (Mixtral's 3-D
+gate_up_proj / down_proj) are followed through the views taken of them to the products
+that multiply them, split per chunk / row-wise, and run on their local shards with one
+all-reduce after all experts (_WeightShard); the router stays whole. The split model is
+checked on that input before training: a split that changes it is refused, as is a
+model with nothing to pair (a CNN). For an `nn.Sequential` model, Linears separated
+only by element-wise layers pair up.
 
 Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
 "colwise:N" (fused, N chunks) | "rowwise" | a torch ParallelStyle}``.
@@ -150,7 +154,7 @@ def _note_weights(
         if name in trace.weights:
             split.weights[name] = trace.weights[name]
             owner = name.rsplit(".", 1)[0]
-            rows = {n for n in plan if n in trace.weights and plan[n] == "rowwise"}
+            rows = {n for n in plan if n.startswith(f"{owner}.") and plan[n] == "rowwise"}
             labels = trace.owner_outputs.get(owner, [])
             split.owners[owner] = tuple(i for i, label in enumerate(labels) if label & rows)
     for owner, why in whole.items():
