@@ -252,3 +252,31 @@ def test_encoder_and_fused_per_head_models_match_one_process_under_tp() -> None:
         for name, value in results[2]["state"].items():
             assert torch.equal(loaded[name], value), name
         assert len(engine.optimizer.state) == len(list(engine.user_model.parameters()))
+
+
+def test_recomputed_gpt2_trains_without_its_cache_and_says_so() -> None:
+    """GPT-2's config has use_cache=True: a block recomputed in backward appended its keys
+    to the cache a second time (24 keys for 12 queries, even in one process). The
+    training forward of a recomputed block runs without the cache, as Hugging Face's own
+    gradient checkpointing does, said once; the run is the plain one, and the model is
+    unchanged: its config keeps use_cache and its evaluation forward returns a cache."""
+    from workers import build_lm, lm_loss, optimizer_factory
+
+    ref = lm_run({"model": "gpt2"})
+    for mode in ("full", "selective"):
+        with pytest.warns(UserWarning, match=r"GPT2Block.*without the cache") as said:
+            got = lm_run({"model": "gpt2", "plan": f"checkpointing={mode}"})
+        assert len([w for w in said if "KV cache" in str(w.message)]) == 1
+        assert_same_run(got, ref, _rtol("gpt2"))
+
+    model = build_lm("gpt2")
+    engine = mf.parallelize(
+        model, "checkpointing=full", loss_fn=lm_loss("gpt2"), optimizer=optimizer_factory("sgd")
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.step(sft_batch("gpt2", 8, 0))
+    assert model.config.use_cache
+    with torch.no_grad():
+        out = model(input_ids=torch.ones(2, 5, dtype=torch.long))
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 5

@@ -393,6 +393,85 @@ def test_tp_plan_is_derived_from_the_computation_for_transformer_families() -> N
     assert share["GPTNeoXLayer"] >= 0.95
 
 
+class _BiasedExperts(torch.nn.Module):
+    """Experts with a bias after the down projection (as GPT-OSS's): split, each rank
+    would add it once to its partial sum."""
+
+    def __init__(self, experts: int = 2, width: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.up = torch.nn.Parameter(torch.randn(experts, hidden, width) / 4)
+        self.down = torch.nn.Parameter(torch.randn(experts, width, hidden) / 4)
+        self.down_bias = torch.nn.Parameter(torch.zeros(experts, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.up.shape[0]):
+            out = out + torch.tanh(x @ self.up[e].t()) @ self.down[e].t() + self.down_bias[e]
+        return out
+
+
+class _ExpertsBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.experts = _BiasedExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.experts(self.norm(x))
+
+
+class _ExpertsModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(_ExpertsBlock() for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_tp_splits_every_experts_mlp_of_a_mixture_of_experts() -> None:
+    """Mixtral keeps its experts as 3-D parameters (gate_up_proj [experts, 2 x
+    intermediate, hidden], down_proj [experts, hidden, intermediate]) that no Linear
+    holds: followed through the slices and transposes its forward takes of them to the
+    products that multiply them (F.linear per expert, or one grouped_mm), gate|up is
+    split per chunk and down row-wise; the router, whose softmax spans all experts,
+    stays whole. Experts read in a way the trace does not follow (batched_mm's bmm with
+    the weight first), or holding a bias the split would add once per rank, stay whole,
+    and the share line says why."""
+    pytest.importorskip("transformers")
+    from zoo import hf_mixtral
+
+    from meshfit.parallel.tensor import _derive, tp_share
+
+    layer = "model.layers.1.mlp"
+    for implementation in ("grouped_mm", "eager"):
+        model = hf_mixtral()
+        model.config._experts_implementation = implementation
+        split = _derive(model)
+        assert split.plan[f"{layer}.experts.gate_up_proj"] == "colwise:2", implementation
+        assert split.plan[f"{layer}.experts.down_proj"] == "rowwise", implementation
+        assert f"{layer}.gate.weight" not in split.plan and not split.whole
+        assert tp_share(model, split.plan)["MixtralDecoderLayer"] >= 0.95
+
+    model = hf_mixtral()
+    model.config._experts_implementation = "batched_mm"
+    split = _derive(model)
+    assert not any("experts" in name for name in split.plan)
+    assert split.whole == {"mlp.experts": "gate_up_proj: read by bmm, which tp does not split"}
+
+    # nothing else to split in these blocks: refused, saying why the experts stay whole
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"finds nothing to split in _ExpertsModel: .*; experts kept whole: experts also "
+        r"holds down_bias, which would stay whole; use dp, fsdp or pp",
+    ):
+        _derive(_ExpertsModel(), torch.zeros(2, 3, dtype=torch.long))
+
+
 def test_tp_refuses_a_cnn_with_the_plans_that_fit() -> None:
     class Stage(torch.nn.Module):
         def __init__(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 
 import pytest
@@ -17,7 +18,7 @@ pytest.importorskip("transformers")
 os.environ.setdefault("KERAS_BACKEND", "torch")
 pytest.importorskip("keras")
 
-from zoo import FAMILIES, many_zoo_runs, zoo_run  # noqa: E402
+from zoo import FAMILIES, hf_mixtral, many_zoo_runs, zoo_optimizer, zoo_run  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 from meshfit.verify import tolerance, weight_differences  # noqa: E402
@@ -63,9 +64,9 @@ def _check(specs: list[dict], results: list[dict], references: dict[str, dict]) 
     for spec, got in zip(specs, results, strict=True):
         if spec["model"] not in references:
             references[spec["model"]] = zoo_run({**spec, "plan": None})
-        print(
-            f"{spec['model']:10s} {spec['plan']:10s} {_verdict(spec, got, references[spec['model']])}"
-        )
+        verdict = _verdict(spec, got, references[spec["model"]])
+        split = f"; {got['tp_split']}" if got.get("tp_split") else ""
+        print(f"{spec['model']:10s} {spec['plan']:10s} {verdict}{split}")
 
 
 @pytest.mark.slow
@@ -88,3 +89,38 @@ def test_every_family_under_a_2d_plan_matches_one_process_or_is_refused() -> Non
         warnings.simplefilter("ignore")
         results = mf.launch(many_zoo_runs, nproc=4, args=(specs,))
     _check(specs, results, {})
+
+
+@pytest.mark.slow
+def test_mixtral_experts_split_under_tp_and_their_checkpoint_loads_in_one_process(
+    tmp_path,
+) -> None:
+    """tp=2 splits every expert's MLP of Mixtral (its 3-D gate_up_proj per chunk, its
+    down_proj row-wise) and trains the one-process run; the checkpoint it saves (gate|up
+    a strided shard) loads into one process with the same weights. Negative control:
+    gate|up split as one block (rank 0 all of gate, rank 1 all of up) is refused by the
+    split's check on the traced input, not trained."""
+    path = str(tmp_path / "ck")
+    specs = [
+        {"model": "mixtral", "plan": "tp=2", "save": path},
+        {"model": "mixtral", "plan": "tp=2", "experts_as_one_block": True},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, control = mf.launch(many_zoo_runs, nproc=2, args=(specs,))
+    share = re.fullmatch(
+        r"tensor parallel splits ([\d.]+)% of MixtralDecoderLayer parameters", got["tp_split"]
+    )
+    assert share and float(share[1]) >= 95, got["tp_split"]
+    print(_verdict(specs[0], got, zoo_run({"model": "mixtral", "plan": None})))
+    assert "moved by" in control["refused"], control
+
+    engine = mf.parallelize(
+        hf_mixtral(), None, loss_fn=FAMILIES["mixtral"].loss(), optimizer=zoo_optimizer
+    )
+    meta = engine.load(path)
+    assert mf.Plan.parse(meta["plan"]).tp == 2 and engine.step_count == 3
+    loaded = engine.user_model.state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in got["state"])
+    for name, value in got["state"].items():
+        assert torch.equal(loaded[name], value), name

@@ -10,8 +10,9 @@ vision code (BatchNorm CNNs, a ResNet whose stages differ in width) and meshfit'
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,19 +282,53 @@ def zoo_run(spec: dict) -> dict:
         from workers import scaled_gradient
 
         loss_fn = scaled_gradient(loss_fn, spec["grad_scale"])
-    engine = mf.parallelize(
-        model,
-        spec.get("plan"),
-        loss_fn=loss_fn,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        example_inputs=example,
-        **(family.options or {}),
-    )
+    with contextlib.ExitStack() as stack:
+        if spec.get("experts_as_one_block"):  # the negative control of the experts' split
+            stack.enter_context(_experts_split_as_one_block())
+        engine = mf.parallelize(
+            model,
+            spec.get("plan"),
+            loss_fn=loss_fn,
+            optimizer=zoo_optimizer,
+            example_inputs=example,
+            **(family.options or {}),
+        )
     losses = [float(engine.step(batch(step))) for step in range(3)]
+    if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
+        engine.save(spec["save"])
     state = engine.full_state_dict()
     if spec["model"].startswith("keras"):
         state = {str(i): v for i, v in enumerate(state.values())}
-    return {"losses": losses, "state": state}
+    result = {"losses": losses, "state": state}
+    if engine.plan.tp > 1:  # what fit's start-up line says tp split
+        from meshfit.parallel.tensor import describe_tp
+
+        result["tp_split"] = describe_tp(engine.user_model)
+    return result
+
+
+def zoo_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@contextlib.contextmanager
+def _experts_split_as_one_block() -> Iterator[None]:
+    """A deliberately wrong tp split of a mixture of experts: the fused gate|up weight
+    split as one block (rank 0 all of gate, rank 1 all of up) instead of per chunk."""
+    from unittest import mock
+
+    from meshfit.parallel import tensor
+
+    derived = tensor._weight_styles
+
+    def one_block(derivation: Any) -> dict:
+        styles = derived(derivation)
+        for style in styles.values():
+            style.weights = {n: (k, d, 1) for n, (k, d, _) in style.weights.items()}
+        return styles
+
+    with mock.patch.object(tensor, "_weight_styles", one_block):
+        yield
 
 
 def many_zoo_runs(specs: list[dict]) -> list[dict]:

@@ -16,6 +16,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -41,6 +43,20 @@ CASES = {
             intermediate_size=3072,
             num_attention_heads=12,
             num_hidden_layers=2,
+            vocab_size=256,
+        )
+    ),
+    # Mixtral-8x7B's shape (8 experts, top 2, 4 query heads per key/value head, FFN 3.5 x
+    # hidden) at a quarter of its width: the real one is 5.6 GB of fp32 experts per layer
+    "mixtral (8 experts at 1/4 of 8x7B's widths: 1024/3584)": lambda: MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
             vocab_size=256,
         )
     ),

@@ -8,11 +8,19 @@ op-level policy of torchtitan and Korthikanti et al. 2022).
 
 The block's `forward` is wrapped in place rather than the block in a wrapper module, so
 parameter names (and so checkpoints) do not change.
+
+A Hugging Face KV cache handed to a block would be appended to twice (its forward runs
+again in backward): GPT-2's attention then saw 24 keys for 12 queries. The training
+forward of a recomputed block runs without it (`use_cache=False`, no cache object), as
+Hugging Face's own gradient checkpointing does, and says so once; evaluation and
+`predict` (no recomputation) keep the cache, and the model itself is not changed.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +43,9 @@ _SAVE = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
+# a mixture of experts' products (transformers' grouped_mm experts), where torch has it
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE.add(torch.ops.aten._grouped_mm.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -48,15 +59,54 @@ def apply_recomputation(model: nn.Module, mode: str) -> nn.Module:
         if mode == "selective"
         else None
     )
+    said: set[str] = set()  # block kinds whose cache was left out (said once per model)
     for block in find_blocks(model).blocks:
         original = block.forward
 
         @functools.wraps(original)
-        def forward(*args, _original=original, **kwargs):
+        def forward(*args, _original=original, _block=block, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to redo
                 return _original(*args, **kwargs)
             extra = {"context_fn": context_fn} if context_fn is not None else {}
+            args, kwargs = _without_cache(_block, args, kwargs, said)
             return checkpoint(_original, *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = forward
     return model
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """A Hugging Face `Cache` (DynamicCache, ...), known by its type's bases so
+    transformers is not imported for models that do not use it."""
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers")
+        for c in type(value).__mro__
+    )
+
+
+def _without_cache(
+    block: nn.Module, args: tuple, kwargs: dict, said: set[str]
+) -> tuple[tuple, dict]:
+    """`block`'s arguments with no KV cache to append to and `use_cache` off (a block
+    that only reads the cache, `_can_checkpoint_with_cache` in transformers, keeps it)."""
+    if getattr(block, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    dropped = any(_is_kv_cache(a) for a in args) or any(_is_kv_cache(v) for v in kwargs.values())
+    dropped = dropped or kwargs.get("use_cache") is True
+    if not dropped:
+        return args, kwargs
+    args = tuple(None if _is_kv_cache(a) else a for a in args)
+    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache") is True:
+        kwargs["use_cache"] = False
+    kind = type(block).__name__
+    if kind not in said:
+        said.add(kind)
+        warnings.warn(
+            f"meshfit: recomputation runs each {kind}'s forward again in backward, which "
+            f"would append to the model's KV cache twice; the training forward runs "
+            f"without the cache (use_cache=False), as Hugging Face's gradient "
+            f"checkpointing does; evaluation and predict keep it",
+            stacklevel=3,
+        )
+    return args, kwargs

@@ -18,9 +18,13 @@ and of v (GPT-NeoX views its fused output per head first: a plain column split d
 Embedding inside a block that feeds split heads (T5's position bias) is split with them;
 integer sizes the attention's forward reads (GPT-2's `split_size`, T5's `n_heads`) are
 set to the local value when that reproduces tp rank 0's unsplit output on the traced
-input. The split model is checked on that input before training: a split that changes
-it is refused, as is a model with nothing to pair (a CNN). For an `nn.Sequential`
-model, Linears separated only by element-wise layers pair up.
+input. Experts kept as weight parameters of their own module (Mixtral's 3-D
+gate_up_proj / down_proj) are followed through the views taken of them to the products
+that multiply them, split per chunk / row-wise, and run on their local shards with one
+all-reduce after all experts (_WeightShard); the router stays whole. The split model is
+checked on that input before training: a split that changes it is refused, as is a
+model with nothing to pair (a CNN). For an `nn.Sequential` model, Linears separated
+only by element-wise layers pair up.
 
 Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
 "colwise:N" (fused, N chunks) | "rowwise" | a torch ParallelStyle}``.
@@ -28,12 +32,13 @@ Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import itertools
 import re
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
-from meshfit.trees import call_model, tensors_in
+from meshfit.trees import call_model, map_tensors, tensors_in
 
 TPPlan = dict[str, "str | ParallelStyle"]
 
@@ -81,6 +86,12 @@ class _Derivation:
     inputs: Any = None  # what the model was traced on (None: a Sequential, not traced)
     # {attention-like module name: {int attribute its forward reads: global value}}
     local_attrs: dict[str, dict[str, int]] = field(default_factory=dict)
+    # weight parameters in the plan (experts'), by qualified name: how they are multiplied
+    weights: dict[str, _Weight] = field(default_factory=dict)
+    # {module holding split weights: positions of its floating-point outputs to sum}
+    owners: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # {module (named inside its block): why its weights stay whole}
+    whole: dict[str, str] = field(default_factory=dict)
 
 
 def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
@@ -100,7 +111,7 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
             plan.update(_sequential_pairs(block, prefix=f"{stack.qualified(key)}."))
         if set(plan.values()) == {"colwise", "rowwise"}:
             return _Derivation(plan)
-    if not any(_is_projection(m) for b in stack.blocks for m in b.modules()):
+    if not any(_is_projection(m) or _own_weights(m) for b in stack.blocks for m in b.modules()):
         kinds = sorted(
             {type(m).__name__ for b in stack.blocks for m in b.modules()} - {"Sequential"}
         )
@@ -112,21 +123,42 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
     traces = _trace_blocks(model, units, inputs)
     modules = dict(model.named_modules())
     local_attrs: dict[str, dict[str, int]] = {}
+    split = _Derivation(plan)
     for name, _ in units:
         trace = traces.get(name)
         if trace is None:
             continue
-        block_plan = _classify(trace)
+        whole: dict[str, str] = {}
+        block_plan = _classify(trace, whole)
         plan.update(block_plan)
         local_attrs.update(_stored_sizes(modules, block_plan))
+        _note_weights(split, trace, block_plan, whole, prefix=f"{name}.")
     if "rowwise" not in plan.values():
+        kept = "".join(f"; {owner} kept whole: {why}" for owner, why in split.whole.items())
         raise _nothing_to_split(
             model,
             f"no matrix product in its blocks ({stack.name or 'the model'!r}) reads the block's "
             f"input and feeds, through per-element or per-head steps only, one that writes back "
-            f"to the block's output",
+            f"to the block's output{kept}",
         )
-    return _Derivation(plan, inputs, local_attrs)
+    split.inputs, split.local_attrs = inputs, local_attrs
+    return split
+
+
+def _note_weights(
+    split: _Derivation, trace: _BlockTrace, plan: dict[str, str], whole: dict[str, str], prefix: str
+) -> None:
+    """Record in `split` the weight parameters one block's plan splits, the outputs of
+    the modules holding them that their all-reduce sums, and why others stay whole."""
+    for name in plan:
+        if name in trace.weights:
+            split.weights[name] = trace.weights[name]
+            owner = name.rsplit(".", 1)[0]
+            rows = {n for n in plan if n.startswith(f"{owner}.") and plan[n] == "rowwise"}
+            labels = trace.owner_outputs.get(owner, [])
+            split.owners[owner] = tuple(i for i, label in enumerate(labels) if label & rows)
+    for owner, why in whole.items():
+        split.whole.setdefault(owner.removeprefix(prefix), why)
 
 
 def _nothing_to_split(model: nn.Module, reason: str) -> MeshfitError:
@@ -177,9 +209,23 @@ class _Call:
     """One projection call inside a block: where its input came from, and the operation
     that first read its output."""
 
-    name: str  # qualified module name
+    name: str  # qualified module name (a weight parameter's name: see _Weight)
     sources: frozenset[str]  # "H" (the block's input) and earlier projections' names
     chunks: int = 1  # > 1: the output was first split into this many equal parts
+    # labels of the integer operands (grouped_mm's offsets, from the router): they pick
+    # rows, so they must be the same on every rank, but they are not what is multiplied
+    side: frozenset[str] = frozenset()
+    read: bool = False  # its output was read once already (chunks is settled)
+
+
+@dataclass
+class _Weight:
+    """A weight parameter held by a module that is not a projection (a mixture of
+    experts' 3-D `gate_up_proj` [experts, 2 x intermediate, hidden]), as a matrix product
+    used it: which of its dimensions are the output and the input features."""
+
+    out_dim: int
+    in_dim: int
 
 
 @dataclass
@@ -190,21 +236,39 @@ class _BlockTrace:
     # OLMo2's q_norm): a rank holding a slice would normalise by its slice alone
     across_width: set[str] = field(default_factory=set)
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    # weight parameters multiplied inside the block: {qualified name: how}
+    weights: dict[str, _Weight] = field(default_factory=dict)
+    # weight parameters read some other way too (their values, not only their shape):
+    # left whole, {name: why}
+    misused: dict[str, str] = field(default_factory=dict)
+    # {module owning weight parameters: the labels of its floating-point outputs}
+    owner_outputs: dict[str, list[frozenset[str]]] = field(default_factory=dict)
 
 
 class _Flow(TorchFunctionMode):
     """Labels every tensor computed inside a block with where it came from: the block's
     input ("H") and/or the projections whose outputs it was computed from (a projection's
     output starts a fresh label: its own name). Weights and side inputs (masks, position
-    tables) carry no label."""
+    tables) carry no label.
 
-    def __init__(self) -> None:
+    Weight parameters of other modules (a mixture of experts' 3-D `gate_up_proj`) are
+    followed through the views a forward takes of them (one expert's slice, a transpose)
+    to the matrix product that multiplies them (`linear`, `matmul`, `grouped_mm`): that
+    product is a projection named after the parameter, called once however many experts
+    ran. A weight read any other way is recorded as misused and left whole."""
+
+    def __init__(self, trace: _BlockTrace) -> None:
         super().__init__()
+        self.trace = trace
         self.labels: dict[int, frozenset[str]] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while tracing
         self.fresh: dict[int, _Call] = {}  # projection outputs not read yet
         self.widths: dict[str, set[int]] = {}  # each projection's output (and chunk) width
         self.across_width: set[str] = set()
+        # {id of a weight parameter or a view of it: (parameter name, which parameter
+        # dimension each of the view's dimensions is)}
+        self.lineage: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.weight_calls: dict[str, _Call] = {}
 
     def label(self, tree: Any) -> frozenset[str]:
         found: frozenset[str] = frozenset()
@@ -217,24 +281,155 @@ class _Flow(TorchFunctionMode):
             self.labels[id(t)] = label
             self.alive.append(t)
 
+    def follow(self, name: str, weight: torch.Tensor) -> None:
+        self.lineage[id(weight)] = (name, tuple(range(weight.ndim)))
+        self.alive.append(weight)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        reads = getattr(func, "__name__", "") != "__get__"  # not `.shape` and the like
+        name = getattr(func, "__name__", "")
+        if self.lineage and self._weight_step(name, args, kwargs, out):
+            return out
+        reads = name != "__get__"  # not `.shape` and the like
         if reads and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.fresh:
             call = self.fresh.pop(id(args[0]))
-            call.chunks = _equal_last_dim_parts(func, args[0], out)
+            chunks = _equal_last_dim_parts(func, args[0], out)
+            if call.read and chunks != call.chunks:  # one weight, its products cut two ways
+                self.trace.misused.setdefault(call.name, "its products are cut two ways")
+            call.chunks, call.read = chunks, True
             if call.chunks > 1:
                 self.widths[call.name].add(args[0].shape[-1] // call.chunks)
         if args and isinstance(args[0], torch.Tensor) and _reduces_last_dim(func, args, kwargs):
             x = args[0]
-            for name in self.labels.get(id(x), frozenset()):
-                if x.shape[-1] > 1 and x.shape[-1] in self.widths.get(name, ()):
-                    self.across_width.add(name)
+            for label in self.labels.get(id(x), frozenset()):
+                if x.shape[-1] > 1 and x.shape[-1] in self.widths.get(label, ()):
+                    self.across_width.add(label)
+        if name in _FRESH:  # a new buffer of the input's shape holds none of its values
+            return out
         label = self.label((args, kwargs))
         if label:
             self.set(out, label | self.label(out) if _in_place(func) else label)
         return out
+
+    def _weight_step(self, name: str, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Follow a step that takes a weight parameter (or a view of one): a view, a
+        matrix product multiplying it (True: handled), or anything else (recorded as
+        misused: left whole; False: labelled as usual)."""
+        inside = [t for t in tensors_in((args, kwargs)) if id(t) in self.lineage]
+        if not inside:
+            return False
+        if name in _METADATA and not isinstance(out, torch.Tensor):
+            return False  # its shape, dtype or device only
+        held = [i for i, a in enumerate(args) if id(a) in self.lineage]
+        param, dims = self.lineage[id(inside[0])]
+        if len(inside) > 1:  # two weights in one step (a concatenation): left whole
+            for t in inside:
+                self.trace.misused.setdefault(
+                    self.lineage[id(t)][0], f"read by {name} with another weight"
+                )
+            return False
+        if held == [0] and name in _WEIGHT_VIEWS:
+            view = _view_dims(name, args, kwargs, dims)
+            if view is not None and isinstance(out, torch.Tensor):
+                self.lineage[id(out)] = (param, view)
+                self.alive.append(out)
+                return True
+        if held == [1] and name in _MATMULS and isinstance(out, torch.Tensor):
+            out_at, in_at = _MATMULS[name]
+            if len(dims) >= 2:
+                self._weight_call(param, _Weight(dims[out_at], dims[in_at]), args, kwargs, out)
+                return True
+        self.trace.misused.setdefault(param, f"read by {name}, which tp does not split")
+        return False
+
+    def _weight_call(
+        self, param: str, how: _Weight, args: tuple, kwargs: dict, out: torch.Tensor
+    ) -> None:
+        """A matrix product of `param`: one call per weight, its inputs' labels merged."""
+        others = tensors_in(([a for i, a in enumerate(args) if i != 1], kwargs))
+        sources = self.label([t for t in others if t.is_floating_point()])
+        side = self.label([t for t in others if not t.is_floating_point()])
+        known = self.trace.weights.setdefault(param, how)
+        if known != how:
+            self.trace.misused.setdefault(param, "it is multiplied along two layouts")
+        call = self.weight_calls.get(param)
+        if call is None:
+            call = self.weight_calls[param] = _Call(param, sources, side=side)
+            self.trace.calls.append(call)
+        else:
+            call.sources, call.side = call.sources | sources, call.side | side
+        self.set(out, frozenset({param}))
+        self.widths.setdefault(param, set()).add(out.shape[-1])
+        self.fresh[id(out)] = call
+
+
+# Matrix products that may multiply a weight parameter (or a view of one) as their second
+# operand, with the dimensions of that operand holding its (output, input) features:
+# F.linear takes the weight as (..., out, in), the others as (..., in, out).
+_MATMULS = {"linear": (-2, -1), "matmul": (-1, -2), "mm": (-1, -2), "bmm": (-1, -2),
+            "__matmul__": (-1, -2), "_grouped_mm": (-1, -2), "grouped_mm": (-1, -2),
+            "grouped_mm_fallback": (-1, -2)}  # fmt: skip
+# Steps that give a view or a cast of a weight: one expert's slice, its transpose.
+_WEIGHT_VIEWS = {"__getitem__", "transpose", "t", "permute", "to", "contiguous", "float",
+                 "double", "half", "bfloat16", "type_as"}  # fmt: skip
+# Steps that read a tensor's metadata only.
+_METADATA = {"__get__", "size", "dim", "stride", "numel", "is_contiguous", "data_ptr",
+             "element_size", "__len__", "is_floating_point", "get_device"}  # fmt: skip
+# Steps whose output holds none of their input's values (a new buffer of its shape, as
+# the zeros experts' outputs are added into).
+_FRESH = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
+          "new_empty", "new_full"}  # fmt: skip
+
+
+def _view_dims(name: str, args: tuple, kwargs: dict, dims: tuple[int, ...]) -> tuple | None:
+    """Which parameter dimension each dimension of a view of a weight is (None: a view
+    this does not follow)."""
+    if name in ("to", "contiguous", "float", "double", "half", "bfloat16", "type_as"):
+        return dims
+    n = len(dims)
+    if name == "t":
+        return dims[::-1] if n <= 2 else None
+    if name == "transpose":
+        a = kwargs.get("dim0", args[1] if len(args) > 1 else None)
+        b = kwargs.get("dim1", args[2] if len(args) > 2 else None)
+        if not isinstance(a, int) or not isinstance(b, int):
+            return None
+        swapped = list(dims)
+        swapped[a % n], swapped[b % n] = dims[b % n], dims[a % n]
+        return tuple(swapped)
+    if name == "permute":
+        order = args[1:]
+        if len(order) == 1 and isinstance(order[0], (tuple, list)):
+            order = tuple(order[0])
+        if sorted(int(i) % n for i in order) != list(range(n)):
+            return None
+        return tuple(dims[int(i) % n] for i in order)
+    if name == "__getitem__" and len(args) > 1:
+        return _indexed_dims(args[1], dims)
+    return None
+
+
+def _indexed_dims(index: Any, dims: tuple[int, ...]) -> tuple | None:
+    """The dimensions left after indexing leading dimensions (an expert by number, or
+    gathering experts by a 1-D id tensor); None for any other index."""
+    rest, kept, gathered = list(dims), [], 0
+    for item in index if isinstance(index, tuple) else (index,):
+        if not rest:
+            return None
+        if isinstance(item, slice) and item == slice(None):
+            kept.append(rest.pop(0))
+            continue
+        if isinstance(item, torch.Tensor):
+            if item.is_floating_point() or item.dtype == torch.bool or item.ndim > 1:
+                return None
+            gathered += item.ndim
+        elif not isinstance(item, int) or isinstance(item, bool):
+            return None
+        dim = rest.pop(0)
+        if isinstance(item, torch.Tensor) and item.ndim == 1:
+            kept.append(dim)
+    return tuple(kept + rest) if gathered <= 1 else None
 
 
 # Functions that combine the values along a tensor's last dimension.
@@ -303,7 +498,8 @@ def _trace_blocks(
         def hook(block: nn.Module, args: tuple, kwargs: dict) -> None:
             if current or key in traces:
                 return
-            flow, trace = _Flow(), _BlockTrace()
+            trace = _BlockTrace()
+            flow = _Flow(trace)
             hidden = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(hidden, torch.Tensor):
                 return
@@ -314,6 +510,8 @@ def _trace_blocks(
             for t in tensors_in(streams):
                 if t.is_floating_point():
                     flow.set(t, frozenset({"H"}))
+            for name, weight in _weights_of(block, key):
+                flow.follow(name, weight)
             traces[key] = trace
             current.append((key, flow, trace))
             flow.__enter__()
@@ -350,6 +548,13 @@ def _trace_blocks(
             flow.widths[call.name] = {output.shape[-1]}
             flow.fresh[id(output)] = call
 
+    def after_owner(module: nn.Module, args: tuple, output: Any) -> None:
+        if current:
+            _, flow, trace = current[-1]
+            trace.modules[names[id(module)]] = module
+            labels = [flow.label(t) for t in tensors_in(output) if t.is_floating_point()]
+            trace.owner_outputs[names[id(module)]] = labels
+
     def after_table(module: nn.Module, args: tuple, output: Any) -> None:
         if current:
             _, flow, trace = current[-1]
@@ -366,6 +571,8 @@ def _trace_blocks(
                 handles.append(module.register_forward_hook(after_projection))
             elif isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(after_table))
+            elif _own_weights(module):
+                handles.append(module.register_forward_hook(after_owner))
     training = model.training
     model.eval()
     try:
@@ -386,6 +593,23 @@ def _trace_blocks(
     return traces
 
 
+def _own_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The weight parameters (2-D or more) `module` itself holds, when it is not a
+    projection or an Embedding: a mixture of experts' stacked expert weights, a router."""
+    if _is_projection(module) or type(module).__module__.startswith("torch."):
+        return []  # torch's own layers (Embedding, Conv2d, norms) are no experts
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.ndim >= 2]
+
+
+def _weights_of(block: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
+    """(qualified name, parameter) of every weight of `block` held outside projections."""
+    return [
+        (f"{prefix}.{owner}.{n}" if owner else f"{prefix}.{n}", p)
+        for owner, module in block.named_modules()
+        for n, p in _own_weights(module)
+    ]
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0]
 
@@ -399,7 +623,7 @@ def _describe_inputs(inputs: Any) -> str:
 TABLE = "table:"  # the label of an Embedding's output inside a block
 
 
-def _classify(trace: _BlockTrace) -> dict[str, str]:
+def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[str, str]:
     """Megatron's pairs in one block's trace. A projection whose inputs are all replicated
     (the block input, a row-parallel output, an unsplit projection of those) is column-
     parallel; one whose inputs all come from column-parallel projections is row-parallel
@@ -408,8 +632,11 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
     residual stream, a norm over its whole width) cannot be split: it is demoted and the
     trace classified again.
     An Embedding inside the block whose output mixes into a row-parallel input (T5's
-    per-head position bias, (buckets, heads)) is split with the heads: column-parallel."""
-    demoted: set[str] = set(trace.across_width)
+    per-head position bias, (buckets, heads)) is split with the heads: column-parallel.
+    Weight parameters of other modules (experts) pair only within the module holding
+    them (see _owner_problems); why a module's weights stay whole goes into `whole`."""
+    demoted: set[str] = set(trace.across_width) | set(trace.misused)
+    whole = {} if whole is None else whole
     while True:
         state: dict[str, str] = {}
         bad: set[str] = set()
@@ -421,7 +648,12 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
             srcs = call.sources - tables
             replicated = {s for s in srcs if s == "H" or state.get(s) in ("row", "whole")}
             sharded = {s for s in srcs if state.get(s) == "col"}
-            if (
+            # integer operands (which rows an expert takes) must be alike on every rank
+            uneven = {s for s in call.side if state.get(s) == "col"}
+            if uneven:
+                state[call.name] = "whole"
+                bad |= uneven
+            elif (
                 call.name not in demoted
                 and srcs
                 and replicated == srcs
@@ -438,9 +670,12 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
         bad |= {s for s in trace.reaches_output if state.get(s) == "col"}
         read_by_row = {s for c in trace.calls if state.get(c.name) == "row" for s in c.sources}
         bad |= {n for n, s in state.items() if s == "col" and n not in read_by_row}
+        bad |= _owner_problems(trace, state, whole)
         if not bad:
             break
         demoted |= bad
+    for name, why in trace.misused.items():  # a module without a reason of its own above
+        whole.setdefault(name.rsplit(".", 1)[0], f"{name.rsplit('.', 1)[-1]}: {why}")
     plan: dict[str, str] = {n: "colwise" for n, s in state.items() if s == "table"}
     for call in trace.calls:
         if state.get(call.name) == "col":
@@ -448,6 +683,49 @@ def _classify(trace: _BlockTrace) -> dict[str, str]:
         elif state.get(call.name) == "row":
             plan[call.name] = "rowwise"
     return plan
+
+
+def _owner_problems(trace: _BlockTrace, state: dict[str, str], whole: dict[str, str]) -> set[str]:
+    """The column-parallel weights of modules whose weights cannot be split as a unit.
+    Such a module (a mixture of experts) runs on its local shards with one all-reduce at
+    its output, after every expert: that sums each rank's partial products only when
+    its weights pair among themselves, it holds no other parameter (a bias would be
+    added once per rank) and its input does not reach its output beside them."""
+    by_owner: dict[str, list[str]] = {}
+    for name in trace.weights:
+        if state.get(name) in ("col", "row"):
+            by_owner.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    bad: set[str] = set()
+    for owner, names in by_owner.items():
+        why = _owner_problem(trace, state, owner, names)
+        if why:
+            whole.setdefault(owner, why)
+            bad |= {n for n in names if state[n] == "col"}
+    return bad
+
+
+def _owner_problem(trace: _BlockTrace, state: dict[str, str], owner: str, names: list[str]) -> str:
+    """Why `owner`'s split weights `names` cannot be split as a unit ("" when they can)."""
+    leaf = owner.rsplit(".", 1)[-1]
+    module = trace.modules.get(owner)
+    held = dict(module.named_parameters(recurse=False)) if module is not None else {}
+    others = sorted(n for n in held if f"{owner}.{n}" not in names)
+    if others:
+        return f"{leaf} also holds {', '.join(others)}, which would stay whole"
+    rows = {n for n in names if state[n] == "row"}
+    for call in trace.calls:
+        outside = call.name not in names
+        if outside and any(s in names and state[s] == "col" for s in call.sources):
+            return f"{leaf}'s column-parallel products are read outside it ({call.name})"
+        if not outside and state[call.name] == "row":
+            if any(state.get(s) == "col" and s not in names for s in call.sources):
+                return f"{leaf}'s row-parallel products read products outside it"
+    outputs = trace.owner_outputs.get(owner, [])
+    if not any(label & rows for label in outputs):
+        return f"{leaf}'s output holds none of its row-parallel products"
+    if any(label & rows and "H" in label for label in outputs):
+        return f"{leaf} adds its input to its products, which tp would sum once per rank"
+    return ""
 
 
 def _roots(call: _Call, trace: _BlockTrace) -> set[str]:
@@ -473,7 +751,7 @@ def _stored_sizes(modules: dict[str, nn.Module], plan: dict[str, str]) -> dict[s
     `_settle_local_sizes` tries on the split model."""
     widths = set()
     for name, style in plan.items():
-        if style.startswith("colwise") and _is_projection(modules[name]):
+        if name in modules and style.startswith("colwise") and _is_projection(modules[name]):
             chunks = int(style.split(":")[1]) if ":" in style else 1
             widths.add(_dims(modules[name])[1] // chunks)
     owners = {name.rsplit(".", 1)[0] for name in plan if "." in name}
@@ -624,14 +902,19 @@ def apply_tensor_parallel(
     if tp_plan is None:
         derivation = _derive(model, example_inputs)
         plan: dict[str, Any] = dict(derivation.plan)
-        check_tp_plan(model, plan, tp)
+        check_tp_plan(model, {n: v for n, v in plan.items() if n not in derivation.weights}, tp)
+        _check_weight_sizes(model, derivation, tp)
         _check_local_sizes(derivation, tp)
     else:
         plan = {name: style for name, style in tp_plan.items()}
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
     modules = dict(model.named_modules())
     styles: dict[str, ParallelStyle] = {}
+    if derivation is not None:
+        styles.update(_weight_styles(derivation))
     for name, style in plan.items():
+        if derivation is not None and name in derivation.weights:
+            continue  # split with the module holding it (_weight_styles)
         if isinstance(style, ParallelStyle):
             styles[name] = style
         elif isinstance(style, str) and style.split(":")[0] in STYLES:
@@ -661,7 +944,37 @@ def apply_tensor_parallel(
             scaled = _column_weights(model, derivation.plan) if scale else []
             _settle_local_sizes(model, mesh, derivation, reference, scaled)
         _SHARES[model] = tp_share(model, derivation.plan)
+        _WHOLE[model] = dict(derivation.whole)
     return model
+
+
+def _weight_styles(derivation: _Derivation) -> dict[str, ParallelStyle]:
+    """{module holding split weight parameters: its _WeightShard}."""
+    by_owner: dict[str, dict[str, tuple[str, int, int]]] = {}
+    for name, how in derivation.weights.items():
+        owner, leaf = name.rsplit(".", 1)
+        kind, _, chunks = derivation.plan[name].partition(":")
+        dim = how.out_dim if kind == "colwise" else how.in_dim
+        by_owner.setdefault(owner, {})[leaf] = (kind, dim, int(chunks or 1))
+    return {
+        owner: _WeightShard(weights, derivation.owners.get(owner, ()))
+        for owner, weights in by_owner.items()
+    }
+
+
+def _check_weight_sizes(model: nn.Module, derivation: _Derivation, tp: int) -> None:
+    params = dict(model.named_parameters())
+    for name, how in derivation.weights.items():
+        kind, _, chunks = derivation.plan[name].partition(":")
+        parts = int(chunks or 1)
+        dim = how.out_dim if kind == "colwise" else how.in_dim
+        size = params[name].shape[dim] // parts
+        if size % tp:
+            each = f" in each of its {parts} fused parts" if parts > 1 else ""
+            raise MeshfitError(
+                f"tp={tp} does not divide {name}'s dimension {dim} of size {size}{each} "
+                f"({kind.removesuffix('wise')}-parallel splits it); use a tp that divides {size}"
+            )
 
 
 def _check_local_sizes(derivation: _Derivation, tp: int) -> None:
@@ -684,10 +997,12 @@ CHECK_SCALE = 16.0
 
 def _column_weights(model: nn.Module, plan: dict[str, str]) -> list[nn.Parameter]:
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     return [
-        modules[name].weight
+        modules[name].weight if name in modules else params[name]
         for name, style in plan.items()
-        if style.startswith("colwise") and _is_projection(modules[name])
+        if style.startswith("colwise")
+        and (name in modules and _is_projection(modules[name]) or name in params)
     ]
 
 
@@ -800,6 +1115,8 @@ def _plan_summary(plan: dict[str, str]) -> str:
 
 
 _SHARES: weakref.WeakKeyDictionary[nn.Module, dict[str, float]] = weakref.WeakKeyDictionary()
+# {model: {module inside a block: why tp left its weights whole}}
+_WHOLE: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
 def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
@@ -807,6 +1124,7 @@ def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
     `plan` splits over the tp ranks}: a column-parallel weight and bias, a row-parallel
     weight (its bias stays whole on every rank)."""
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     split: dict[str, int] = {}
     total: dict[str, int] = {}
     if type(model) is nn.Sequential:  # its layers are the pairs: one kind, the model
@@ -818,7 +1136,12 @@ def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
         total[kind] = total.get(kind, 0) + sum(p.numel() for p in block.parameters())
         prefix = f"{unit}." if unit else ""
         for name, style in plan.items():
-            if not name.startswith(prefix) or name not in modules:
+            if not name.startswith(prefix):
+                continue
+            if name in params and name not in modules:  # an experts' weight parameter
+                split[kind] = split.get(kind, 0) + params[name].numel()
+                continue
+            if name not in modules:
                 continue
             module = modules[name]
             count = module.weight.numel()
@@ -836,7 +1159,9 @@ def describe_tp(model: nn.Module) -> str | None:
     if not share:
         return None
     parts = ", ".join(f"{100 * v:.1f}% of {k} parameters" for k, v in share.items())
-    return f"tensor parallel splits {parts}"
+    whole = _WHOLE.get(model, {})
+    kept = "".join(f"; {owner} kept whole: {why}" for owner, why in sorted(whole.items()))
+    return f"tensor parallel splits {parts}{kept}"
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -921,6 +1246,68 @@ class _LocalShard(ParallelStyle):
     def __repr__(self) -> str:
         chunks = f", chunks={self.chunks}" if self.chunks > 1 else ""
         return f"_LocalShard({self.style}{chunks})"
+
+
+class _WeightShard(ParallelStyle):
+    """Megatron's split of the weight parameters a module multiplies itself (a mixture of
+    experts' 3-D gate_up_proj and down_proj): each named weight sharded on its output
+    features (column-parallel; chunk by chunk for a fused gate|up, so each rank keeps
+    matching halves of gate and of up) or its input features (row-parallel). The
+    module's own forward runs on the local shards: its floating-point inputs through f
+    (their gradients summed over the tp ranks), the outputs holding its row-parallel
+    products through g. One all-reduce after all experts, in forward and in backward."""
+
+    def __init__(self, weights: dict[str, tuple[str, int, int]], reduce: tuple[int, ...]) -> None:
+        super().__init__()
+        self.weights, self.reduce = weights, reduce  # {name: (style, dim, chunks)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        for name, (_, dim, chunks) in self.weights.items():
+            w = getattr(module, name)
+            layout = _StridedShard(dim, split_factor=chunks) if chunks > 1 else Shard(dim)
+            sharded = distribute_tensor(w.data, device_mesh, [layout])
+            setattr(module, name, nn.Parameter(sharded, w.requires_grad))
+        group, names, reduce = device_mesh.get_group(), tuple(self.weights), set(self.reduce)
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = map_tensors(
+                (args, kwargs),
+                lambda t: _CopyToTP.apply(t, group) if t.is_floating_point() else t,
+            )
+            with _local_weights(module, names):
+                out = original(*args, **kwargs)
+            position = itertools.count()
+
+            def summed(t: torch.Tensor) -> torch.Tensor:
+                if not t.is_floating_point():
+                    return t
+                return _ReduceFromTP.apply(t, group) if next(position) in reduce else t
+
+            return map_tensors(out, summed)
+
+        module.forward = forward
+        return module
+
+    def __repr__(self) -> str:
+        return f"_WeightShard({self.weights})"
+
+
+@contextlib.contextmanager
+def _local_weights(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    """`module`'s sharded weights `names` seen by its forward as their local shards
+    (differentiable: the gradient reaches the sharded parameter), read at call time so
+    FSDP2's unsharded parameters are the ones used."""
+    held = {n: module._parameters[n] for n in names}
+    try:
+        for n, p in held.items():
+            module._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
+        yield
+    finally:
+        module._parameters.update(held)
 
 
 @torch.no_grad()
