@@ -1136,20 +1136,26 @@ def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
         total[kind] = total.get(kind, 0) + sum(p.numel() for p in block.parameters())
         prefix = f"{unit}." if unit else ""
         for name, style in plan.items():
-            if not name.startswith(prefix):
-                continue
-            if name in params and name not in modules:  # an experts' weight parameter
-                split[kind] = split.get(kind, 0) + params[name].numel()
-                continue
-            if name not in modules:
-                continue
-            module = modules[name]
-            count = module.weight.numel()
-            bias = getattr(module, "bias", None)
-            if str(style).startswith("colwise") and bias is not None:
-                count += bias.numel()
-            split[kind] = split.get(kind, 0) + count
+            if name.startswith(prefix):
+                split[kind] = split.get(kind, 0) + split_numel(modules, params, name, style)
     return {kind: split.get(kind, 0) / n for kind, n in total.items() if n}
+
+
+def split_numel(
+    modules: dict[str, nn.Module], params: dict[str, nn.Parameter], name: str, style: object
+) -> int:
+    """Parameter elements plan entry `name` splits: a column-parallel weight and bias, a
+    row-parallel weight (its bias stays whole), an experts' weight parameter."""
+    if name in params and name not in modules:  # an experts' weight parameter
+        return params[name].numel()
+    module = modules.get(name)
+    if module is None or getattr(module, "weight", None) is None:
+        return 0
+    count = module.weight.numel()
+    bias = getattr(module, "bias", None)
+    if str(style).startswith("colwise") and bias is not None:
+        count += bias.numel()
+    return count
 
 
 def describe_tp(model: nn.Module) -> str | None:

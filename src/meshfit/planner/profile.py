@@ -438,16 +438,11 @@ def _tensor_parallel_costs(
         profile.tp_error = f"tracing for tensor parallel failed ({type(error).__name__})"
         return
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     for key, part in zip(stack.keys, profile.blocks, strict=True):
         prefix = f"{stack.qualified(repeats.get(key, key))}."
-        mine = {n: s for n, s in plan.items() if n.startswith(prefix) and n in modules}
-        split = 0
-        for name, style in mine.items():
-            module = modules[name]
-            split += module.weight.numel()
-            bias = getattr(module, "bias", None)
-            if style.startswith("colwise") and bias is not None:
-                split += bias.numel()
+        mine = {n: s for n, s in plan.items() if n.startswith(prefix)}
+        split = sum(tensor.split_numel(modules, params, n, s) for n, s in mine.items())
         part.tp_share = split / part.params if part.params else 0.0
         part.tp_reductions = sum(1 for style in mine.values() if style == "rowwise")
         part.tp_projections = len(mine)
