@@ -110,12 +110,12 @@ def measure_peak(
     if engine is not None:
         modules.append(engine.parallel_model)
         optimizers.append(engine.optimizer)
-    counter = _Counter()
+    device = _device_of(modules)
+    counter = _Counter(device)
     for module in modules:
         counter.note_module(module)
     for optimizer in optimizers:
         counter.note_optimizer(optimizer)
-    device = _device_of(modules)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -175,8 +175,11 @@ class _Counter(TorchDispatchMode):
     added) in order; `before` holds the keys alive from the start. Categories are tags
     by key, given whenever the counter learns what a storage is."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
+        # Only this device's bytes: on a GPU, a batch or an offloaded state on the CPU
+        # is not the device's memory.
+        self.device = device
         self._keys: dict[int, int] = {}  # id(storage) -> key, while the storage lives
         self._sizes: dict[int, int] = {}  # key -> bytes now (resize_ changes it)
         self._refs: dict[int, weakref.ref] = {}  # key -> weak reference with finalizer
@@ -211,16 +214,19 @@ class _Counter(TorchDispatchMode):
         for t in tensors:
             for st in _storages(t):
                 key = self._key(st, existed=True)
-                if category == OTHER:
+                if key is None or category == OTHER:
                     continue
                 old = self.tags.get(key)
                 if old is None or _PRECEDENCE.index(category) < _PRECEDENCE.index(old):
                     self.tags[key] = category
 
     # ---- following storages ------------------------------------------------------
-    def _key(self, st: torch.UntypedStorage, *, existed: bool) -> int:
+    def _key(self, st: torch.UntypedStorage, *, existed: bool) -> int | None:
         """The key of `st`, following it from now on if it is new: made now (an op's
-        output, `existed=False`) or alive before the call (counted from the start)."""
+        output, `existed=False`) or alive before the call (counted from the start);
+        None for another device's storage."""
+        if st.device != self.device:
+            return None
         key = self._keys.get(id(st))
         if key is None:
             return self._follow(st, st.nbytes(), existed=existed)
@@ -253,6 +259,8 @@ class _Counter(TorchDispatchMode):
             self._log(key, -self._sizes[key])
 
     def _resized(self, st: torch.UntypedStorage, old: int) -> None:
+        if st.device != self.device:
+            return
         key = self._keys.get(id(st))
         if key is None:  # not met before: it held `old` bytes from the start
             key = self._follow(st, old, existed=True)
