@@ -53,18 +53,20 @@ PLANS: list[tuple[str, int]] = [
     ("dp=2,tp=2,pp=2,schedule=1f1b,microbatches=4", 8),
 ]
 CATEGORIES = ("parameters", "gradients", "optimizer", "other")
+# --quick: a smoke test of the script (tiny model, one-process plans)
+TINY = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, bias=False)
 
 
-def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(step: int, config: GPTConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 + step)
-    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=g)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def measure(plan: str) -> dict:
+def measure(plan: str, config: GPTConfig = CONFIG) -> dict:
     """This rank's peak during step MEASURED_STEP of the GPT under `plan`."""
     torch.manual_seed(SEED)
-    model = GPT(CONFIG).to(DTYPE)
+    model = GPT(config).to(DTYPE)
     engine = mf.parallelize(
         model,
         None if plan == "none" else plan,
@@ -72,8 +74,8 @@ def measure(plan: str) -> dict:
         loss_fn=next_token_loss,
     )
     for step in range(1, MEASURED_STEP):
-        engine.step(make_batch(step))
-    batch = make_batch(MEASURED_STEP)
+        engine.step(make_batch(step, config))
+    batch = make_batch(MEASURED_STEP, config)
     gc.collect()  # what the earlier steps left for the collector is not this step's
     start = time.perf_counter()
     peak = measure_peak(lambda: engine.step(batch), engine=engine)
@@ -94,12 +96,12 @@ def measure(plan: str) -> dict:
     return row  # the engine goes with this frame; callers collect before the next plan
 
 
-def worker(plans: list[str]) -> list[list[dict]]:
+def worker(plans: list[str], config: GPTConfig) -> list[list[dict]]:
     """Every plan in one set of workers: per plan, every rank's row (rank order)."""
     torch.set_num_threads(1)
     out = []
     for plan in plans:
-        row = measure(plan)
+        row = measure(plan, config)
         gc.collect()
         rows: list[dict | None] = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
@@ -107,7 +109,7 @@ def worker(plans: list[str]) -> list[list[dict]]:
     return out
 
 
-def run_all(plans: list[tuple[str, int]]) -> list[dict]:
+def run_all(plans: list[tuple[str, int]], config: GPTConfig) -> list[dict]:
     results = []
     for nproc in sorted({n for _, n in plans}):
         names = [p for p, n in plans if n == nproc]
@@ -116,10 +118,10 @@ def run_all(plans: list[tuple[str, int]]) -> list[dict]:
             torch.set_num_threads(1)
             per_plan = []
             for plan in names:
-                per_plan.append([measure(plan)])
+                per_plan.append([measure(plan, config)])
                 gc.collect()
         else:
-            per_plan = mf.launch(worker, nproc=nproc, args=(names,))
+            per_plan = mf.launch(worker, nproc=nproc, args=(names, config))
         seconds = time.perf_counter() - start
         for plan, rows in zip(names, per_plan, strict=True):
             largest = max(rows, key=lambda r: r["total"])
@@ -140,27 +142,33 @@ def run_all(plans: list[tuple[str, int]]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-3d", action="store_true", help="skip the 8-worker plan")
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny, one process")
     parser.add_argument("--only", default=None, help="run only plans containing this text")
     parser.add_argument("--nproc", type=int, default=None, help="run only plans of this size")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    config = TINY if args.quick else CONFIG
     plans = [(p, n) for p, n in PLANS if not (args.no_3d and n == 8)]
+    if args.quick:
+        plans = [(p, n) for p, n in plans if n == 1]
     if args.nproc:
         plans = [(p, n) for p, n in plans if n == args.nproc]
     if args.only:
         plans = [(p, n) for p, n in plans if args.only in p]
     start = time.perf_counter()
-    results = run_all(plans)
+    results = run_all(plans, config)
     seconds = time.perf_counter() - start
     out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results", "planner_memory.json"
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"planner_memory{'-quick' if args.quick else ''}.json",
     )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(
             {
                 "benchmark": "planner-memory",
-                "config": vars(CONFIG),
+                "config": vars(config),
                 "batch": BATCH,
                 "dtype": str(DTYPE).removeprefix("torch."),
                 "optimizer": f"AdamW(lr={LR})",
@@ -176,8 +184,8 @@ def main() -> None:
         )
     mb = 2**20
     print(
-        f"GPT {CONFIG.n_layer} blocks x {CONFIG.n_embd}, vocab {CONFIG.vocab_size}, "
-        f"{BATCH} x {CONFIG.block_size} tokens, float32, AdamW; step {MEASURED_STEP}; "
+        f"GPT {config.n_layer} blocks x {config.n_embd}, vocab {config.vocab_size}, "
+        f"{BATCH} x {config.block_size} tokens, float32, AdamW; step {MEASURED_STEP}; "
         f"{seconds:.0f} s; {out}"
     )
     print("MiB, the rank with the largest peak (prof.: its total from torch.profiler):")
