@@ -85,6 +85,9 @@ class PeakMemory:
     phase: str  # where the peak was: "forward", "backward" or "optimizer"
     op: str  # the operator that reached the peak
     device: str
+    # The counter's largest total within each phase (a step's peak is often at the start
+    # of backward, before any gradient exists; the optimizer's holds every gradient).
+    phase_peaks: dict[str, int]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +143,7 @@ def measure_peak(
         phase=peak["phase"],
         op=peak["op"],
         device=str(device),
+        phase_peaks=peak["phase_peaks"],
     )
 
 
@@ -332,10 +336,13 @@ class _Counter(TorchDispatchMode):
         live = dict(self.before)
         total = best = sum(live.values())
         best_at = -1
-        for i, (_key, delta, _) in enumerate(self.events):
+        phase_peaks: dict[str, int] = {}
+        for i, (_key, delta, where) in enumerate(self.events):
             total += delta
             if total > best:
                 best, best_at = total, i
+            phase = self._where[where][0]
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), total)
         live = dict(self.before)
         for key, delta, _ in self.events[: best_at + 1]:
             live[key] = live.get(key, 0) + delta
@@ -343,7 +350,13 @@ class _Counter(TorchDispatchMode):
         for key, size in live.items():
             result[self.tags.get(key, OTHER)] += size
         phase, op = self._where[self.events[best_at][2]] if best_at >= 0 else ("forward", "start")
-        result.update(total=best, before=sum(self.before.values()), phase=phase, op=op)
+        result.update(
+            total=best,
+            before=sum(self.before.values()),
+            phase=phase,
+            op=op,
+            phase_peaks=phase_peaks,
+        )
         return result
 
 
