@@ -43,6 +43,23 @@ def test_a_buffer_only_written_in_place_counts_from_the_start() -> None:
     assert peak.total == 8_000 and peak.before == 4_000
 
 
+def test_a_temporary_made_out_of_sight_counts_from_where_it_is_met() -> None:
+    # Like gloo's copy inside reduce_scatter_single: made by C++ without an operator the
+    # probe sees, used, freed inside the call. Counted from the start it would overlap a.
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def step() -> None:
+        a = torch.empty(1000)  # 4,000 B, freed before the hidden one exists
+        del a
+        with _disable_current_modes():
+            hidden = torch.empty(2000)  # 8,000 B
+        hidden.add_(1)
+        del hidden
+
+    peak = measure_peak(step)
+    assert peak.total == 8_000 and peak.before == 0
+
+
 def test_storage_resize_is_followed() -> None:
     # FSDP2 frees and refills its gathered parameters with storage.resize_.
     t = torch.empty(1000)

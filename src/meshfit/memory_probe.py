@@ -28,9 +28,11 @@ So this module keeps a smaller counter with the same mechanism and other bookkee
   - every storage an operator reads or writes is followed (deduplicated by storage,
     freed through a weak-reference finalizer, `UntypedStorage.resize_` followed since
     FSDP2 frees and refills its unsharded parameters that way);
-  - a storage first met as an operator's INPUT, that the counter never saw made, existed
-    before the step (DDP buckets, pipeline buffers, the batch): it is counted from the
-    start, by replaying the step's allocation log at the end;
+  - a storage first met as an operator's INPUT, that the counter never saw made, and
+    still alive after the call existed before it (DDP buckets, pipeline buffers, the
+    batch): it is counted from the start, by replaying the call's allocation log at the
+    end; one that dies inside the call was made out of sight (by C++ in a collective)
+    and counts from where it was first met;
   - categories are decided by what a storage IS, not by when it was made: a parameter's
     (or its DTensor shard's) storage, a storage that is some parameter's .grad when an
     optimizer steps (or at the end), or a tensor in the optimizer's state. Everything
@@ -191,6 +193,7 @@ class _Counter(TorchDispatchMode):
         self.events: list[tuple[int, int, int]] = []  # (key, delta, index into _where)
         self._where: list[tuple[str, str]] = [("forward", "start")]  # (phase, op)
         self.tags: dict[int, str] = {}
+        self._met: dict[int, int] = {}  # key -> its event, first met as an input inside
         self._active = False
         self._in_optimizer = False
         self._handles: list[Any] = []
@@ -245,9 +248,11 @@ class _Counter(TorchDispatchMode):
         self._keys[id(st)] = key
         self._sizes[key] = size
         self._refs[key] = weakref.ref(st, lambda _, key=key, sid=id(st): self._freed(key, sid))
-        if existed:
+        if existed and not self._active:
             self.before[key] = size
         else:
+            if existed:  # met inside the call: which of the two cases, `peak` decides
+                self._met[key] = len(self.events)
             self.events.append((key, size, len(self._where) - 1))
         return key
 
@@ -333,6 +338,19 @@ class _Counter(TorchDispatchMode):
     # ---- the peak ----------------------------------------------------------------
     def peak(self) -> dict[str, Any]:
         """Replay the log: the first moment of the largest total, and what was live."""
+        # A storage first met as an operator's input inside the call and still alive
+        # after it (DDP's buckets, pipeline buffers, the batch) was there from the
+        # start. One freed inside the call was made there by C++ out of our sight:
+        # gloo's reduce_scatter_single on CPU splits a copy of its input it made
+        # itself (measured under fsdp=2: the size of every gradient, which counted
+        # from the start put 3.4 MB too many into the step's peak). It counts from
+        # where it was first met.
+        for key, i in self._met.items():
+            if key in self._refs:
+                _, size, where = self.events[i]
+                self.before[key] = size
+                self.events[i] = (key, 0, where)
+        self._met.clear()
         live = dict(self.before)
         total = best = sum(live.values())
         best_at = -1
