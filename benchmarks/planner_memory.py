@@ -199,7 +199,11 @@ def main() -> None:
         print(
             f"{r['plan']:<46} {big['rank']:>4} "
             + " ".join(f"{big[k] / mb:>7.2f}" for k in ("total", *CATEGORIES))
-            + f" {where['check_profiler_total'] / mb:>7.2f}"
+            + (
+                f" {where['check_profiler_total'] / mb:>7.2f}"
+                if where["check_profiler_total"] is not None
+                else f" {'n/a':>7}"
+            )
             + f"  {where['phase']} ({where['op']})"
         )
 

@@ -378,7 +378,7 @@ class _Counter(TorchDispatchMode):
         return result
 
 
-def profiled_peak(step_fn: Callable[[], Any]) -> int:
+def profiled_peak(step_fn: Callable[[], Any]) -> int | None:
     """The peak of the same call from torch.profiler's memory profile: a slower count
     with no categories, kept as an independent check of `measure_peak`'s total. It
     starts from the allocator's own events (allocations made in C++ without an
@@ -392,10 +392,17 @@ def profiled_peak(step_fn: Callable[[], Any]) -> int:
     with profile(
         activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
     ) as prof:
-        step_fn()
+        step_fn()  # the call runs whatever becomes of the check
+    try:
+        timeline = prof._memory_profile().timeline
+    except AssertionError:
+        # torch 2.13's profiler refuses some graphs it builds itself ("duplicate
+        # outputs: ScaledDotProductFlashAttentionForCpuBackward0", seen under a plan
+        # on CPU workers): no check then, rather than no measurement.
+        return None
     total = best = 0
     # Sizes of allocations the profiler ties to no tensor come negative on release.
-    for _, action, _, size in prof._memory_profile().timeline:
+    for _, action, _, size in timeline:
         if action in (Action.PREEXISTING, Action.CREATE):
             total += abs(size)
         elif action is Action.DESTROY:
