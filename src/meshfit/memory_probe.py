@@ -8,21 +8,28 @@ rank is checked against `measure_peak(lambda: engine.step(batch), engine=engine)
     peak.total, peak.parameters, peak.gradients, peak.optimizer, peak.other
 
 Why not torch's own MemTracker (torch.distributed._tools.mem_tracker): it is the same
-idea (a TorchDispatchMode that follows storages through weak references), but measured
-on meshfit's engine (torch 2.13, CPU) it cannot serve every plan:
-  - any plan that calls the model more than once per step raises NotImplementedError
-    ("MemTracker does not support memory tracking for multiple iterative calls"): the
-    root module's second forward is refused, so gradient accumulation (microbatches=2
-    in one process) fails, and so does every pipeline schedule (each stage runs a
-    forward per micro-batch);
-  - it files a tensor under the category of the phase that created it, so at the peak
-    its "Optstate" includes the optimizer step's temporaries (and would hold every
-    allocation of a step whose peak is in AdamW), and its "Gradient" misses gradients
-    produced by FSDP2's reduce-scatter (filed as "Temp": no hook of its sees them);
-  - it counts only outputs of operators, so a buffer made before the step and only ever
-    written in place (DDP's gradient buckets, pipeline receive buffers) is invisible.
-FSDPMemTracker is a MemTracker with FSDP2 hooks: it inherits the first limit (and
-needs the FSDP root module, which a pipeline stage or a DDP plan does not have).
+idea (a TorchDispatchMode that follows storages through weak references), and where it
+runs its total agrees with this one (one process, tp=2, fsdp=2: equal, less the batch it
+never counts). Measured on meshfit's engine (torch 2.13, CPU, 2026-11-23), it cannot
+serve every plan:
+  - a plan that calls the model more than once per step raises NotImplementedError
+    ("MemTracker does not support memory tracking for multiple iterative calls": a
+    root module's second forward is refused): gradient accumulation (microbatches=2 in
+    one process), and every pipeline schedule (a stage runs a forward per micro-batch;
+    under pp=2 one stage's tracked step failed and the other stage hung);
+  - it files a tensor under the phase that made it, not under what it is: at a peak in
+    AdamW's step its "Optstate" was 280,656 B against 149,584 B of state (the foreach
+    temporaries); at a peak in the backward the gradient being made is "Temp"
+    (recomputation: 2,493,952 B of "Gradient" against 2,756,096 B of .grad storage);
+    under fsdp=2 its "Parameter" holds the gathered parameters too (2,805,504 B against
+    a shard of 1,722,624 B);
+  - it counts only operators' outputs, so a buffer made before the step and then only
+    written in place is missed (DDP's gradient buckets once built, pipeline receive
+    buffers): under dp=2 its peak was 2.27 MB under this one's, which holds the
+    buckets (3.4 MB; dp=2's total equals one process with two micro-batches of 4,
+    where the first micro-batch's gradients take their place, to 4 bytes).
+FSDPMemTracker is a MemTracker with FSDP2 hooks: it inherits the first limit, and needs
+the FSDP root module, which a pipeline stage or a DDP plan does not have.
 
 So this module keeps a smaller counter with the same mechanism and other bookkeeping:
   - every storage an operator reads or writes is followed (deduplicated by storage,
