@@ -9,8 +9,14 @@ gathered parameters, communication and temporary buffers). One-process plans run
 the others on CPU workers started with `mf.launch` (gloo, one thread each), all plans of
 one world size in one launch.
 
-    python benchmarks/planner_memory.py            # every plan, 3-D included
+    python benchmarks/planner_memory.py            # every plan, 3-D included (~3 min)
     python benchmarks/planner_memory.py --no-3d    # without the 8-worker plan
+    python benchmarks/planner_memory.py --quick    # smoke test: tiny, one process
+
+Each rank's row also has independent checks: the engine's own count of parameters and
+optimizer state (`memory_report`, without AdamW's 0-dim step counts) and the total of the
+next step from torch.profiler's memory profile (`profiled_peak`; None where the profiler
+fails on its own graph).
 
 Writes benchmarks/results/planner_memory.json (config, batch, plans, per-rank bytes,
 torch version, date) and prints a table: per plan, the rank with the largest peak.
