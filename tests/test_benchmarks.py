@@ -70,6 +70,19 @@ def test_pipeline_memory_benchmark_quick(tmp_path) -> None:
     assert all(r["kept_storage_bytes"] < 64 < r["full_copy_bytes"] for r in rows), rows
 
 
+def test_planner_memory_benchmark_quick(tmp_path) -> None:
+    plans = _run_quick("planner_memory.py", tmp_path)[1]["plans"]
+    assert [p["plan"] for p in plans] == ["none", "checkpointing=full", "checkpointing=selective"]
+    for p in plans:
+        (r,) = p["ranks"]
+        parts = ("parameters", "gradients", "optimizer", "other")
+        assert r["total"] == sum(r[k] for k in parts) > 0, r
+        # the engine's own count of the model state (AdamW's 0-dim step counts aside)
+        assert r["parameters"] == r["check_parameters"], r
+        assert 0 <= r["optimizer"] - r["check_optimizer"] < 1024, r
+    assert plans[1]["largest_rank"]["other"] < plans[0]["largest_rank"]["other"]
+
+
 def test_checkpoint_integrity_benchmark_quick(tmp_path) -> None:
     stdout, written = _run_quick("checkpoint_integrity.py", tmp_path, timeout=120)
     assert written["checkpoint_bytes"] > 0 and set(written["median_s"]) == {
