@@ -145,6 +145,23 @@ def run_all(plans: list[tuple[str, int]], config: GPTConfig) -> list[dict]:
     return sorted(results, key=lambda r: order.index(r["plan"]))
 
 
+def predicted(plans: list[tuple[str, int]], config: GPTConfig = CONFIG) -> dict[str, float]:
+    """The planner's peak bytes on the fullest rank for each plan (mf.estimate on the
+    same model, built on meta, the same batch, loss and optimizer)."""
+    from meshfit.planner import estimate, profile_model
+
+    with torch.device("meta"):
+        model = GPT(config).to(DTYPE)
+    example = make_batch(0, config)
+    profile = profile_model(model, example[0], loss_fn=next_token_loss, example_targets=example[1])
+    return {
+        plan: estimate(
+            profile, "dp=1" if plan == "none" else plan, batch_size=BATCH, world_size=nproc
+        ).memory.total
+        for plan, nproc in plans
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-3d", action="store_true", help="skip the 8-worker plan")
@@ -164,6 +181,9 @@ def main() -> None:
     start = time.perf_counter()
     results = run_all(plans, config)
     seconds = time.perf_counter() - start
+    guesses = predicted(plans, config)
+    for r in results:
+        r["predicted_total"] = guesses[r["plan"]]
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)),
         "results",
@@ -197,7 +217,7 @@ def main() -> None:
     print("MiB, the rank with the largest peak (prof.: its total from torch.profiler):")
     print(
         f"{'plan':<46} {'rank':>4} {'total':>7} {'params':>7} {'grads':>7} {'optim':>7} "
-        f"{'other':>7} {'prof.':>7}  peak at"
+        f"{'other':>7} {'prof.':>7} {'planner':>7} {'off':>5}  peak at"
     )
     for r in results:
         big = r["largest_rank"]
@@ -210,6 +230,7 @@ def main() -> None:
                 if where["check_profiler_total"] is not None
                 else f" {'n/a':>7}"
             )
+            + f" {r['predicted_total'] / mb:>7.2f} {100 * (r['predicted_total'] / big['total'] - 1):>+4.0f}%"
             + f"  {where['phase']} ({where['op']})"
         )
 

@@ -3,6 +3,9 @@
 Memory (bytes on the fullest rank) is what each form keeps (the ZeRO paper's
 accounting, Rajbhandari et al. 2020; activations as counted in the profile):
 
+- the peak of a step: parameters, optimizer state and buffers, plus the activations or
+  the gradients, whichever is larger (both where micro-batches interleave: see
+  MemoryEstimate);
 - parameters 4 bytes, gradients 4, optimizer state 8 (Adam: two moments) per element of
   the rank's share: a pipeline stage's parameters, tp-split ones divided by tp, all of
   them divided by fsdp (ZeRO-3: 16 bytes / parameter / N);
@@ -57,7 +60,15 @@ HOST_MEMORY_BANDWIDTH = 10e9  # per process: offload's optimizer step runs on th
 
 @dataclass
 class MemoryEstimate:
-    """Bytes on one rank (device memory; with offload, state in host memory is `host`)."""
+    """Bytes on one rank (device memory; with offload, state in host memory is `host`).
+
+    Each kind is its own largest amount in the step; `total` is the step's peak. The
+    gradients and the activations do not peak together in one micro-batch's step: the
+    engine frees the gradients after each optimizer step, so the forward's activations
+    peak before any gradient exists (measured: benchmarks/planner_memory.py), and
+    backward frees activations as it makes gradients. They add up where micro-batches
+    interleave: gradient accumulation, and 1F1B-style schedules that run backwards
+    while other micro-batches' activations wait (`overlap`)."""
 
     parameters: float = 0.0
     gradients: float = 0.0
@@ -66,10 +77,15 @@ class MemoryEstimate:
     buffers: float = 0.0
     host: float = 0.0
     rank: str = ""  # which rank this is (e.g. "pp stage 0")
+    overlap: bool = False  # gradients and activations held at once
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+        if self.overlap:
+            either = self.gradients + self.activations
+        else:
+            either = max(self.gradients, self.activations)
+        return self.parameters + self.optimizer + self.buffers + either
 
     def as_dict(self) -> dict[str, float]:
         fields_ = ("parameters", "gradients", "optimizer", "activations", "buffers", "host")
@@ -271,6 +287,8 @@ def _rank_memory(
         gradients=local * GRADIENT_BYTES,
         optimizer=local * state_bytes,
         rank=f"pp stage {rank}" if plan.pp > 1 else "every rank",
+        overlap=plan.num_microbatches > 1 and plan.schedule != "gpipe"
+        or plan.pp == 1 and plan.num_microbatches > 1,
     )
     # buffers
     if (plan.dp or 1) > 1 and not plan.uses_fsdp:
