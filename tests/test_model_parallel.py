@@ -64,7 +64,12 @@ def test_pipeline_cuts_balance_measured_time() -> None:
     starts = balanced_starts(costs, 2)
     by_count = stage_costs_of(costs, [0, 3])
     balanced = stage_costs_of(costs, starts)
-    assert max(balanced) < 0.85 * max(by_count), (balanced, by_count)
+    # The cut is the best of every cut on the measured costs, and better than by count
+    # (which adds two light blocks to the heavy one). No ratio of timings is asserted:
+    # on a loaded machine the light blocks' share moves (a 0.85 bound failed at load 14).
+    every_cut = [max(stage_costs_of(costs, [0, k])) for k in range(1, len(costs.blocks))]
+    assert max(balanced) == min(every_cut), (balanced, every_cut)
+    assert max(balanced) < max(by_count), (balanced, by_count)
     # Through parallelize on 2 workers: rank 0's measurement sets the cut, and the run
     # still trains like one process (losses equal whatever the cut).
     got = mf.launch(balance_run, nproc=2, args=(True,))
