@@ -11,6 +11,8 @@ import pytest
 from cluster import cluster_unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Each script starts its own Python (and workers): the whole suite's, not the everyday loop's.
+pytestmark = pytest.mark.slow
 
 
 def _run_quick(script: str, tmp_path, timeout: int = 180) -> tuple[str, dict]:

@@ -49,6 +49,7 @@ def test_plan_that_does_not_match_the_world_is_one_line_no_hang() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_run_plan_reaches_the_script_and_a_clash_is_one_line() -> None:
     script = os.path.join(SCRIPTS, "plan_from_command.py")
     result = meshfit("run", "--nproc", "2", "--plan", "fsdp=2", script, timeout=90)
@@ -112,7 +113,7 @@ def test_killed_worker_restarts_and_finishes_the_same_run(tmp_path) -> None:
         assert torch.equal(b["state"][name], value), name
 
 
-@pytest.mark.parametrize("plan", [None, "fsdp=2"])
+@pytest.mark.parametrize("plan", [None, pytest.param("fsdp=2", marks=pytest.mark.slow)])
 def test_demo_runs_and_prints_a_sample(plan: str | None) -> None:
     """The default plan, and one where no rank holds the whole model to sample from."""
     result = meshfit(
@@ -195,6 +196,7 @@ def test_two_nodes_on_loopback_train_together(tmp_path) -> None:
         assert torch.equal(a["state"][name], value), name
 
 
+@pytest.mark.slow
 def test_example_runs_under_meshfit_run() -> None:
     example = os.path.join(os.path.dirname(HERE), "examples", "train_dp.py")
     result = meshfit("run", "--nproc", "2", example, "--steps", "20")
@@ -248,6 +250,7 @@ def test_run_config_file_with_the_command_line_winning(tmp_path, monkeypatch) ->
     assert options.torchrun_args == ("--log-dir", "logs", "--redirects", "3", "--tee=1")
 
 
+@pytest.mark.slow
 def test_run_config_and_torchrun_options_refused_with_the_fix(tmp_path) -> None:
     config = tmp_path / "run.toml"
     cases = [
@@ -265,6 +268,7 @@ def test_run_config_and_torchrun_options_refused_with_the_fix(tmp_path) -> None:
     assert "torchrun option --master-port is meshfit's to set: use --master" in result.stderr
 
 
+@pytest.mark.slow
 def test_run_config_starts_the_workers_with_torchrun_options_passed(tmp_path) -> None:
     # torchrun's --redirects/--log-dir (passed through) send each worker's stdout to a
     # file; the command line's --plan wins over the file's

@@ -45,6 +45,7 @@ def test_a_pipeline_trained_model_exports_whole_and_loads_anywhere(tmp_path) -> 
     assert all(torch.equal(exported[k], state[k]) for k in state)
 
 
+@pytest.mark.slow
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "meshfit", "export", str(tmp_path / "nope"), str(tmp_path / "o")],

@@ -25,6 +25,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.slow
 def test_keras_models_train_under_dp_or_are_refused_before_any_update() -> None:
     specs = [
         {"model": "keras_mlp", "plan": "dp=2"},

@@ -55,6 +55,7 @@ def _check(specs: list[dict], results: list[dict]) -> None:
         assert abs(got["eval"] - ref["eval"]) <= _rtol(spec["model"]) * ref["eval"], spec
 
 
+@pytest.mark.slow
 def test_language_models_match_one_process_on_two_workers() -> None:
     plans = ("dp=2", "fsdp=2", "tp=2", "pp=2,microbatches=4")
     specs = [
@@ -87,6 +88,7 @@ def test_language_models_match_one_process_on_two_workers() -> None:
             assert_same_run(got, ref, _rtol(control["model"]))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_weighs_every_token_alike() -> None:
     """dp=1 with 4 micro-batches in this process: the micro-batches hold different
     numbers of real tokens, so only the global count reproduces one big batch."""
@@ -115,6 +117,7 @@ def _first_step_refusal(model: str, plan: str) -> bool:
     return any(model == m and f"{form}=" in plan for m, form in REFUSED_IN_THE_FIRST_STEP)
 
 
+@pytest.mark.slow
 def test_t5_under_pp_is_refused_before_any_update() -> None:
     # Its first encoder block computes a position bias from its own weights and hands
     # it to the others: the second stage would recompute it as zeros (measured before

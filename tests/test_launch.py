@@ -54,6 +54,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_function_of_a_main_without_a_file_runs_on_workers() -> None:
     # `python -` (stdin), like a notebook cell or python -c: spawned workers can neither
     # import __main__.work nor run "<stdin>" again; it is sent by value (cloudpickle)

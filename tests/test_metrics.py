@@ -9,6 +9,7 @@ from workers import build, dataset, metric_run
 import meshfit as mf
 
 
+@pytest.mark.slow
 def test_metrics_are_the_one_process_values_under_every_plan() -> None:
     plans = ["dp=2", "tp=2", "pp=2"]
     results = mf.launch(_many, nproc=2, args=(plans,))

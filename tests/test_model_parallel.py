@@ -143,6 +143,7 @@ def test_pipeline_refuses_more_stages_than_blocks() -> None:
         mf.launch(many_engine_runs, nproc=2, args=([spec],))
 
 
+@pytest.mark.slow
 def test_tp_and_pp_checkpoints_load_in_one_process(tmp_path) -> None:
     from workers import optimizer_factory, save_runs
 
@@ -171,6 +172,7 @@ def test_fit_with_a_pipeline_matches_one_process() -> None:
     assert_same_run(got, ref)
 
 
+@pytest.mark.slow
 def test_hugging_face_llama_splits_without_changes() -> None:
     """A transformers LlamaForCausalLM (grouped-query attention, rotary positions,
     blocks called with masks and position tables) under pp=2 and tp=2."""

@@ -13,6 +13,7 @@ import meshfit as mf
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_predict_gives_the_one_process_outputs_under_every_plan() -> None:
     plans = ["dp=2", "tp=2", "pp=2"]
     results = mf.launch(predict_runs, nproc=2, args=(plans,))

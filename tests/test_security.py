@@ -116,7 +116,14 @@ def test_run_id_is_derived_from_the_secret() -> None:
 # ---- one machine: nothing listens outside loopback -----------------------------------------
 
 
-@pytest.mark.parametrize("how", ["run", "demo", "launch"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("run", marks=pytest.mark.slow),
+        pytest.param("demo", marks=pytest.mark.slow),
+        "launch",
+    ],
+)
 def test_single_node_run_listens_on_loopback_only(how) -> None:
     if how == "run":
         argv = _meshfit("run", "--nproc", "2", os.path.join(SCRIPTS, "hold.py"))
@@ -161,6 +168,7 @@ def _stranger(hosts, port: int, marker, keys: list[str], seconds: float = 4):
     )
 
 
+@pytest.mark.slow
 def test_stranger_cannot_reach_a_single_node_run(hosts) -> None:
     argv = _meshfit("run", "--nproc", "2", os.path.join(SCRIPTS, "hold.py"))
     run = subprocess.Popen(

@@ -88,6 +88,7 @@ def _continues_across_plans(tmp_path, first: str, then: str, *, nproc: int, step
     assert_same_run(got, {"losses": straight["losses"][steps:], "state": straight["state"]})
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_under_fsdp_continues_under_dp(tmp_path) -> None:
     _continues_across_plans(tmp_path, "fsdp=2", "dp=2", nproc=2, steps=3)
 
