@@ -287,8 +287,8 @@ def _rank_memory(
         gradients=local * GRADIENT_BYTES,
         optimizer=local * state_bytes,
         rank=f"pp stage {rank}" if plan.pp > 1 else "every rank",
-        overlap=plan.num_microbatches > 1 and plan.schedule != "gpipe"
-        or plan.pp == 1 and plan.num_microbatches > 1,
+        # gradient accumulation, or a schedule that runs backwards between forwards
+        overlap=plan.num_microbatches > 1 and (plan.pp == 1 or plan.schedule != "gpipe"),
     )
     # buffers
     if (plan.dp or 1) > 1 and not plan.uses_fsdp:
