@@ -118,3 +118,9 @@ def test_planner_published_benchmark(tmp_path) -> None:
     assert len(rows) == 10
     zero = next(r for r in rows if r["run"].startswith("ZeRO-3, 7.5B"))
     assert zero["predicted"] == 1.875
+
+
+def test_planner_ranking_benchmark_quick(tmp_path) -> None:
+    rows = _run_quick("planner_ranking.py", tmp_path, timeout=240)[1]["rows"]
+    assert [r["plan"] for r in rows] == ["dp=2", "fsdp=2"]
+    assert all(r["median_s"] > 0 and r["predicted_s"] > 0 for r in rows)

@@ -250,6 +250,7 @@ def test_bad_loggers_are_refused_with_the_fix(tmp_path) -> None:
         _fit(tmp_path, loggers=["csv"])
 
 
+@pytest.mark.slow
 def test_curves_plot_from_the_history_and_from_the_run_files(tmp_path) -> None:
     import subprocess
     import sys

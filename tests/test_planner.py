@@ -348,3 +348,11 @@ def test_plan_auto_on_two_workers_trains_the_one_process_run():
     assert Plan.parse(got["planned"]["plan"]).world_size == 2
     assert got["planned"]["measured_step_time_s"] > 0
     assert_same_run(got, ref)
+
+
+@pytest.mark.slow
+def test_the_network_probe_measures_a_bandwidth_between_two_workers():
+    from meshfit.planner.hardware import measure_network
+
+    reduce, p2p = measure_network(2, nbytes=2**20, repeats=3)
+    assert 1e6 < reduce < 1e12 and 1e6 < p2p < 1e12  # bytes/s: loopback, any machine

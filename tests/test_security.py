@@ -333,6 +333,7 @@ def test_unreachable_rendezvous_stops_with_one_line_in_the_stated_time() -> None
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_multi_node_run_without_a_secret_is_refused_up_front() -> None:
     script = os.path.join(SCRIPTS, "hold.py")
     result = subprocess.run(

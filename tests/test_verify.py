@@ -221,6 +221,7 @@ def test_cli_same_run_exits_0(tmp_path) -> None:
     assert lines[-1] == "verdict: same run"
 
 
+@pytest.mark.slow
 def test_cli_refusal_and_bad_input_exit_2() -> None:
     refused = meshfit_cli(
         "verify", "--plan", "dp=4", "--nproc", "2", "verify_targets:model_and_batch"
@@ -236,6 +237,7 @@ def test_cli_refusal_and_bad_input_exit_2() -> None:
     assert "must return (model, batch, loss_fn)" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_demo_verify_prints_every_plan_as_the_same_run() -> None:
     result = meshfit_cli("demo", "--verify")
     assert result.returncode == 0, result.stdout + result.stderr

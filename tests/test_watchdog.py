@@ -74,12 +74,14 @@ def test_frozen_rank_is_named_and_killed(tmp_path) -> None:
     assert _since_stall(tmp_path) < 28, str(caught.value)
 
 
+@pytest.mark.slow
 def test_collective_timeout_is_one_meshfit_line(tmp_path) -> None:
     with pytest.raises(mf.MeshfitError, match="a collective timed out after 2") as caught:
         mf.launch(hang_run, nproc=2, args=("sleep", 1, str(tmp_path), 2), hang_timeout=600)
     assert "rank 1 has been in the training script" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_ranks_busy_in_the_script_together_are_not_a_hang(tmp_path) -> None:
     # Every rank spends 3 s in its own code (longer than the 1 s timeout): nobody waits.
     steps = mf.launch(hang_run, nproc=2, args=("both_sleep", 1, str(tmp_path)), hang_timeout=1)

@@ -264,9 +264,58 @@ def measure_dtensor_overhead(repeats: int = 50) -> float | None:
         dist.destroy_process_group()
 
 
-def measure(width: int = 512, processes: int = 1) -> Hardware:
+def _bandwidth_worker(nbytes: int, repeats: int) -> tuple[float, float]:
+    """On every worker: (all-reduce bus bandwidth, point-to-point bandwidth) in bytes/s,
+    rank 0's timing of `repeats` collectives on `nbytes` after a warm-up."""
+    import torch.distributed as dist
+
+    from meshfit.mesh import init_distributed
+
+    device = init_distributed()
+    world = dist.get_world_size()
+    x = torch.zeros(nbytes // 4, device=device)
+    dist.all_reduce(x)  # warm-up: connections, buffers
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        return (time.perf_counter() - start) / repeats
+
+    reduce = timed(lambda: dist.all_reduce(x))
+    rank = dist.get_rank()
+
+    def exchange() -> None:  # ranks 0 and 1 send to each other in turn
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+
+    p2p = timed(exchange) / 2
+    # An all-reduce moves 2 (n - 1) / n of its bytes over each rank's link (ring).
+    return 2 * (world - 1) / world * nbytes / reduce, nbytes / p2p
+
+
+def measure_network(
+    nproc: int = 2, nbytes: int = 8 * 2**20, repeats: int = 5
+) -> tuple[float, float]:
+    """All-reduce bus bandwidth and point-to-point bandwidth (bytes/s) between `nproc`
+    local workers started for the probe (gloo on CPU, NCCL on GPUs): a few seconds."""
+    from meshfit.launch import launch
+
+    return launch(_bandwidth_worker, nproc=nproc, args=(nbytes, repeats))
+
+
+def measure(width: int = 512, processes: int = 1, network: bool = False) -> Hardware:
     """This machine with its matrix-product rate measured at `width` (fp32; bf16 too on
-    a GPU), its cost per tensor-parallel layer and, on a CPU, per operator. Rates differ between runs: plan on
+    a GPU), its cost per tensor-parallel layer and, on a CPU, per operator; with
+    `network`, the all-reduce bandwidth between local workers (`measure_network`). Rates differ between runs: plan on
     every rank from the same numbers (measure on one and pass the Hardware on)."""
     base = this_machine(processes)
     if not torch.cuda.is_available():
@@ -279,6 +328,12 @@ def measure(width: int = 512, processes: int = 1) -> Hardware:
         rates["bf16"] = rates["fp16"] = measure_matmul_flops(width, "bf16")
     else:
         rates["bf16"] = rates["fp16"] = rates["fp32"] / 2
-    return dataclasses.replace(
+    base = dataclasses.replace(
         base, matmul_flops=rates, source=f"{base.source}; matmul measured at width {width}"
     )
+    if network:  # inside one machine: the all-reduce's bandwidth is the node's
+        reduce, _ = measure_network(max(processes, 2))
+        base = dataclasses.replace(
+            base, intra_node_bandwidth=reduce, source=f"{base.source}, all-reduce measured"
+        )
+    return base
