@@ -54,7 +54,7 @@ RUN_DEFAULTS = {
     "threads": None,
     "max_restarts": 0,
     "hang_timeout": None,
-    "nnodes": 1,
+    "nnodes": None,  # 1 unless SLURM says otherwise (scheduler.fill_nodes)
     "node_rank": None,
     "master": None,
     "plan": None,
@@ -64,6 +64,7 @@ RUN_DEFAULTS = {
 def _run(args: argparse.Namespace) -> int:
     from meshfit.launch import RunOptions, run
     from meshfit.run_config import read_config, torchrun_passthrough
+    from meshfit.scheduler import fill_nodes
 
     config = read_config(args.config) if args.config else {}
     if args.script:  # the command line's script replaces the file's, with its args
@@ -86,6 +87,10 @@ def _run(args: argparse.Namespace) -> int:
         key: getattr(args, key) if getattr(args, key) is not None else config.get(key, default)
         for key, default in RUN_DEFAULTS.items()
     }
+    filled = fill_nodes(chosen["nnodes"], chosen["master"], os.environ)
+    if filled.line:
+        print(filled.line, flush=True)  # on stdout: what the run got from SLURM
+    chosen.update(nnodes=filled.nnodes, master=filled.master)
     passthrough = list(config.get("torchrun", []))
     for text in args.torchrun or []:
         passthrough += shlex.split(text)
@@ -289,13 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run SCRIPT on workers; everything after SCRIPT is passed to it.",
     )
     _add_worker_options(run)
-    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    run.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="number of nodes (default 1; under srun, the step's SLURM_STEP_NUM_NODES)",
+    )
     run.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     run.add_argument(
         "--master",
         default=None,
-        help="ADDR:PORT of node 0 (multi-node; without --node-rank every node needs the same "
-        "MESHFIT_RUN_SECRET or MESHFIT_RUN_SECRET_FILE, see docs/security.md)",
+        help="ADDR:PORT of node 0 (multi-node; under srun, the step's first host; without "
+        "--node-rank every node needs the same MESHFIT_RUN_SECRET or MESHFIT_RUN_SECRET_FILE, "
+        "see docs/security.md)",
     )
     run.add_argument(
         "--plan",

@@ -84,8 +84,9 @@ def _refuse_a_copy_among_many() -> None:
                 f"this process is task {os.environ[rank_var]} of {tasks} that {launcher} "
                 f"started, with no process group among them: each would train alone and "
                 f"write the same checkpoints. Start one task per node that runs the workers: "
-                f"e.g. srun --ntasks-per-node=1 meshfit run --nproc GPUS_PER_NODE --nnodes "
-                f"NODES --master HOST:PORT train.py (see 'Launching' in docs/guide.md)"
+                f"e.g. srun --ntasks-per-node=1 meshfit run --nproc GPUS_PER_NODE train.py "
+                f"(nodes and master from SLURM; elsewhere add --nnodes NODES --master "
+                f"HOST:PORT; see 'Launching' in docs/guide.md)"
             )
 
 
