@@ -356,3 +356,25 @@ def test_the_network_probe_measures_a_bandwidth_between_two_workers():
 
     reduce, p2p = measure_network(2, nbytes=2**20, repeats=3)
     assert 1e6 < reduce < 1e12 and 1e6 < p2p < 1e12  # bytes/s: loopback, any machine
+
+
+def test_fit_logs_mfu_where_the_peak_is_known(monkeypatch):
+    """MFU = 3 x forward FLOPs per sample x samples/s over the devices' peak. On CPU no
+    peak is known and no MFU is shown; MESHFIT_PEAK_FLOPS gives one."""
+    x = torch.randint(0, 256, (16, CONFIG.block_size))
+
+    def loss(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    plain = mf.fit(gpt(), (x, x), loss_fn=loss, batch_size=8, max_steps=2, log_every=1,
+                   progress=False)  # fmt: skip
+    assert "mfu" not in plain.records[-1]
+    monkeypatch.setenv("MESHFIT_PEAK_FLOPS", "1e9")
+    history = mf.fit(gpt(), (x, x), loss_fn=loss, batch_size=8, max_steps=2, log_every=1,
+                     progress=False)  # fmt: skip
+    forward = profile_model(gpt("meta"), tokens(1), loss_fn=loss, example_targets=tokens(1))
+    per_sample = 3 * (
+        sum(b.flops for b in forward.blocks) + forward.head.flops + forward.tail.flops
+    )
+    last = history.records[-1]
+    assert last["mfu"] == pytest.approx(per_sample * last["samples_per_s"] / 1e9, rel=1e-2)

@@ -194,6 +194,7 @@ def fit(
         )  # fmt: skip
         plan = auto.plan
     topology = create_topology(plan)
+    mfu_of = _mfu_meter(model, topology, train_data, reading, loss_fn)  # before any split
     if "example_inputs" not in parallelize_options:
         parallelize_options["example_inputs"] = _pipeline_example(
             topology, train_data, batch_size, reading, model_loss=loss_fn == "model"
@@ -232,6 +233,7 @@ def fit(
     plain = [c for c in callbacks if not isinstance(c, CallbackBase)]  # fn(step, engine)
     hooks = _Hooks([c for c in callbacks if isinstance(c, CallbackBase)] + observers, engine)
     log = _StepLog(engine, display, batch_size, report_memory, start.records, start.step)
+    log.mfu_of = mfu_of
     hooks.begin(checkpoint_dir, len(log.records))
     step = start.step
     try:
@@ -436,6 +438,8 @@ class _StepLog:
         self._tokens: torch.Tensor | int | None = None  # this rank's real tokens since the last log
         self._last_time, self._last_step = time.perf_counter(), start_step
         self._start_time = time.perf_counter()
+        # samples/s -> MFU, where the devices' peak is known (planner/mfu.py)
+        self.mfu_of: Callable[[float], float] | None = None
 
     def add(
         self,
@@ -517,6 +521,9 @@ class _StepLog:
         for name in self.engine.last_metrics:
             status += f" | {name} {last[name]:.4f}"
         status += f" | {format_rate(rate)} samples/s"
+        if self.mfu_of is not None:
+            last["mfu"] = round(self.mfu_of(rate), 4)
+            status += f" | MFU {100 * last['mfu']:.1f}%"
         if self._tokens is not None:  # every rank's real tokens: one all-reduce per log
             tokens = torch.as_tensor(self._tokens, device=self.engine.device)
             token_rate = float(self.engine.topology.batch_sum(tokens)) / seconds
@@ -764,6 +771,26 @@ def _check_options(
                 f"callbacks must be mf.Callback objects or functions called as "
                 f"fn(step, engine), not {callback!r}"
             )
+
+
+def _mfu_meter(
+    model: nn.Module, topology: Topology, data: Dataset, reading: Reading, loss_fn: Any
+) -> Callable[[float], float] | None:
+    """samples/s -> MFU over every device of the job, where their peak is known."""
+    from meshfit.planner.mfu import peak_flops, training_flops_per_sample
+
+    peak = peak_flops(topology.device, topology.plan.precision)
+    if peak is None:
+        return None
+    samples = (
+        list(itertools.islice(iter(data), 1)) if isinstance(data, IterableDataset) else [data[0]]
+    )
+    inputs, targets = split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
+    flops = training_flops_per_sample(model, inputs, loss_fn, targets)
+    if flops is None:
+        return None
+    world = topology.plan.world_size or 1
+    return lambda samples_per_s: flops * samples_per_s / (world * peak)
 
 
 def _choose_auto_plan(
