@@ -293,7 +293,9 @@ def _rank_memory(
     # buffers
     if (plan.dp or 1) > 1 and not plan.uses_fsdp:
         memory.buffers += local * GRADIENT_BYTES  # DDP's gradient buckets
-    if plan.uses_fsdp and plan.fsdp > 1 and parts:
+    # FSDP2 gathers into unsharded copies even over a shard group of one (HSDP that only
+    # replicates, as dp x tp plans do): torch copies the shard in, it does not alias it.
+    if plan.uses_fsdp and parts:
         largest = max(_split(p, plan.tp) for p in parts)
         memory.buffers += 2 * largest * cbytes + largest * GRADIENT_BYTES
         if plan.reshard_after_forward:
