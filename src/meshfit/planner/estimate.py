@@ -357,6 +357,7 @@ def _add_time(
     compiled: bool,
 ) -> None:
     m = plan.num_microbatches
+    compiled = compiled and plan.pp == 1  # meshfit runs pipeline stages uncompiled (warned)
     rate = hw.flops(plan.precision, compiled)
     cbytes = _compute_bytes(plan, profile)
     act_scale = _activation_scale(plan)
