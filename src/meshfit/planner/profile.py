@@ -305,29 +305,26 @@ class _NoBlocks:
 
 def _clones(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of every parameter (requiring grad as the original) and buffer."""
-    state: dict[str, torch.Tensor] = {}
-    made: dict[int, torch.Tensor] = {}
-    named = [*model.named_parameters(remove_duplicate=False)]
-    named += [*model.named_buffers(remove_duplicate=False)]
-    for name, t in named:
-        if id(t) not in made:
-            copy = t.detach().clone()
-            if isinstance(t, nn.Parameter):
-                copy.requires_grad_(t.requires_grad)
-            made[id(t)] = copy
-        state[name] = made[id(t)]
-    return state
+    return _stand_ins(model, lambda t: t.detach().clone())
 
 
 def _meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Meta stand-ins for every parameter and buffer (tied ones shared)."""
+    return _stand_ins(model, lambda t: torch.empty_like(t, device="meta"))
+
+
+def _stand_ins(
+    model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """{name: make(tensor)} for every parameter and buffer, a tensor shared under several
+    names (tied weights) made once; a parameter's stand-in requires grad as it does."""
     state: dict[str, torch.Tensor] = {}
     made: dict[int, torch.Tensor] = {}
     named = [*model.named_parameters(remove_duplicate=False)]
     named += [*model.named_buffers(remove_duplicate=False)]
     for name, t in named:
         if id(t) not in made:
-            stand_in = torch.empty_like(t, device="meta")
+            stand_in = make(t)
             if isinstance(t, nn.Parameter):
                 stand_in.requires_grad_(t.requires_grad)
             made[id(t)] = stand_in
