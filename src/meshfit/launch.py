@@ -272,6 +272,10 @@ class ByValue:
     def __call__(self) -> Any:
         import pickle
 
+        # Trusted bytes: the payload was pickled by the parent process that started this
+        # worker (the user's own mf.launch call) and reached it through spawn's inherited
+        # pipe, the same channel that carries every mf.launch function and argument; no
+        # socket, store or file another party could write is involved.
         fn, args, kwargs = pickle.loads(self.payload)
         return fn(*args, **kwargs)
 
