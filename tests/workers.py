@@ -233,6 +233,10 @@ def engine_run(spec: dict) -> dict:
     model, loss_fn = build(spec["model"], dtype)
     if "grad_scale" in spec:
         loss_fn = scaled_gradient(loss_fn, spec["grad_scale"])
+    compiled = spec.get("options", {}).get("compile", False)
+    if compiled:  # a fresh cache per run: earlier runs' graphs count toward torch's limit
+        torch._dynamo.reset()
+    graphs_before = _compiled_graphs()
     engine = mf.parallelize(
         model,
         spec.get("plan"),
@@ -259,7 +263,14 @@ def engine_run(spec: dict) -> dict:
         "fsdp_units": fsdp_units,
         "buffer_bytes": buffer_bytes,
         "reduce_scatters_last_step": reduce_scatters[0],
+        "compiled_graphs": _compiled_graphs() - graphs_before,
     }
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process (0 if dynamo was never loaded)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.counters["stats"]["unique_graphs"] if utils else 0
 
 
 def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:

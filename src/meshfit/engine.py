@@ -100,7 +100,8 @@ class Engine:
             return loss_fn(call_model(module, inputs), targets)
 
         # torch.compile over forward + loss together, so the loss (often a large
-        # cross-entropy over the vocabulary) fuses with the last layers.
+        # cross-entropy over the vocabulary) fuses with the last layers; under pp each
+        # block compiles instead (parallel/compiled.py says why).
         self.parallel_model, self.runner = apply_plan(
             model,
             topology,
@@ -111,14 +112,8 @@ class Engine:
             pp_split=options.pp_split,
             example_inputs=options.example_inputs,
             sync_batchnorm=options.sync_batchnorm,
+            compile_blocks=options.compile and self.plan.pp > 1,
         )
-        if options.compile and self.plan.pp > 1:
-            warnings.warn(
-                "compile=True is not applied under pp: the pipeline runs each stage's part "
-                "of the model's forward uncompiled (the numbers are the same; only the "
-                "speed-up is missing)",
-                stacklevel=3,
-            )
         self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
         self.lr_scheduler = _build_scheduler(options.lr_scheduler, self.optimizer)
         self.step_count = 0  # optimizer steps taken (restored by load)
@@ -508,7 +503,9 @@ def parallelize(
     lr_scheduler: a function from the optimizer to a torch LR scheduler, stepped once per
         training step.
     compile: run forward and loss through ``torch.compile`` (off by default: the first
-        steps then take longer while it compiles; on a GPU the rest are faster).
+        steps then take longer while it compiles; on a GPU the rest are faster). Under
+        pp each of the rank's blocks compiles on its own and the rest of the stage runs
+        eagerly (parallel/compiled.py).
     tp_plan: for tp > 1, ``{module name or pattern: "colwise" | "colwise:N" | "rowwise"}``
         instead of the plan meshfit derives by tracing the blocks' computation.
     pp_split: for pp > 1, the block indices where stages 2, 3, ... begin, instead of

@@ -57,9 +57,12 @@ def apply_plan(
     pp_split: list[int] | None = None,
     example_inputs: Any = None,
     sync_batchnorm: bool = True,
+    compile_blocks: bool = False,
 ) -> tuple[nn.Module, Runner]:
     """Parallelize `model` as `topology.plan` says; return what runs forward (the model,
-    wrapped for data parallel, or this rank's pruned model under pp) and its runner."""
+    wrapped for data parallel, or this rank's pruned model under pp) and its runner.
+    `compile_blocks`: under pp, compile each of this rank's blocks (compiled.py; without
+    pp the caller compiles `forward_loss` whole)."""
     plan, mesh, device = topology.plan, topology.mesh, topology.device
     if is_placed(model):  # the user spread it over this process's devices: keep that
         if mesh is not None:
@@ -95,6 +98,7 @@ def apply_plan(
             loss_fn=loss_fn,
             pp_split=pp_split,
             example_inputs=example_inputs,
+            compile_blocks=compile_blocks,
         )
     part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
     [wrapped] = apply_data_parallel([part], topology, precision)
@@ -110,6 +114,7 @@ def _apply_pipeline(
     loss_fn: LossFn,
     pp_split: list[int] | None,
     example_inputs: Any,
+    compile_blocks: bool,
 ) -> tuple[nn.Module, Runner]:
     """Cut first, then replicate / shard what this rank keeps, stage by stage (as
     torchtitan's pipeline_llm does), then build the schedule over the stages."""
@@ -127,6 +132,11 @@ def _apply_pipeline(
     )
     if plan.uses_fsdp:
         _refuse_enclosing_owners(model, split)
+    if compile_blocks:  # after the cut: its cost measurement times uncompiled blocks
+        from meshfit.parallel.compiled import compile_block_forwards
+
+        blocks = split.stack.container._modules
+        compile_block_forwards([blocks[k] for s in split.mine for k in split.stage_keys[s]])
     parts = [
         ModelPart(
             units=split.owners(s),

@@ -357,8 +357,9 @@ def _add_time(
     compiled: bool,
 ) -> None:
     m = plan.num_microbatches
-    compiled = compiled and plan.pp == 1  # meshfit runs pipeline stages uncompiled (warned)
     rate = hw.flops(plan.precision, compiled)
+    # under pp meshfit compiles the blocks only; a stage's head and tail run eagerly
+    ends_rate = hw.flops(plan.precision, compiled and plan.pp == 1)
     cbytes = _compute_bytes(plan, profile)
     act_scale = _activation_scale(plan)
     recompute = {"none": 0.0, "selective": 0.1, "full": 1.0}[plan.checkpointing]
@@ -369,7 +370,7 @@ def _add_time(
         fwd_extra = (_block_flops(profile.head, plan.tp) if first else 0) + (
             _block_flops(profile.tail, plan.tp) if last else 0
         )
-        t_mb = (flops * (3 + recompute) + fwd_extra * 3) * mb / rate
+        t_mb = (flops * (3 + recompute) / rate + fwd_extra * 3 / ends_rate) * mb
         # fixed cost per operator: forward, about twice as many in backward, and the
         # forward again under recomputation; a GPU launches ahead of its kernels
         ops = sum(p.ops for p in parts) * (3 + recompute)

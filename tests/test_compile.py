@@ -1,0 +1,58 @@
+"""compile=True under every plan reproduces the one-process eager run, and really
+compiles: each run reports the graphs torch.compile made in it (none would mean the
+option was ignored, as it once was under pp)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import check_against_one_process, make_spec, tolerance
+from workers import many_engine_runs
+
+import meshfit as mf
+
+COMPILE = {"compile": True}
+
+# Every form on two processes, alone and with recomputation, and the schedules (the
+# interleaved one runs two stages per rank, each with its own compiled blocks).
+TWO_PROCESS = [
+    make_spec("gpt", "dp=2", options=COMPILE),
+    make_spec("gpt", "fsdp=2", options=COMPILE, optimizer="adamw"),
+    make_spec("gpt", "tp=2", options=COMPILE),
+    make_spec("gpt", "pp=2,schedule=gpipe", options=COMPILE),
+    make_spec("gpt", "pp=2,microbatches=2", options=COMPILE),
+    make_spec("gpt4", "pp=2,schedule=interleaved-1f1b,microbatches=4", options=COMPILE),
+    make_spec("gpt", "fsdp=2,checkpointing=full", options=COMPILE),
+    make_spec("gpt", "tp=2,checkpointing=selective", options=COMPILE),
+    make_spec("gpt", "pp=2,checkpointing=full", options=COMPILE),
+    # A transformers model, unchanged (rotary tables, masks, grouped-query attention).
+    # Llama computes its norms and rotary tables in float32 whatever the model's dtype,
+    # and compiled float32 kernels round there unlike eager ones (vectorised sin/cos,
+    # fused reductions): one process compiled is already 2.8e-8 from one process eager
+    # (float32's roundoff is 6e-8), so these keep the float32 tolerance (helpers.py).
+    make_spec("llama", "fsdp=2", options=COMPILE, rtol=tolerance("float32")),
+    make_spec("llama", "pp=2", options=COMPILE, rtol=tolerance("float32")),
+]
+FOUR_PROCESS = [
+    make_spec("gpt4", "dp=2,tp=2", options=COMPILE),
+    make_spec("gpt4", "fsdp=2,pp=2", options=COMPILE),
+]
+
+
+def _check(specs: list[dict], results: list[dict]) -> None:
+    for spec, got in zip(specs, results, strict=True):
+        assert got["compiled_graphs"] > 0, f"{spec['plan']}: compile=True compiled nothing"
+    # the reference is the one-process run without compile (check_against_one_process
+    # keeps the spec's options, so drop compile from them)
+    eager = [{**s, "options": {}} for s in specs]
+    check_against_one_process(eager, results)
+
+
+@pytest.mark.slow
+def test_compile_under_every_two_process_plan_matches_one_eager_process() -> None:
+    pytest.importorskip("transformers")
+    _check(TWO_PROCESS, mf.launch(many_engine_runs, nproc=2, args=(TWO_PROCESS,)))
+
+
+@pytest.mark.slow
+def test_compile_under_two_dimensional_plans_matches_one_eager_process() -> None:
+    _check(FOUR_PROCESS, mf.launch(many_engine_runs, nproc=4, args=(FOUR_PROCESS,)))
