@@ -239,6 +239,17 @@ def test_search_drops_plans_the_batch_does_not_divide_and_says_why():
     assert "dropped:" in result.table()
 
 
+def test_a_compiled_search_drops_zero_bubble_as_parallelize_refuses_it():
+    def zero_bubble(result):
+        return [e for e in result.ranked if e.plan.pp > 1 and e.plan.schedule == "zero-bubble"]
+
+    hw = fast_net_slow_chips()
+    assert zero_bubble(search_profile(hand_profile(), 4, batch_size=8, hardware=hw))
+    compiled = search_profile(hand_profile(), 4, batch_size=8, hardware=hw, compiled=True)
+    assert compiled.ranked and not zero_bubble(compiled)
+    assert any("does not run zero-bubble" in d.reason for d in compiled.dropped)
+
+
 @pytest.mark.slow
 def test_planning_a_thousand_gpus():
     """A 96-layer GPT-3-shaped model on 1024 A100s: every plan costed, none that does

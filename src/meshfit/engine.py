@@ -584,6 +584,16 @@ def parallelize(
                 f"{option} is for {form} > 1, and plan {topology.plan} has {form}=1; add "
                 f"{form}=N to the plan (e.g. '{form}=2'), or drop {option}"
             )
+    if compile and topology.plan.pp > 1 and topology.plan.schedule == "zero-bubble":
+        # measured: torch's zero-bubble runs backward twice over each stage (input
+        # gradients, then weight gradients, retain_graph=True), and a compiled block's
+        # backward is one fused function that refuses a second pass
+        raise MeshfitError(
+            "compile=True does not combine with schedule='zero-bubble': it splits each "
+            "block's backward into input and weight gradients, which a compiled block "
+            "computes in one piece; use schedule='interleaved-1f1b' with compile=True, "
+            "or compile=False"
+        )
     options = EngineOptions(
         loss_fn=loss_fn,
         optimizer=optimizer or default_optimizer,

@@ -222,6 +222,9 @@ def search_profile(
     )
     fitting: list[Estimate] = []
     for plan in plans:
+        if compiled and plan.pp > 1 and plan.schedule == "zero-bubble":
+            dropped.append(Dropped(plan, "refused: compile=True does not run zero-bubble"))
+            continue
         e = estimate_profile(
             profile,
             plan,
