@@ -137,15 +137,6 @@ def test_cluster_refuses_clearly_without_root(monkeypatch) -> None:
         pass
 
 
-@pytest.fixture
-def two_hosts() -> Iterator[Cluster]:
-    try:
-        with Cluster(2) as cluster:
-            yield cluster
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no multi-host test bed here: {exc}")
-
-
 @pytest.mark.slow
 def test_a_killed_host_restarts_and_the_run_resumes_exactly(two_hosts, tmp_path) -> None:
     """2 hosts x 1 worker under `--max-restarts 1`: after step 5 (checkpoint at 4) every

@@ -9,11 +9,9 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
-from cluster import Cluster, ClusterUnavailable
 from helpers import check_against_one_process, make_spec
 
 from meshfit import rendezvous, scheduler
@@ -241,15 +239,6 @@ def test_meshfit_run_outside_slurm_is_one_node(no_cluster_env, monkeypatch, caps
 
 
 # ---- two hosts started as srun starts them -----------------------------------------------
-
-
-@pytest.fixture
-def two_hosts() -> Iterator[Cluster]:
-    try:
-        with Cluster(2) as cluster:
-            yield cluster
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no multi-host test bed here: {exc}")
 
 
 def _host_env(node_id: int, nodelist: str) -> dict[str, str]:

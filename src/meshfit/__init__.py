@@ -1,5 +1,7 @@
 """meshfit: train a PyTorch model on many devices through one small API."""
 
+from typing import Any
+
 from meshfit import _worker_errors, losses, metrics
 from meshfit.callbacks import (
     BestCheckpoint,
@@ -16,7 +18,6 @@ from meshfit.inference import predict
 from meshfit.launch import WorkerError, launch
 from meshfit.placement import place
 from meshfit.plan import Plan
-from meshfit.planner import estimate, plan_search
 from meshfit.verify import VerifyReport, verify
 from meshfit.wandb_logger import WandbLogger
 
@@ -50,3 +51,24 @@ __all__ = [
     "predict",
     "verify",
 ]
+
+
+# The planner (mf.estimate, mf.plan_search, mf.planner) is imported on first use: it is
+# not needed to train, and keeping it out of `import meshfit` keeps start-up fast.
+_LAZY = {"estimate": "meshfit.planner", "plan_search": "meshfit.planner"}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "planner":
+        return importlib.import_module("meshfit.planner")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'meshfit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, "planner"})

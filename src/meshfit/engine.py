@@ -29,7 +29,7 @@ from meshfit.errors import MeshfitError
 from meshfit.losses import ModelOwnLoss
 from meshfit.metrics import MetricTap, check_metrics, reduce_metrics
 from meshfit.parallel.compose import apply_plan
-from meshfit.plan import Plan
+from meshfit.plan import Plan, is_auto
 from meshfit.precision import Precision
 from meshfit.topology import Topology
 from meshfit.trees import call_model, map_tensors, tensors_in
@@ -618,8 +618,6 @@ def parallelize(
 def auto_requested(plan: Any) -> str | None:
     """The "auto..." text when `plan` (or, for plan=None, `meshfit run --plan`) asks the
     planner to choose; None otherwise."""
-    from meshfit.planner.auto import is_auto
-
     if plan is None:
         plan = os.environ.get("MESHFIT_PLAN")
     return plan if is_auto(plan) else None

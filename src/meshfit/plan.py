@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
+from typing import Any
 
 from meshfit.errors import MeshfitError
 
@@ -221,6 +222,12 @@ class Plan:
                 raise MeshfitError(f"plan field {key!r} is given twice in {text!r}")
             values[key] = _parse_value(key, raw.strip())
         return cls(**values)
+
+
+def is_auto(plan: Any) -> bool:
+    """Whether `plan` is the text "auto..." that asks the planner to choose (kept here,
+    not in meshfit.planner, so the check costs no planner import)."""
+    return isinstance(plan, str) and plan.replace(" ", "").split(",")[0] == "auto"
 
 
 def _parse_value(key: str, raw: str) -> object:

@@ -27,10 +27,6 @@ from meshfit.planner.profile import profile_model
 from meshfit.planner.search import SearchResult, search_profile
 
 
-def is_auto(plan: Any) -> bool:
-    return isinstance(plan, str) and plan.replace(" ", "").split(",")[0] == "auto"
-
-
 def fixed_fields(plan: str) -> dict[str, Any]:
     """The fields "auto,precision=bf16,..." fixes."""
     rest = ",".join(plan.replace(" ", "").split(",")[1:])

@@ -34,11 +34,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel.pipeline.costs import StageCosts, balanced_starts
-from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
 from meshfit.plan import MESH_DIMS, Plan
 from meshfit.planner.hardware import Hardware
 from meshfit.planner.profile import ModelProfile, PartCost
+
+# meshfit.parallel.pipeline is imported inside the functions that need it: the package
+# loads torch.distributed.pipelining (and sympy), ~1.2 s that `import meshfit` must not pay.
 
 # Optimizer state bytes per parameter element (float32 state).
 OPTIMIZER_STATE_BYTES = {
@@ -171,6 +172,8 @@ def estimate_profile(
 def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], bool, bool]]:
     """Per pipeline rank: (its block indices, holds the head, holds the tail). The cut
     balances FLOPs the way meshfit's own cut balances measured time."""
+    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+
     n = len(profile.blocks)
     if plan.pp == 1:
         return [(list(range(n)), True, True)]
@@ -192,6 +195,8 @@ def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], boo
 def _cached_starts(profile: ModelProfile, stages: int, tp: int) -> list[int]:
     """meshfit cuts after tensor parallel has split the blocks (their time is measured
     on the split model), so the cut balances the split blocks' FLOPs."""
+    from meshfit.parallel.pipeline.costs import StageCosts, balanced_starts
+
     cache = profile.__dict__.setdefault("_starts", {})
     if (stages, tp) not in cache:
         costs = StageCosts(
@@ -236,6 +241,8 @@ def _activation_scale(plan: Plan) -> float:
 
 def in_flight(plan: Plan, rank: int) -> float:
     """Micro-batches whose activations pipeline rank `rank` holds at its peak."""
+    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+
     m = plan.num_microbatches
     if plan.pp == 1:
         return 1.0
@@ -356,6 +363,8 @@ def _add_time(
     state_bytes: float,
     compiled: bool,
 ) -> None:
+    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+
     m = plan.num_microbatches
     rate = hw.flops(plan.precision, compiled)
     # under pp meshfit compiles the blocks only; a stage's head and tail run eagerly

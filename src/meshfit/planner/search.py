@@ -16,11 +16,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
 from meshfit.plan import SCHEDULES, Plan
 from meshfit.planner.estimate import Estimate, _gib, estimate_profile
 from meshfit.planner.hardware import Hardware
 from meshfit.planner.profile import ModelProfile
+
+# meshfit.parallel.pipeline is imported where it is used (see estimate.py for why).
 
 
 @dataclass
@@ -188,6 +189,8 @@ def _variants(base: Plan, offload: bool, limits: ModelLimits):
 
 
 def _refusal_of_variant(plan: Plan, batch_size: int, num_blocks: int) -> str:
+    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+
     unit = plan.data_parallel_size * plan.num_microbatches
     if batch_size % unit:
         return f"batch does not divide: {batch_size} over {unit} (ranks x micro-batches)"
