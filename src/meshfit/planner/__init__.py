@@ -22,7 +22,7 @@ from meshfit.plan import Plan
 from meshfit.planner.estimate import Estimate, MemoryEstimate, TimeEstimate, estimate_profile
 from meshfit.planner.hardware import PRESETS, Hardware, hardware, measure, this_machine
 from meshfit.planner.profile import ModelProfile, profile_model
-from meshfit.planner.search import SearchResult, search_profile
+from meshfit.planner.search import SearchResult, search_model
 
 __all__ = [
     "PRESETS",
@@ -95,7 +95,6 @@ def plan_search(
     given (the planner does not change the numbers a run computes)."""
     from meshfit.planner.hardware import hardware as get_hardware
 
-    profile = _profile(model, example_inputs, loss_fn, example_targets)
     if isinstance(hardware, Hardware):
         hw = hardware
     elif hardware is None or hardware == "cpu":
@@ -104,9 +103,12 @@ def plan_search(
         preset = get_hardware(hardware)
         nodes = max(1, -(-world_size // preset.devices_per_node))
         hw = preset.with_nodes(nodes, min(preset.devices_per_node, world_size))
-    return search_profile(
-        profile,
+    return search_model(
+        model,
+        example_inputs,
         world_size,
+        loss_fn=loss_fn,
+        example_targets=example_targets,
         batch_size=batch_size,
         hardware=hw,
         optimizer=optimizer,

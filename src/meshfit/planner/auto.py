@@ -23,8 +23,7 @@ from meshfit.errors import MeshfitError
 from meshfit.plan import Plan
 from meshfit.planner.estimate import Estimate, _gib
 from meshfit.planner.hardware import Hardware, this_machine
-from meshfit.planner.profile import profile_model
-from meshfit.planner.search import SearchResult, search_profile
+from meshfit.planner.search import SearchResult, search_model
 
 
 def fixed_fields(plan: str) -> dict[str, Any]:
@@ -88,10 +87,12 @@ def choose_plan(
     if hw.devices_per_node != per_node or hw.nodes * hw.devices_per_node != world:
         hw = hw.with_nodes(max(1, world // per_node), per_node)
     fixed = fixed_fields(plan)
-    profile = profile_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
-    result = search_profile(
-        profile,
+    result = search_model(
+        model,
+        example_inputs,
         world,
+        loss_fn=loss_fn,
+        example_targets=example_targets,
         batch_size=batch_size,
         hardware=hw,
         optimizer=optimizer_state_bytes(optimizer),

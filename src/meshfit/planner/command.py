@@ -11,8 +11,7 @@ from typing import Any
 from meshfit.errors import MeshfitError
 from meshfit.planner.auto import optimizer_state_bytes
 from meshfit.planner.hardware import Hardware, hardware, this_machine
-from meshfit.planner.profile import profile_model
-from meshfit.planner.search import search_profile
+from meshfit.planner.search import search_model
 from meshfit.trees import tensors_in
 
 PLAN_HELP = """\
@@ -61,10 +60,12 @@ def run_plan_command(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     world = hw.world_size
     start = time.perf_counter()
-    profile = profile_model(model, inputs, loss_fn=loss_fn, example_targets=targets)
-    result = search_profile(
-        profile,
+    result = search_model(
+        model,
+        inputs,
         world,
+        loss_fn=loss_fn,
+        example_targets=targets,
         batch_size=batch_size,
         hardware=hw,
         optimizer=optimizer_state_bytes(options.get("optimizer")),
@@ -72,6 +73,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         compiled=args.compile,
     )
     seconds = time.perf_counter() - start
+    profile = result.profile
+    assert profile is not None
     print(
         f"meshfit plan: {profile.name}, {profile.total_params / 1e6:,.1f}M parameters, "
         f"{len(profile.blocks)} {profile.block_kind} blocks, global batch {batch_size}, "

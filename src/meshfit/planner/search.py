@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshfit.errors import MeshfitError
 from meshfit.plan import SCHEDULES, Plan
 from meshfit.planner.estimate import Estimate, _gib, estimate_profile
 from meshfit.planner.hardware import Hardware
-from meshfit.planner.profile import ModelProfile
+from meshfit.planner.profile import ModelProfile, profile_model
 
 # meshfit.parallel.pipeline is imported where it is used (see estimate.py for why).
 
@@ -37,6 +38,7 @@ class SearchResult:
     ranked: list[Estimate]
     dropped: list[Dropped] = field(default_factory=list)
     hardware: Hardware | None = None
+    profile: ModelProfile | None = None  # what the plans were estimated from
 
     @property
     def best(self) -> Estimate:
@@ -246,7 +248,27 @@ def search_profile(
             )
     # Fastest first; among equals the one with less memory, then the simpler plan.
     fitting.sort(key=lambda e: (-e.samples_per_s, e.memory.total, _complexity(e.plan)))
-    return SearchResult(fitting, dropped, hardware)
+    return SearchResult(fitting, dropped, hardware, profile)
+
+
+def search_model(
+    model: Any,
+    example_inputs: Any,
+    world_size: int,
+    *,
+    loss_fn: Any = None,
+    example_targets: Any = None,
+    **options: Any,
+) -> SearchResult:
+    """Profile `model` (or take a ModelProfile as is), then `search_profile` with
+    `options`: the one path of plan_search, plan="auto" and `meshfit plan`."""
+    if isinstance(model, ModelProfile):
+        profile = model
+    else:
+        profile = profile_model(
+            model, example_inputs, loss_fn=loss_fn, example_targets=example_targets
+        )
+    return search_profile(profile, world_size, **options)
 
 
 def _complexity(plan: Plan) -> int:
