@@ -389,3 +389,8 @@ def test_fit_logs_mfu_where_the_peak_is_known(monkeypatch):
     )
     last = history.records[-1]
     assert last["mfu"] == pytest.approx(per_sample * last["samples_per_s"] / 1e9, rel=1e-2)
+    # plan="auto" hands its profile to the MFU meter (the model is profiled once)
+    auto = mf.fit(gpt(), (x, x), plan="auto", loss_fn=loss, batch_size=8, max_steps=2,
+                  log_every=1, progress=False)  # fmt: skip
+    last = auto.records[-1]
+    assert last["mfu"] == pytest.approx(per_sample * last["samples_per_s"] / 1e9, rel=1e-2)

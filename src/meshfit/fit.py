@@ -194,7 +194,8 @@ def fit(
         )  # fmt: skip
         plan = auto.plan
     topology = create_topology(plan)
-    mfu_of = _mfu_meter(model, topology, train_data, reading, loss_fn)  # before any split
+    profile = auto.result.profile if auto is not None else None  # profiled once
+    mfu_of = _mfu_meter(model, topology, train_data, reading, loss_fn, profile)  # before any split
     if "example_inputs" not in parallelize_options:
         parallelize_options["example_inputs"] = _pipeline_example(
             topology, train_data, batch_size, reading, model_loss=loss_fn == "model"
@@ -774,7 +775,12 @@ def _check_options(
 
 
 def _mfu_meter(
-    model: nn.Module, topology: Topology, data: Dataset, reading: Reading, loss_fn: Any
+    model: nn.Module,
+    topology: Topology,
+    data: Dataset,
+    reading: Reading,
+    loss_fn: Any,
+    profile: Any = None,
 ) -> Callable[[float], float] | None:
     """samples/s -> MFU over every device of the job, where their peak is known."""
     from meshfit.planner.mfu import peak_flops, training_flops_per_sample
@@ -786,7 +792,7 @@ def _mfu_meter(
         list(itertools.islice(iter(data), 1)) if isinstance(data, IterableDataset) else [data[0]]
     )
     inputs, targets = split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
-    flops = training_flops_per_sample(model, inputs, loss_fn, targets)
+    flops = training_flops_per_sample(model, inputs, loss_fn, targets, profile)
     if flops is None:
         return None
     world = topology.plan.world_size or 1

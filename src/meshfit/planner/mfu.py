@@ -43,13 +43,18 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 def training_flops_per_sample(
-    model: nn.Module, example_inputs: Any, loss_fn: Any, example_targets: Any
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Any,
+    example_targets: Any,
+    profile: Any = None,
 ) -> float | None:
-    """3 x the model's forward FLOPs per sample (matrix products and attention)."""
+    """3 x the model's forward FLOPs per sample (matrix products and attention), from
+    `profile` where the run has one already (plan="auto" profiled the model)."""
     from meshfit.planner.profile import profile_model
 
     try:
-        profile = profile_model(
+        profile = profile or profile_model(
             model, example_inputs, loss_fn=loss_fn, example_targets=example_targets, tp=False
         )
     except Exception as error:  # MFU is a nicety: never stop a run over it
