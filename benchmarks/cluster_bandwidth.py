@@ -39,37 +39,21 @@ def _eth0_tx() -> int:
 
 def worker(out: str, steps: int, quick: bool) -> None:
     """On every rank (under meshfit run): time each plan; rank 0 writes the results."""
-    import torch
     import torch.distributed as dist
 
-    import meshfit as mf
-    from meshfit.models import GPT, GPTConfig, next_token_loss
+    from meshfit.models import GPT, GPTConfig
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # meshfit run: not there
+    from steptimes import timed_steps, warm_gpt_engine
 
     config = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
     if quick:  # the demo GPT's shape, tiny: checks the script works, measures nothing
         config = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)
     results = []
     for plan in PLANS:
-        torch.manual_seed(0)
-        engine = mf.parallelize(
-            GPT(config),
-            plan,
-            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-            loss_fn=next_token_loss,
-        )
-        gen = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 256, (32, config.block_size + 1), generator=gen)
-        batch = (tokens[:, :-1], tokens[:, 1:])
-        for _ in range(2):  # warm-up: allocations, DDP buckets, gloo connections
-            engine.step(batch)
-        times = []
+        engine, batch = warm_gpt_engine(config, plan, 32)
         sent = _eth0_tx()  # per host; a network namespace's own sysfs
-        for _ in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
-            engine.step(batch)
-            dist.barrier()
-            times.append(time.perf_counter() - start)
+        times = timed_steps(engine, batch, steps)
         sent = _eth0_tx() - sent
         # The slowest rank's time is the step's; bytes per host from each local rank 0.
         gathered: list[object] = [None] * dist.get_world_size()

@@ -20,13 +20,12 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
+from steptimes import timed_steps, warm_gpt_engine
 
 import meshfit as mf
-from meshfit.models import GPT, GPTConfig, next_token_loss
+from meshfit.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 TINY = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -35,29 +34,11 @@ PLANS = ["dp=2", "fsdp=2", "tp=2", "pp=2,microbatches=4", "dp=2,checkpointing=fu
 
 
 def worker(plans: list[str], config: GPTConfig, steps: int) -> list[list[float]]:
-    """Every plan in one set of workers: the step times (slowest rank, barrier to barrier)."""
+    """Every plan in one set of workers: the step times (barrier to barrier)."""
     times = []
     for plan in plans:
-        torch.manual_seed(0)
-        engine = mf.parallelize(
-            GPT(config),
-            plan,
-            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-            loss_fn=next_token_loss,
-        )
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=g)
-        batch = (tokens[:, :-1], tokens[:, 1:])
-        for _ in range(2):
-            engine.step(batch)
-        plan_times = []
-        for _ in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
-            engine.step(batch)
-            dist.barrier()
-            plan_times.append(time.perf_counter() - start)
-        times.append(plan_times)
+        engine, batch = warm_gpt_engine(config, plan, BATCH)
+        times.append(timed_steps(engine, batch, steps))
     return times
 
 
