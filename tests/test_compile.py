@@ -35,6 +35,7 @@ TWO_PROCESS = [
 FOUR_PROCESS = [
     make_spec("gpt4", "dp=2,tp=2", options=COMPILE),
     make_spec("gpt4", "fsdp=2,pp=2", options=COMPILE),
+    make_spec("gpt4", "tp=2,pp=2", options=COMPILE),
 ]
 
 
