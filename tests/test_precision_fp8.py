@@ -7,6 +7,7 @@ and the few-hundred-step loss curve wait for a GPU: benchmarks/gpu_fp8.py.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -146,3 +147,24 @@ def test_verify_and_planner_take_fp8_as_bf16_with_float8_noise() -> None:
     assert tolerance(torch.float32, "fp8") == WEIGHT_RTOL  # what the runs above measured
     h100 = PRESETS["h100"]
     assert h100.flops("fp8") == h100.flops("bf16")  # its float8 speed-up is not planned on
+
+
+def test_checkpoints_cross_between_fp8_and_plain_runs(emulate: None, tmp_path) -> None:
+    """Float8Linear keeps `weight`/`bias`: an fp8 run's checkpoint resumes under bf16
+    (or fp32) and a bf16 one under fp8, weights and optimizer state alike."""
+    model, loss_fn = build("gpt_pattern", "float32")
+    fp8 = mf.parallelize(model, "precision=fp8", loss_fn=loss_fn)
+    for step in range(2):
+        fp8.step(_batch(step))
+    fp8.save(str(tmp_path / "fp8"))
+    plain = mf.parallelize(build("gpt_pattern", "float32")[0], "precision=bf16", loss_fn=loss_fn)
+    plain.load(str(tmp_path / "fp8"))
+    assert plain.step_count == 2
+    trained = fp8.full_state_dict()
+    for name, weight in plain.full_state_dict().items():
+        assert torch.equal(weight, trained[name]), name
+    plain.step(_batch(2))
+    plain.save(str(tmp_path / "bf16"))
+    again = mf.parallelize(build("gpt_pattern", "float32")[0], "precision=fp8", loss_fn=loss_fn)
+    again.load(str(tmp_path / "bf16"))
+    assert again.step_count == 3 and math.isfinite(float(again.step(_batch(3))))
