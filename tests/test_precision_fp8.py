@@ -168,3 +168,24 @@ def test_checkpoints_cross_between_fp8_and_plain_runs(emulate: None, tmp_path) -
     again = mf.parallelize(build("gpt_pattern", "float32")[0], "precision=fp8", loss_fn=loss_fn)
     again.load(str(tmp_path / "bf16"))
     assert again.step_count == 3 and math.isfinite(float(again.step(_batch(3))))
+
+
+def test_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshfit.fp8 import check_available
+
+    monkeypatch.delenv("MESHFIT_FP8_EMULATE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(
+        MeshfitError, match=r"runs on NVIDIA A100 \(capability 8\.0\); use precision='bf16'"
+    ):
+        check_available(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_recomputation_under_fp8_is_exact(emulate: None, checkpointing: str) -> None:
+    ref = engine_run(_spec("precision=fp8"))
+    got = engine_run(_spec(f"checkpointing={checkpointing},precision=fp8"))
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["state"][k], w) for k, w in ref["state"].items())
