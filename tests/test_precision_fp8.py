@@ -189,3 +189,10 @@ def test_recomputation_under_fp8_is_exact(emulate: None, checkpointing: str) -> 
     got = engine_run(_spec(f"checkpointing={checkpointing},precision=fp8"))
     assert got["losses"] == ref["losses"]
     assert all(torch.equal(got["state"][k], w) for k, w in ref["state"].items())
+
+
+def test_a_model_left_in_float8_is_named_under_another_precision(emulate: None) -> None:
+    model, loss_fn = build("gpt_pattern", "float32")
+    mf.parallelize(model, "precision=fp8", loss_fn=loss_fn)
+    with pytest.warns(UserWarning, match="12 Float8Linear layers .* keep computing in float8"):
+        mf.parallelize(model, "precision=bf16", loss_fn=loss_fn)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -110,6 +111,20 @@ def convertible(model: nn.Module) -> list[str]:
         (n, m) for n, m in linears if m.in_features % _MULTIPLE == m.out_features % _MULTIPLE == 0
     ]
     return [n for n, _ in fits]
+
+
+def warn_if_converted(model: nn.Module) -> None:
+    """Under a precision other than fp8: say so when the model already holds Float8Linear
+    layers (an earlier precision="fp8" run converted them in place, or torchao did)."""
+    found = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    if found:
+        warnings.warn(
+            f"the model holds {len(found)} Float8Linear layers ({found[0]}, ...), from an "
+            f"earlier precision='fp8' run or torchao: they keep computing in float8 under "
+            f"this plan's precision; build the model afresh (or load its state dict into "
+            f"a new one: the names are the same) for a run without float8",
+            stacklevel=4,
+        )
 
 
 def convert(model: nn.Module, emulate: bool) -> list[str]:

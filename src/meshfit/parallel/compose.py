@@ -14,6 +14,7 @@ against 2.9 s for torch alone (2-core VM), paid by every worker.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,10 @@ def apply_plan(
         from meshfit.fp8 import convert
 
         convert(model, emulate=precision.fp8_emulate)
+    elif "torchao" in sys.modules:  # only torchao makes Float8Linear layers
+        from meshfit.fp8 import warn_if_converted
+
+        warn_if_converted(model)
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 
