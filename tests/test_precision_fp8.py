@@ -196,3 +196,14 @@ def test_a_model_left_in_float8_is_named_under_another_precision(emulate: None) 
     mf.parallelize(model, "precision=fp8", loss_fn=loss_fn)
     with pytest.warns(UserWarning, match="12 Float8Linear layers .* keep computing in float8"):
         mf.parallelize(model, "precision=bf16", loss_fn=loss_fn)
+
+
+@pytest.mark.slow
+def test_meshfit_verify_takes_an_fp8_plan_as_the_same_run(emulate: None) -> None:
+    import functools
+
+    from meshfit.models import next_token_loss
+
+    build_gpt = functools.partial(GPT, TINY_GPT)
+    report = mf.verify(build_gpt, "dp=2,precision=fp8", _batch(0), loss_fn=next_token_loss)
+    assert report.ok and report.rtol == WEIGHT_RTOL, report
