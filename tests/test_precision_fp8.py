@@ -13,7 +13,14 @@ import sys
 import pytest
 import torch
 from helpers import make_spec, relative_error
-from workers import TINY_GPT, build, engine_run, make_batch, many_engine_runs
+from workers import (
+    TINY_GPT,
+    build,
+    engine_run,
+    make_batch,
+    many_engine_runs,
+    optimizer_factory,
+)
 
 import meshfit as mf
 from meshfit.errors import MeshfitError
@@ -207,3 +214,18 @@ def test_meshfit_verify_takes_an_fp8_plan_as_the_same_run(emulate: None) -> None
     build_gpt = functools.partial(GPT, TINY_GPT)
     report = mf.verify(build_gpt, "dp=2,precision=fp8", _batch(0), loss_fn=next_token_loss)
     assert report.ok and report.rtol == WEIGHT_RTOL, report
+
+
+@pytest.mark.slow
+def test_an_fsdp_fp8_checkpoint_loads_into_one_plain_process(emulate: None, tmp_path) -> None:
+    from workers import save_after_training
+
+    path = str(tmp_path / "ckpt")
+    saved = mf.launch(save_after_training, nproc=2, args=(_spec("fsdp=2,precision=fp8"), path))
+    model, loss_fn = build("gpt_pattern", "float32")
+    sgd = optimizer_factory("sgd")  # save_after_training's
+    plain = mf.parallelize(model, "precision=bf16", optimizer=sgd, loss_fn=loss_fn)
+    plain.load(path)
+    assert plain.step_count == 4
+    for name, weight in plain.full_state_dict().items():
+        assert torch.equal(weight, saved["state"][name]), name

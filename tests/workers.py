@@ -382,12 +382,13 @@ def many_engine_runs(specs: list[dict]) -> list[dict]:
 
 def save_after_training(spec: dict, path: str) -> dict:
     """Train with engine.step under spec's plan, save to `path`, return the weights."""
-    model, loss_fn = build(spec["model"])
+    dtype = spec.get("dtype", "float64")
+    model, loss_fn = build(spec["model"], dtype)
     engine = mf.parallelize(
         model, spec.get("plan"), optimizer=optimizer_factory("sgd"), loss_fn=loss_fn
     )
     for step in range(spec.get("steps", 4)):
-        engine.step(make_batch(spec["model"], spec.get("batch", 16), step))
+        engine.step(make_batch(spec["model"], spec.get("batch", 16), step, dtype))
     engine.save(path)
     return {"state": engine.full_state_dict()}
 
