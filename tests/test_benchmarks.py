@@ -41,6 +41,15 @@ def test_gpu_throughput_benchmark_quick(tmp_path) -> None:
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows)
 
 
+def test_gpu_fp8_benchmark_quick(tmp_path) -> None:
+    pytest.importorskip("torchao.float8", reason="the fp8 extra: pip install 'meshfit[fp8]'")
+    pytest.importorskip("transformers")
+    written = _run_quick("gpu_fp8.py", tmp_path, timeout=180)[1]
+    rows = {r["precision"]: r for r in written["rows"]}
+    assert rows["bf16"]["float8_linears"] == 0 < rows["fp8"]["float8_linears"]
+    assert len(rows["fp8"]["losses"]) == written["steps"] and written["summary"]["loss"]["within"]
+
+
 def test_data_parallel_benchmark_quick(tmp_path) -> None:
     rows = _run_quick("data_parallel.py", tmp_path)[1]["rows"]
     assert [r["runner"] for r in rows] == [

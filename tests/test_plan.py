@@ -48,7 +48,7 @@ def test_plan_that_does_not_fit_the_world_names_the_fix() -> None:
         ("schedule=fast", "schedule='fast' is not one of"),
         ("dp", "key=value"),
         ("dp=2,dp=4", "given twice"),
-        ("precision=fp8", "precision='fp8'"),
+        ("precision=fp4", "precision='fp4' is not one of"),
     ],
 )
 def test_bad_plan_text_is_refused(text: str, message: str) -> None:

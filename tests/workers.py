@@ -49,7 +49,7 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         for _ in range(3):
             layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
         return torch.nn.Sequential(*layers, torch.nn.Linear(32, 5)), F.cross_entropy
-    if kind == "gpt":
+    if kind in ("gpt", "gpt_pattern"):
         return GPT(TINY_GPT), next_token_loss
     if kind == "gpt4":
         return GPT(GPT4), next_token_loss
@@ -180,6 +180,11 @@ def make_batch(
     if kind == "bn_cnn":
         images = (torch.randn(batch, 3, 6, 6, generator=g) * 2 + 1).to(getattr(torch, dtype))
         return images, torch.randint(0, 5, (batch,), generator=g)
+    if kind == "gpt_pattern":  # learnable: counting mod the vocabulary in steps of 1-3
+        start = torch.randint(0, TINY_GPT.vocab_size, (batch, 1), generator=g)
+        stride = torch.randint(1, 4, (batch, 1), generator=g)
+        tokens = (start + stride * torch.arange(TINY_GPT.block_size + 1)) % TINY_GPT.vocab_size
+        return tokens[:, :-1], tokens[:, 1:]
     tokens = torch.randint(0, TINY_GPT.vocab_size, (batch, TINY_GPT.block_size + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -388,12 +393,13 @@ def many_engine_runs(specs: list[dict]) -> list[dict]:
 
 def save_after_training(spec: dict, path: str) -> dict:
     """Train with engine.step under spec's plan, save to `path`, return the weights."""
-    model, loss_fn = build(spec["model"])
+    dtype = spec.get("dtype", "float64")
+    model, loss_fn = build(spec["model"], dtype)
     engine = mf.parallelize(
         model, spec.get("plan"), optimizer=optimizer_factory("sgd"), loss_fn=loss_fn
     )
     for step in range(spec.get("steps", 4)):
-        engine.step(make_batch(spec["model"], spec.get("batch", 16), step))
+        engine.step(make_batch(spec["model"], spec.get("batch", 16), step, dtype))
     engine.save(path)
     return {"state": engine.full_state_dict()}
 

@@ -23,7 +23,7 @@ from meshfit.errors import MeshfitError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 CHECKPOINTING = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 # Mesh dimension order, outermost first: pipeline stages talk least often, tensor
 # parallel most often, so tp ranks are adjacent (same node / NVLink domain).
@@ -52,8 +52,9 @@ class Plan:
         forward (ZeRO-3, the default; but the last block's and the root's, whose
         backward follows at once) or keep them until its backward (False: ZeRO-2-like,
         one all-gather fewer per block and step, more memory).
-    precision: "fp32", "bf16" (autocast, fp32 master weights) or "fp16" (autocast plus
-        a gradient scaler).
+    precision: "fp32", "bf16" (autocast, fp32 master weights), "fp16" (autocast plus
+        a gradient scaler) or "fp8" (bf16 with the Linear layers of the repeated blocks
+        in float8 through torchao: an H100 / Ada GPU and pip install 'meshfit[fp8]').
     """
 
     dp: int | None = None
@@ -159,6 +160,13 @@ class Plan:
             raise MeshfitError(
                 f"precision='fp16' (gradient scaling) is not supported with plan {self} "
                 f"(pipeline stages or FSDP2); use precision='bf16', which needs no scaler"
+            )
+        if self.precision == "fp8" and self.tp > 1:
+            raise MeshfitError(
+                f"precision='fp8' does not combine with tensor parallel yet (plan {self}): "
+                f"meshfit's tp plans do not use torchao's float8 layouts; use fp8 with "
+                f"dp/fsdp/pp (e.g. 'fsdp={self.tp * self.fsdp},precision=fp8'), or "
+                f"precision='bf16' with tp"
             )
         if self.schedule == "zero-bubble" and self.pp > 1 and (self.fsdp > 1 or (self.dp or 1) > 1):
             # Measured: dp=2 or fsdp=2 with pp=2 zero-bubble trained a different run from

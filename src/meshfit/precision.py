@@ -4,6 +4,8 @@
 autocast; FSDP2 gathers bf16 copies of the sharded fp32 weights and reduces gradients in
 fp32. "fp16" adds a gradient scaler (fp16's range is too small for raw gradients);
 Plan.validate refuses it where the scaler does not compose (pipeline stages, FSDP2).
+"fp8" is "bf16" with the model's large Linear layers in float8 (torchao, meshfit.fp8);
+it is refused here, before anything is built, where there is no fp8 hardware.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 runs bf16 autocast around the float8 matmuls of its converted Linear layers.
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -27,10 +30,15 @@ class Precision:
     name: str  # one of plan.PRECISIONS
     device: torch.device
     scaler: torch.amp.GradScaler | None = field(init=False, default=None)
+    fp8_emulate: bool = field(init=False, default=False)  # MESHFIT_FP8_EMULATE (tests)
 
     def __post_init__(self) -> None:
         if self.name == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
+        if self.name == "fp8":
+            from meshfit.fp8 import check_available
+
+            self.fp8_emulate = check_available(self.device)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -46,7 +54,7 @@ class Precision:
     def fsdp_policy(self) -> MixedPrecisionPolicy:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        bf16 = self.name == "bf16"
+        bf16 = self.autocast_dtype is torch.bfloat16  # bf16, and fp8 around its matmuls
         # bf16 compute reduces fp32 gradients; otherwise gradients are reduced in the
         # parameters' own dtype (float32 here would round a float64 model's gradients).
         return MixedPrecisionPolicy(

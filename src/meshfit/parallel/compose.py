@@ -1,7 +1,7 @@
 """Apply a Plan to a model, every form in one fixed order, and pick the runner.
 
 The order is the one that composes in PyTorch (as in torchtitan's parallelize):
-tensor parallel, then activation recomputation, then the pipeline cut (pp > 1), then
+the float8 conversion (precision="fp8"), then tensor parallel, then activation recomputation, then the pipeline cut (pp > 1), then
 sharded/replicated data parallel over the model's parts: the whole model, or each
 pipeline stage this rank runs. Both take the same path (`apply_data_parallel`): FSDP2
 when Plan.uses_fsdp, else DDP. Options that do not go together are refused by
@@ -14,6 +14,7 @@ against 2.9 s for torch alone (2-core VM), paid by every worker.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,14 @@ def apply_plan(
         refuse_microbatches(model, plan.num_microbatches)
         refuse_unsynchronisable(model, topology.dp_size * plan.num_microbatches)
         model = synchronise_batchnorm(model, topology.batch_groups, device)
+    if plan.precision == "fp8":  # before every parallel form, as torchtitan converts
+        from meshfit.fp8 import convert
+
+        convert(model, emulate=precision.fp8_emulate)
+    elif "torchao" in sys.modules:  # only torchao makes Float8Linear layers
+        from meshfit.fp8 import warn_if_converted
+
+        warn_if_converted(model)
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 

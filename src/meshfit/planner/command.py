@@ -39,7 +39,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch to plan for")
     parser.add_argument(
-        "--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="kept as given"
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16", "fp8"),
+        help="kept as given (fp8 is planned at the bf16 rate)",
     )
     parser.add_argument("--compile", action="store_true", help="plan for compile=True runs")
     parser.add_argument("--top", type=int, default=10, help="plans to show (default 10)")

@@ -229,14 +229,19 @@ def _split(part: PartCost, tp: int) -> float:
     return part.params * (1 - part.tp_share + part.tp_share / tp)
 
 
+# Precisions that compute under 2-byte autocast (fp8: bf16 around its float8 matmuls,
+# whose speed-up the estimate does not count: it plans fp8 as bf16).
+_AUTOCAST = ("bf16", "fp16", "fp8")
+
+
 def _compute_bytes(plan: Plan, profile: ModelProfile) -> float:
-    return 2.0 if plan.precision in ("bf16", "fp16") else float(profile.param_bytes)
+    return 2.0 if plan.precision in _AUTOCAST else float(profile.param_bytes)
 
 
 def _activation_scale(plan: Plan) -> float:
     # Under autocast most saved tensors are the 2-byte inputs and outputs of matrix
     # products; the profile counted them at the model's float32.
-    return 0.5 if plan.precision in ("bf16", "fp16") else 1.0
+    return 0.5 if plan.precision in _AUTOCAST else 1.0
 
 
 def in_flight(plan: Plan, rank: int) -> float:
@@ -309,7 +314,7 @@ def _rank_memory(
             memory.buffers += rest * cbytes  # the root stays gathered
         else:
             memory.buffers += block_params * cbytes  # every block stays gathered
-    if plan.precision in ("bf16", "fp16") and not (plan.uses_fsdp and plan.fsdp > 1):
+    if plan.precision in _AUTOCAST and not (plan.uses_fsdp and plan.fsdp > 1):
         # autocast's 2-byte weight copies, saved for backward by every micro-batch in
         # flight; recomputation re-makes them in backward instead, one block at a time.
         copies = in_flight(plan, rank) if plan.checkpointing == "none" else 1
@@ -444,7 +449,7 @@ def _add_time(
     world = plan.world_size or 1
     done = model_flops * (3 + recompute) * result.batch_size
     result.flops_per_device = done / total / world
-    peak = hw.peak_flops.get(plan.precision)
+    peak = hw.peak_flops.get("bf16" if plan.precision == "fp8" else plan.precision)
     if peak:
         result.mfu = model_flops * 3 * result.batch_size / total / world / peak
 

@@ -78,6 +78,8 @@ class Hardware:
         return self.devices_per_node * self.nodes
 
     def flops(self, precision: str, compiled: bool = False) -> float:
+        if precision == "fp8":  # planned at the bf16 rate (its float8 speed-up unmeasured)
+            precision = "bf16"
         rate = self.matmul_flops.get(precision) or self.matmul_flops["fp32"]
         return rate if compiled else rate * self.eager_efficiency
 

@@ -37,7 +37,8 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     from meshfit.planner.hardware import this_machine
 
     try:
-        return this_machine().peak_flops.get(precision)
+        # fp8's MFU is against the bf16 peak, as torchtitan reports it.
+        return this_machine().peak_flops.get("bf16" if precision == "fp8" else precision)
     except MeshfitError:  # a GPU without a preset
         return None
 

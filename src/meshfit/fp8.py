@@ -1,0 +1,141 @@
+"""precision="fp8": float8 training through torchao (the optional extra meshfit[fp8]).
+
+fp8 training is bf16 training (autocast; FSDP2 gathers bf16 copies and reduces fp32
+gradients) in which the model's large nn.Linear layers become torchao's Float8Linear:
+their matrix products run in float8 with dynamic tensor-wise scales (e4m3 for inputs and
+weights, e5m2 for gradients), on the fp8 tensor cores of an H100 / Ada GPU (CUDA
+capability 8.9 or later). Everything else, the master weights and the optimizer stay as
+they are. This is torchtitan's float8 recipe: convert first, then the parallel forms.
+
+Which layers are converted (`convertible`): the nn.Linear layers inside the model's
+repeated blocks (meshfit.parallel.blocks; every layer of a model without them) whose two
+dimensions are multiples of 16 (what the fp8 matmul needs), but never the model's last
+Linear, its output layer / LM head: it stays in bf16, as torchtitan keeps its "output"
+layer.
+
+Float8Linear is an nn.Linear subclass that keeps `weight` and `bias` as ordinary
+parameters under the same names, so state dicts and checkpoints load into the plain
+model as they were.
+
+MESHFIT_FP8_EMULATE=1 runs the same path where there is no fp8 hardware (CPU, older
+GPUs): torchao's emulate mode computes the float8 roundings in higher precision. It is
+for tests and debugging only: slower than bf16, never faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.errors import MeshfitError
+
+EMULATE_ENV = "MESHFIT_FP8_EMULATE"
+# The range meshfit[fp8] declares (pyproject.toml) and the tests ran: 0.18.0.
+TORCHAO_MIN = "0.18"
+_MULTIPLE = 16  # both dimensions of a float8 matmul
+
+
+def emulating() -> bool:
+    """Whether MESHFIT_FP8_EMULATE asks for torchao's emulated float8 (tests only)."""
+    return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def check_available(device: torch.device) -> bool:
+    """Refuse fp8 where it cannot run, naming the fix; return whether to emulate."""
+    emulate = emulating()
+    if not emulate and not has_fp8_hardware(device):
+        raise MeshfitError(
+            f"precision='fp8' needs a GPU with float8 matmuls (CUDA capability 8.9 or "
+            f"later: H100, H200, L4, L40, RTX 4090), but this process runs on "
+            f"{_describe(device)}; use precision='bf16' here (or {EMULATE_ENV}=1 to "
+            f"emulate float8 for tests and debugging only: slower, never faster)"
+        )
+    _import_torchao()
+    return emulate
+
+
+def has_fp8_hardware(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (capability {major}.{minor})"
+    return f"a {device.type.upper()} device" if device.type != "cpu" else "the CPU"
+
+
+def _import_torchao() -> Any:
+    """torchao.float8, or a refusal that says how to install it."""
+    # At import torchao logs a warning per CUDA kernel library it cannot load (all of
+    # them on a CPU build of torch) and torch one about an Enum torchao registers;
+    # float8 training needs neither.
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    except ImportError as e:
+        raise MeshfitError(
+            f"precision='fp8' trains through torchao's float8, which is not installed "
+            f"({e}); pip install 'meshfit[fp8]' (torchao>={TORCHAO_MIN})"
+        ) from None
+    finally:
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+    return float8
+
+
+def convertible(model: nn.Module) -> list[str]:
+    """Names of the nn.Linear layers fp8 converts (see the module's docstring)."""
+    from meshfit.parallel.blocks import find_blocks
+
+    try:
+        blocks = list(find_blocks(model).blocks)
+    except MeshfitError:
+        blocks = []
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    linears = linears[:-1]  # the last one registered: the output layer / LM head
+    if blocks:
+        inside = {id(m) for b in blocks for m in b.modules()}
+        linears = [(n, m) for n, m in linears if id(m) in inside]
+    fits = [
+        (n, m) for n, m in linears if m.in_features % _MULTIPLE == m.out_features % _MULTIPLE == 0
+    ]
+    return [n for n, _ in fits]
+
+
+def warn_if_converted(model: nn.Module) -> None:
+    """Under a precision other than fp8: say so when the model already holds Float8Linear
+    layers (an earlier precision="fp8" run converted them in place, or torchao did)."""
+    found = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    if found:
+        warnings.warn(
+            f"the model holds {len(found)} Float8Linear layers ({found[0]}, ...), from an "
+            f"earlier precision='fp8' run or torchao: they keep computing in float8 under "
+            f"this plan's precision; build the model afresh (or load its state dict into "
+            f"a new one: the names are the same) for a run without float8",
+            stacklevel=4,
+        )
+
+
+def convert(model: nn.Module, emulate: bool) -> list[str]:
+    """Swap the convertible Linears of `model` for Float8Linear, in place (before any
+    parallel form, as torchtitan does). Returns their names."""
+    float8 = _import_torchao()
+    names = set(convertible(model))
+    if not names:
+        return []
+    config = float8.Float8LinearConfig(emulate=emulate)
+    float8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda _m, fqn: fqn in names
+    )
+    return sorted(names)
