@@ -126,12 +126,17 @@ def main() -> None:
     rows = []
     for name in names:
         median = statistics.median(times[name])
+        # Paired: each round's hand-written time over this runner's in the same round
+        # (adjacent runs share the machine's state of the moment), then the median.
+        paired = [h / t for h, t in zip(times["hand-written"], times[name], strict=True)]
         rows.append(
             {
                 "runner": name,
                 "median_s": median,
                 "samples_per_s": samples / median,
                 "throughput_vs_hand": hand / median,
+                "paired_vs_hand": statistics.median(paired),
+                "paired_range": [min(paired), max(paired)],
                 "all_s": times[name],
             }
         )
@@ -163,10 +168,12 @@ def main() -> None:
     print(
         f"overhead on {device} ({torch.get_num_threads()} threads), {args.rounds} rounds x {args.steps} steps, batch {args.batch_size}; results in {out}"
     )
-    print(f"{'runner':<16} {'median s':>9} {'samples/s':>10} {'vs hand':>8}")
+    print(f"{'runner':<16} {'median s':>9} {'samples/s':>10} {'vs hand':>8} {'paired':>7}")
     for row in rows:
         print(
-            f"{row['runner']:<16} {row['median_s']:>9.3f} {row['samples_per_s']:>10.1f} {row['throughput_vs_hand']:>8.3f}"
+            f"{row['runner']:<16} {row['median_s']:>9.3f} {row['samples_per_s']:>10.1f} "
+            f"{row['throughput_vs_hand']:>8.3f} {row['paired_vs_hand']:>7.3f} "
+            f"({row['paired_range'][0]:.3f}-{row['paired_range'][1]:.3f})"
         )
 
 
