@@ -50,6 +50,13 @@ def test_gpu_fp8_benchmark_quick(tmp_path) -> None:
     assert len(rows["fp8"]["losses"]) == written["steps"] and written["summary"]["loss"]["within"]
 
 
+def test_gpu_llama_benchmark_quick(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    rows = _run_quick("gpu_llama.py", tmp_path, timeout=240)[1]["rows"]
+    assert [r["mode"] for r in rows] == ["eager", "compile"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
 def test_data_parallel_benchmark_quick(tmp_path) -> None:
     rows = _run_quick("data_parallel.py", tmp_path)[1]["rows"]
     assert [r["runner"] for r in rows] == [

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every GPU table BENCHMARKS.md waits for (issues 12 and 16), on one lent GPU.
+#
+#   bash benchmarks/gpu_all.sh            # every part, in order (about 25 minutes on an H100)
+#   bash benchmarks/gpu_all.sh fp8 llama  # some parts: each stays under 10 minutes, so a
+#                                         # device call per part fits the tool's limit
+#
+# Parts (each writes JSON under benchmarks/results/ and prints its table):
+#   throughput  405M GPT, bf16, hand-written loop vs meshfit, eager and compiled, MFU
+#               (batch 16, then 32 compiled)                           ~5 min
+#   llama       a 1.24B transformers Llama through mf.fit unchanged, eager and
+#               compiled: tokens/s, MFU (issue 16 item 1)              ~4 min
+#   fp8         bf16 vs precision="fp8" on that Llama, 300 steps each, compiled:
+#               speed-up and loss curves (issue 16 item 2)             ~5 min
+#   planner     the planner's step time and peak memory against measured, GPT
+#               125M / 405M / 1.3B, recomputation, eager / compiled (issue 12)  ~5 min
+#   overhead    the small demo GPT: hand-written vs engine vs fit     ~3 min
+#
+# The machine needs meshfit's source (this checkout) and, for fp8, torchao: the lent GPUs
+# cannot download, so carry the wheel (pip download torchao==0.18.0 --no-deps -d wheels/)
+# and this script installs it from wheels/ when it is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+
+if compgen -G "wheels/torchao-*.whl" > /dev/null && ! "$PY" -c "import torchao" 2> /dev/null; then
+    "$PY" -m pip install --quiet --no-deps wheels/torchao-*.whl
+fi
+
+part() {
+    echo "=== $1 ($(date -u +%H:%M:%S))"
+    case "$1" in
+        throughput)
+            "$PY" benchmarks/gpu_throughput.py
+            "$PY" benchmarks/gpu_throughput.py --modes compile --batch-size 32 \
+                --out benchmarks/results/gpu-throughput-batch32.json ;;
+        llama) "$PY" benchmarks/gpu_llama.py ;;
+        fp8) "$PY" benchmarks/gpu_fp8.py ;;
+        planner) "$PY" benchmarks/planner_gpu.py ;;
+        overhead) "$PY" benchmarks/overhead.py --rounds 7 --steps 200 ;;
+        *) echo "unknown part '$1': throughput, llama, fp8, planner, overhead" >&2; exit 2 ;;
+    esac
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(throughput llama fp8 planner overhead)
+for p in "${parts[@]}"; do part "$p"; done
