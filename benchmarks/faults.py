@@ -17,8 +17,9 @@ Outcomes: "exact" (finished, weights bit-identical to the reference), "refused+e
 (stopped with one meshfit line and nothing lost: a plain re-run resumes to the exact
 weights), and the failures "MISMATCH", "FAILED" (a traceback, no meshfit line), "HANG"
 (still running at the limit with no worker using the CPU) and "TIMEOUT" (still running
-at the limit, but its workers were computing: a machine too slow for the limit, not a
-verdict on meshfit). Each run's limit is the larger of --limit and --limit-factor times
+at the limit, but its workers were computing: a machine too slow for the limit, or a
+rank spinning in a hang that meshfit's detection missed; a failure either way, to be
+read, never counted as good). Each run's limit is the larger of --limit and --limit-factor times
 the plan's undisturbed run, so a loaded machine, which slows every run alike, does not
 turn a live run into a failure.
 
@@ -163,7 +164,10 @@ def judge(
 ) -> tuple[str, str]:
     last = stderr.strip().splitlines()[-1][:300] if stderr.strip() else ""
     if rc is None and live:
-        return "TIMEOUT", f"still computing after the {limit_s:.0f} s limit; last line: {last}"
+        return "TIMEOUT", (
+            f"still computing after the {limit_s:.0f} s limit (a slow machine, or a busy "
+            f"hang meshfit did not detect); last line: {last}"
+        )
     if rc is None:
         return "HANG", last
     if rc == 0:

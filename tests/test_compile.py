@@ -5,6 +5,7 @@ option was ignored, as it once was under pp)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import check_against_one_process, make_spec, tolerance
 from workers import engine_run, many_engine_runs, runs_or_refusals
 
@@ -31,6 +32,8 @@ TWO_PROCESS = [
     # (float32's roundoff is 6e-8), so these keep the float32 tolerance (helpers.py).
     make_spec("llama", "fsdp=2", options=COMPILE, rtol=tolerance("float32")),
     make_spec("llama", "pp=2", options=COMPILE, rtol=tolerance("float32")),
+    # 10 blocks a stage, each handed the KV cache by the model: compiled once, not per layer
+    make_spec("llama10", "pp=2", options=COMPILE, rtol=tolerance("float32")),
 ]
 FOUR_PROCESS = [
     make_spec("gpt4", "dp=2,tp=2", options=COMPILE),
@@ -42,6 +45,10 @@ FOUR_PROCESS = [
 def _check(specs: list[dict], results: list[dict]) -> None:
     for spec, got in zip(specs, results, strict=True):
         assert got["compiled_graphs"] > 0, f"{spec['plan']}: compile=True compiled nothing"
+        for rank, (tried, compiled) in enumerate(got["compiled_frames"]):
+            # every frame dynamo took on compiled, on every rank (a block past torch's
+            # recompile limit would run eagerly, with only a log line)
+            assert tried == compiled > 0, f"{spec['plan']}, rank {rank}: {compiled} of {tried}"
     # the reference is the one-process run without compile (check_against_one_process
     # keeps the spec's options, so drop compile from them)
     eager = [{**s, "options": {}} for s in specs]
@@ -55,6 +62,32 @@ ZERO_BUBBLE = make_spec("gpt4", "pp=2,schedule=zero-bubble,microbatches=4", opti
 
 def compile_runs(specs: list[dict]) -> list[dict]:
     return runs_or_refusals(engine_run, specs)
+
+
+def test_wrapped_block_forwards_follow_a_deep_copy_and_pickle() -> None:
+    """Recomputed and compiled blocks keep their forward as a method of the block, so a
+    copy of the model runs its own weights (a closure would run the original's)."""
+    import copy
+    import pickle
+
+    from workers import build
+
+    from meshfit.parallel.compiled import compile_block_forwards
+    from meshfit.parallel.recompute import apply_recomputation
+
+    recomputed = build("gpt")[0]
+    apply_recomputation(recomputed, "full")
+    copied = copy.deepcopy(recomputed)
+    with torch.no_grad():
+        for p in copied.blocks.parameters():
+            p.zero_()
+    tokens = torch.randint(0, 32, (2, 8))
+    # a copy whose blocks ran the original's weights would give the original's output
+    assert not torch.allclose(copied(tokens), recomputed(tokens))
+    # compiled too (checked without running: no compiling in the everyday tier)
+    compile_block_forwards(list(recomputed.blocks))
+    for again in (copy.deepcopy(recomputed), pickle.loads(pickle.dumps(recomputed))):
+        assert all(b.forward.__self__ is b for b in again.blocks)
 
 
 @pytest.mark.slow

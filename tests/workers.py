@@ -55,6 +55,8 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return GPT(GPT4), next_token_loss
     if kind == "llama":
         return hf_llama(), next_token_loss_of_output
+    if kind == "llama10":  # more blocks per pp stage than torch.compile's recompile limit
+        return hf_llama(num_hidden_layers=20), next_token_loss_of_output
     if kind == "root_param":
         return RootScaled(), F.cross_entropy
     if kind == "bn_cnn":  # BatchNorm: statistics over the batch
@@ -241,7 +243,7 @@ def engine_run(spec: dict) -> dict:
     compiled = spec.get("options", {}).get("compile", False)
     if compiled:  # a fresh cache per run: earlier runs' graphs count toward torch's limit
         torch._dynamo.reset()
-    graphs_before = _compiled_graphs()
+    graphs_before, frames_before = _compiled_graphs(), _compiled_frames()
     engine = mf.parallelize(
         model,
         spec.get("plan"),
@@ -269,7 +271,28 @@ def engine_run(spec: dict) -> dict:
         "buffer_bytes": buffer_bytes,
         "reduce_scatters_last_step": reduce_scatters[0],
         "compiled_graphs": _compiled_graphs() - graphs_before,
+        # (frames dynamo tried, frames it compiled) on every rank: a frame it gave up on
+        # (its recompile limit, say) runs eagerly with only a log line
+        "compiled_frames": _on_every_rank(
+            [a - b for a, b in zip(_compiled_frames(), frames_before, strict=True)]
+        )
+        if compiled
+        else None,
     }
+
+
+def _compiled_frames() -> list[int]:
+    utils = sys.modules.get("torch._dynamo.utils")
+    frames = utils.counters["frames"] if utils else {}
+    return [frames.get("total", 0), frames.get("ok", 0)]
+
+
+def _on_every_rank(value: object) -> list:
+    if not torch.distributed.is_initialized():
+        return [value]
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
 
 
 def _compiled_graphs() -> int:
@@ -460,13 +483,13 @@ def llama_config(**overrides):
     return config
 
 
-def hf_llama():
+def hf_llama(**overrides):
     """A LlamaForCausalLM as the library builds it from a config (no download); called
     as model(input_ids), it returns its own CausalLMOutputWithPast."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(1234)
-    return LlamaForCausalLM(llama_config())
+    return LlamaForCausalLM(llama_config(**overrides))
 
 
 def next_token_loss_of_output(outputs, targets: torch.Tensor) -> torch.Tensor:

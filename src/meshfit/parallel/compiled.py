@@ -13,28 +13,57 @@ and leave the cut. So each of this rank's blocks compiles its own `forward` inst
 torchtitan compiles per block: the blocks are where the FLOPs are; the stage's prologue
 and epilogue (embedding, final norm, head and loss) run eagerly. Compiling `forward`
 rather than the module keeps hooks (FSDP2's, the pipeline's) outside the compiled code
-and the parameter names unchanged; blocks of one type share one compiled graph.
+and the parameter names unchanged. The compiled function is bound to each block as a method
+(a deep copy of the model rebinds it to the copy's blocks), one per forward function, so
+blocks of one class share its graphs: one for training, one for evaluation.
+
+A Hugging Face model hands each block its KV cache, in training too; torch then guards on
+the cache's per-layer state and compiles a graph per layer, and after 8 (its recompile
+limit) runs the rest eagerly (measured on a 20-layer Llama: 8 graphs, then eager). Under
+pp the cache cannot cross stages anyway, so compiled blocks run without it
+(`use_cache=False`), as recomputed ones do in training; this is said once.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from torch import nn
+
+from meshfit.parallel.recompute import unbound_forward, without_cache
+
+_COMPILED_CACHE = (
+    "under pp with compile=True each {kind} compiles on its own, and a KV cache handed to "
+    "it would make torch compile it once per layer; blocks run without the cache "
+    "(use_cache=False): a pipeline stage cannot pass it to the next anyway"
+)
 
 
 def compile_block_forwards(blocks: list[nn.Module]) -> None:
     """Replace each block's `forward` with a compiled one, in place (after tensor parallel
     and recomputation, which it then compiles too, and before data parallel wraps it)."""
+    wrapped: dict[object, object] = {}  # one compiled function per forward function
+    said: set[str] = set()
     for block in blocks:
         if getattr(block.forward, "_meshfit_compiled", False):
-            continue  # a block shared by two stages' lists is compiled once
-        compiled = torch.compile(block.forward)
+            continue  # a block listed twice is compiled once
+        inner = unbound_forward(block)
+        if inner not in wrapped:
+            wrapped[inner] = _compiled(inner, said)
+        block.forward = types.MethodType(wrapped[inner], block)
 
-        @functools.wraps(block.forward)
-        def forward(*args, _compiled=compiled, **kwargs):
-            return _compiled(*args, **kwargs)
 
-        forward._meshfit_compiled = True  # type: ignore[attr-defined]
-        block.forward = forward
+def _compiled(inner, said: set[str]):
+    """`inner` (a function of the block and its inputs) through torch.compile, without
+    a KV cache."""
+    compiled = torch.compile(inner)
+
+    @functools.wraps(inner)
+    def forward(self, *args, **kwargs):
+        args, kwargs = without_cache(self, args, kwargs, said, _COMPILED_CACHE)
+        return compiled(self, *args, **kwargs)
+
+    forward._meshfit_compiled = True  # type: ignore[attr-defined]
+    return forward

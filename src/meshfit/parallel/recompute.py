@@ -19,7 +19,9 @@ Hugging Face's own gradient checkpointing does, and says so once; evaluation and
 from __future__ import annotations
 
 import functools
+import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,19 +62,44 @@ def apply_recomputation(model: nn.Module, mode: str) -> nn.Module:
         else None
     )
     said: set[str] = set()  # block kinds whose cache was left out (said once per model)
+    wrapped: dict[Callable, Callable] = {}  # one wrapper per forward function
     for block in find_blocks(model).blocks:
-        original = block.forward
-
-        @functools.wraps(original)
-        def forward(*args, _original=original, _block=block, **kwargs):
-            if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to redo
-                return _original(*args, **kwargs)
-            extra = {"context_fn": context_fn} if context_fn is not None else {}
-            args, kwargs = _without_cache(_block, args, kwargs, said)
-            return checkpoint(_original, *args, use_reentrant=False, **extra, **kwargs)
-
-        block.forward = forward
+        inner = unbound_forward(block)
+        if inner not in wrapped:
+            wrapped[inner] = _recomputed(inner, context_fn, said)
+        block.forward = types.MethodType(wrapped[inner], block)
     return model
+
+
+def _recomputed(inner: Callable, context_fn: Any, said: set[str]) -> Callable:
+    """`inner` (a function of the block and its inputs) run under checkpoint in training."""
+
+    @functools.wraps(inner)
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to redo
+            return inner(self, *args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        args, kwargs = without_cache(self, args, kwargs, said, _RECOMPUTE_CACHE)
+        return checkpoint(inner, self, *args, use_reentrant=False, **extra, **kwargs)
+
+    return forward
+
+
+def unbound_forward(block: nn.Module) -> Callable[..., Any]:
+    """`block`'s forward as a function of (block, *args): what meshfit wraps and binds
+    back with types.MethodType, so that a deep copy of the model rebinds it to the copy's
+    block (a closure over the block would keep running the original's weights)."""
+    forward = block.forward
+    if isinstance(forward, types.MethodType) and forward.__self__ is block:
+        return forward.__func__
+    return lambda _self, *args, **kwargs: forward(*args, **kwargs)  # a callable of its own
+
+
+_RECOMPUTE_CACHE = (
+    "recomputation runs each {kind}'s forward again in backward, which would append to the "
+    "model's KV cache twice; the training forward runs without the cache (use_cache=False), "
+    "as Hugging Face's gradient checkpointing does; evaluation and predict keep it"
+)
 
 
 def _is_kv_cache(value: Any) -> bool:
@@ -84,11 +111,12 @@ def _is_kv_cache(value: Any) -> bool:
     )
 
 
-def _without_cache(
-    block: nn.Module, args: tuple, kwargs: dict, said: set[str]
+def without_cache(
+    block: nn.Module, args: tuple, kwargs: dict, said: set[str], why: str
 ) -> tuple[tuple, dict]:
     """`block`'s arguments with no KV cache to append to and `use_cache` off (a block
-    that only reads the cache, `_can_checkpoint_with_cache` in transformers, keeps it)."""
+    that only reads the cache, `_can_checkpoint_with_cache` in transformers, keeps it);
+    `why` (with {kind}) is said once per block kind when a cache is left out."""
     if getattr(block, "_can_checkpoint_with_cache", False):
         return args, kwargs
     dropped = any(_is_kv_cache(a) for a in args) or any(_is_kv_cache(v) for v in kwargs.values())
@@ -102,11 +130,5 @@ def _without_cache(
     kind = type(block).__name__
     if kind not in said:
         said.add(kind)
-        warnings.warn(
-            f"meshfit: recomputation runs each {kind}'s forward again in backward, which "
-            f"would append to the model's KV cache twice; the training forward runs "
-            f"without the cache (use_cache=False), as Hugging Face's gradient "
-            f"checkpointing does; evaluation and predict keep it",
-            stacklevel=3,
-        )
+        warnings.warn(f"meshfit: {why.format(kind=kind)}", stacklevel=3)
     return args, kwargs

@@ -22,7 +22,7 @@ from meshfit.plan import Plan
 from meshfit.planner.estimate import Estimate, MemoryEstimate, TimeEstimate, estimate_profile
 from meshfit.planner.hardware import PRESETS, Hardware, hardware, measure, this_machine
 from meshfit.planner.profile import ModelProfile, profile_model
-from meshfit.planner.search import SearchResult, search_model
+from meshfit.planner.search import SearchResult, profile_of, search_model
 
 __all__ = [
     "PRESETS",
@@ -65,7 +65,7 @@ def estimate(
         compiled: the run will use parallelize(..., compile=True) (faster on a GPU)."""
     from meshfit.planner.hardware import hardware as get_hardware
 
-    profile = _profile(model, example_inputs, loss_fn, example_targets)
+    profile = profile_of(model, example_inputs, loss_fn, example_targets)
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     hw = get_hardware(hardware) if hardware is not None else None
     if plan.dp is None and world_size is not None:
@@ -116,9 +116,3 @@ def plan_search(
         offload=offload,
         compiled=compiled,
     )
-
-
-def _profile(model: Any, example_inputs: Any, loss_fn: Any, example_targets: Any) -> ModelProfile:
-    if isinstance(model, ModelProfile):
-        return model
-    return profile_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.plan import Plan
+from meshfit.plan import Plan, is_auto  # noqa: F401 (is_auto lived here before 2026-11-23)
 from meshfit.planner.estimate import Estimate, _gib
 from meshfit.planner.hardware import Hardware, this_machine
 from meshfit.planner.search import SearchResult, search_model

@@ -262,13 +262,15 @@ def search_model(
 ) -> SearchResult:
     """Profile `model` (or take a ModelProfile as is), then `search_profile` with
     `options`: the one path of plan_search, plan="auto" and `meshfit plan`."""
-    if isinstance(model, ModelProfile):
-        profile = model
-    else:
-        profile = profile_model(
-            model, example_inputs, loss_fn=loss_fn, example_targets=example_targets
-        )
+    profile = profile_of(model, example_inputs, loss_fn, example_targets)
     return search_profile(profile, world_size, **options)
+
+
+def profile_of(model: Any, example_inputs: Any, loss_fn: Any, example_targets: Any) -> ModelProfile:
+    """A ModelProfile as is, else the profile of `model` on `example_inputs`."""
+    if isinstance(model, ModelProfile):
+        return model
+    return profile_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
 
 
 def _complexity(plan: Plan) -> int:
