@@ -45,10 +45,9 @@ FOUR_PROCESS = [
 def _check(specs: list[dict], results: list[dict]) -> None:
     for spec, got in zip(specs, results, strict=True):
         assert got["compiled_graphs"] > 0, f"{spec['plan']}: compile=True compiled nothing"
-        for rank, (tried, compiled) in enumerate(got["compiled_frames"]):
-            # every frame dynamo took on compiled, on every rank (a block past torch's
-            # recompile limit would run eagerly, with only a log line)
-            assert tried == compiled > 0, f"{spec['plan']}, rank {rank}: {compiled} of {tried}"
+        # something compiled on every rank (and no function hit torch's recompile limit:
+        # the workers make that an error, workers.engine_run)
+        assert all(got["compiled_frames"]), f"{spec['plan']}: {got['compiled_frames']}"
     # the reference is the one-process run without compile (check_against_one_process
     # keeps the spec's options, so drop compile from them)
     eager = [{**s, "options": {}} for s in specs]

@@ -243,6 +243,8 @@ def engine_run(spec: dict) -> dict:
     compiled = spec.get("options", {}).get("compile", False)
     if compiled:  # a fresh cache per run: earlier runs' graphs count toward torch's limit
         torch._dynamo.reset()
+        # a function past torch's recompile limit would run eagerly with only a log line
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     graphs_before, frames_before = _compiled_graphs(), _compiled_frames()
     engine = mf.parallelize(
         model,
@@ -271,11 +273,8 @@ def engine_run(spec: dict) -> dict:
         "buffer_bytes": buffer_bytes,
         "reduce_scatters_last_step": reduce_scatters[0],
         "compiled_graphs": _compiled_graphs() - graphs_before,
-        # (frames dynamo tried, frames it compiled) on every rank: a frame it gave up on
-        # (its recompile limit, say) runs eagerly with only a log line
-        "compiled_frames": _on_every_rank(
-            [a - b for a, b in zip(_compiled_frames(), frames_before, strict=True)]
-        )
+        # the frames torch.compile compiled, on every rank
+        "compiled_frames": _on_every_rank(_compiled_frames()[1] - frames_before[1])
         if compiled
         else None,
     }
