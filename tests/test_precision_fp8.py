@@ -229,3 +229,47 @@ def test_an_fsdp_fp8_checkpoint_loads_into_one_plain_process(emulate: None, tmp_
     assert plain.step_count == 4
     for name, weight in plain.full_state_dict().items():
         assert torch.equal(weight, saved["state"][name]), name
+
+
+def test_refused_when_nothing_would_run_in_float8(emulate: None) -> None:
+    """No convertible Linear (HF GPT-2's Conv1D layers; widths not multiples of 16): fp8
+    would train plain bf16 under its name, so it is refused, the model untouched."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    before = {k: v.clone() for k, v in gpt2.state_dict().items()}
+    with pytest.raises(MeshfitError) as refused:
+        mf.parallelize(gpt2, "precision=fp8", loss_fn="model")
+    message = str(refused.value)
+    assert "found no nn.Linear in the model's blocks whose sizes are multiples of 16" in message
+    assert "Conv1D" in message and message.endswith("use precision='bf16'")
+    assert all(torch.equal(v, before[k]) for k, v in gpt2.state_dict().items())
+    assert not any("Float8" in type(m).__name__ for m in gpt2.modules())
+
+    narrow = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+    )
+    with pytest.raises(MeshfitError, match=r"have sizes 8->8; float8 matmuls need both sizes"):
+        mf.parallelize(narrow, "precision=fp8", loss_fn=torch.nn.functional.mse_loss)
+
+
+def test_emulation_on_fp8_hardware_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torchao.float8", reason="the fp8 extra: pip install 'meshfit[fp8]'")
+    import warnings
+
+    from meshfit import fp8
+
+    monkeypatch.setattr(fp8, "has_fp8_hardware", lambda device: True)
+    monkeypatch.setattr(fp8, "_describe", lambda device: "NVIDIA H100 (capability 9.0)")
+    monkeypatch.setattr(fp8, "_warned_emulating", False)
+    monkeypatch.setenv("MESHFIT_FP8_EMULATE", "1")
+    with pytest.warns(UserWarning, match=r"emulation is slower .* real fp8 path is available"):
+        assert fp8.check_available(torch.device("cuda", 0)) is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning
+        assert fp8.check_available(torch.device("cuda", 0)) is True
+    monkeypatch.delenv("MESHFIT_FP8_EMULATE")
+    monkeypatch.setattr(fp8, "_warned_emulating", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the real path: no warning
+        assert fp8.check_available(torch.device("cuda", 0)) is False
