@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_spec, relative_error
+from helpers import make_spec
 from workers import (
     TINY_GPT,
     build,
@@ -32,11 +32,19 @@ TRACK_RTOL = 0.03
 # fp8 under dp=2 / fsdp=2 / pp=2 against fp8 in one process (4 SGD steps): each rank
 # scales its own activations and gradients (tensor-wise amax of its half of the batch),
 # so the float8 roundings differ, as bf16's do, but 3 mantissa bits (e4m3) and 2 (e5m2)
-# instead of 8. Measured: losses within 6e-5 relative, final weights within 1.4e-2 per
-# tensor (bf16 under dp=2: 7e-6 and 9e-4). A gradient 5% too large moves the losses by
-# 1e-3 and one twice too large the weights by 0.5: both fail these bounds.
+# instead of 8. Compared: each step's loss, and each tensor's update over the run,
+# ||got - ref|| / ||ref - initial|| (final weights would hide a wrong update: in 4 steps
+# the LayerNorms, q_proj and k_proj move 1e-4 of their norm, so zeroing their gradient
+# leaves the final weights within 1e-4). Measured (torchao 0.18, emulated, 2-core CPU):
+# losses within 6.0e-5 relative (fsdp=2; dp=2 3.2e-5, pp=2 2.7e-5), updates within
+# 1.14e-1 (pp=2, blocks.1.ln_1; dp=2 1.03e-1, fsdp=2 9.5e-2: the tensors that move least,
+# whose small gradients e5m2 rounds coarsely). Bounds: about 6.7x and 2.2x those.
+# Negative controls: a tensor's gradient zeroed or doubled puts its update 1.0 off (4x
+# the bound); the whole gradient 5% too large moves the losses by 1e-3. Not caught: one
+# tensor's gradient 20% off (update 0.21 off), nor bf16 in place of fp8 (its updates are
+# as close): hence the Float8Linear count each rank reports.
 LOSS_RTOL = 4e-4
-WEIGHT_RTOL = 3e-2
+UPDATE_RTOL = 0.25
 
 
 @pytest.fixture
@@ -114,13 +122,35 @@ def test_fp8_loss_tracks_fp32(emulate: None) -> None:
         assert abs(a - b) <= TRACK_RTOL * b, f"step {step}: fp8 {a} vs fp32 {b}"
 
 
-def _check_against_fp8_one_process(results: list[dict], ref: dict) -> None:
+def _update_errors(got: dict, ref: dict, initial: dict) -> dict[str, float]:
+    """||got - ref|| / ||ref - initial|| per tensor: how far each update is off."""
+    return {
+        name: (got[name].double() - ref[name].double()).norm().item()
+        / (ref[name].double() - initial[name].double()).norm().item()
+        for name in initial
+    }
+
+
+def _check_against_fp8_one_process(results: list[dict], ref: dict, initial: dict) -> None:
     for got in results:
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
             assert abs(a - b) <= LOSS_RTOL * b, f"step {step}: loss {a} vs {b}"
-        for name, weight in ref["state"].items():
-            err = relative_error(got["state"][name], weight)
-            assert err <= WEIGHT_RTOL, f"{name}: relative error {err:.2e}"
+        for name, err in _update_errors(got["state"], ref["state"], initial).items():
+            assert err <= UPDATE_RTOL, f"{name}: update off by {err:.2e} (relative)"
+
+
+# Negative controls, run under the first plan: they must fail the check above. The
+# per-tensor ones (a hook on the parameter, registered before parallelize) run under
+# dp=2 only: FSDP2 replaces the parameters, and the hooks with them.
+_CONTROLS = [
+    {"grad_scale": 2.0},  # every gradient doubled
+    {"grad_scale": 1.05},  # every gradient 5% too large: the losses show it
+]
+_TENSOR_CONTROLS = [
+    {"grad_hooks": {"blocks.1.attn.q_proj.weight": 0.0}},  # one q_proj never trained
+    {"grad_hooks": {"blocks.0.ln_1.weight": 0.0}},  # one LayerNorm never trained
+    {"grad_hooks": {"blocks.0.attn.k_proj.weight": 2.0}},  # one tensor's gradient doubled
+]
 
 
 @pytest.mark.parametrize(
@@ -132,15 +162,19 @@ def _check_against_fp8_one_process(results: list[dict], ref: dict) -> None:
 )
 def test_parallel_fp8_matches_one_process_fp8(emulate: None, plans: list[str]) -> None:
     specs = [_spec(p) for p in plans]
-    controls = [_spec(plans[0], grad_scale=2.0), _spec(plans[0], grad_scale=1.05)]
+    kinds = _CONTROLS + (_TENSOR_CONTROLS if plans[0].startswith("dp=") else [])
+    controls = [_spec(plans[0], **control) for control in kinds]
     results = mf.launch(many_engine_runs, nproc=2, args=([*specs, *controls],))
     ref = engine_run(_spec("precision=fp8"))
     initial = build("gpt_pattern", "float32")[0].state_dict()
-    assert max(relative_error(ref["state"][k], initial[k]) for k in initial) > 1e-2
-    _check_against_fp8_one_process(results[: len(specs)], ref)
-    for wrong in results[len(specs) :]:  # negative controls: wrongly scaled gradients
+    assert all(not torch.equal(ref["state"][k], w) for k, w in initial.items())  # all train
+    for got in results:  # float8 on: every rank holds converted layers (pp: its share)
+        assert all(count > 0 for count in got["float8_layers"]), got["float8_layers"]
+    _check_against_fp8_one_process(results[: len(specs)], ref, initial)
+    for control, wrong in zip(kinds, results[len(specs) :], strict=True):
         with pytest.raises(AssertionError):
-            _check_against_fp8_one_process([wrong], ref)
+            _check_against_fp8_one_process([wrong], ref, initial)
+            pytest.fail(f"negative control passed: {control}")  # escapes pytest.raises
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +183,17 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_verify_and_planner_take_fp8_as_bf16_with_float8_noise() -> None:
     from meshfit.planner.hardware import PRESETS
-    from meshfit.verify import tolerance
+    from meshfit.verify import VerifyReport, loss_tolerance, tolerance
 
-    assert tolerance(torch.float32, "fp8") == WEIGHT_RTOL  # what the runs above measured
+    assert loss_tolerance(torch.float32, "fp8") == LOSS_RTOL  # what the runs above measured
+    assert tolerance(torch.float32, "fp8") == 3e-2  # final weights (verify.py's _FP8_RTOL)
+    assert loss_tolerance(torch.float32, "bf16") == tolerance(torch.float32, "bf16")
+    # A loss 1e-3 off (the whole gradient 5% too large) fails under fp8's loss tolerance.
+    fields = dict(plan="dp=2,precision=fp8", nproc=2, rtol=3e-2, loss_rtol=LOSS_RTOL)
+    fields.update(max_weight_diff=1e-3)
+    good = VerifyReport(**fields, losses=[1.0, 1.0001], reference_losses=[1.0, 1.0])
+    bad = VerifyReport(**fields, losses=[1.0, 1.001], reference_losses=[1.0, 1.0])
+    assert good.ok and not bad.ok and bad.verdict.endswith("the loss differs at step 2")
     h100 = PRESETS["h100"]
     assert h100.flops("fp8") == h100.flops("bf16")  # its float8 speed-up is not planned on
 
@@ -213,7 +255,8 @@ def test_meshfit_verify_takes_an_fp8_plan_as_the_same_run(emulate: None) -> None
 
     build_gpt = functools.partial(GPT, TINY_GPT)
     report = mf.verify(build_gpt, "dp=2,precision=fp8", _batch(0), loss_fn=next_token_loss)
-    assert report.ok and report.rtol == WEIGHT_RTOL, report
+    assert report.ok and report.rtol == 3e-2 and report.loss_bound == LOSS_RTOL, report
+    assert "loss tolerance: 4.0e-04 relative" in str(report)
 
 
 @pytest.mark.slow
@@ -229,3 +272,47 @@ def test_an_fsdp_fp8_checkpoint_loads_into_one_plain_process(emulate: None, tmp_
     assert plain.step_count == 4
     for name, weight in plain.full_state_dict().items():
         assert torch.equal(weight, saved["state"][name]), name
+
+
+def test_refused_when_nothing_would_run_in_float8(emulate: None) -> None:
+    """No convertible Linear (HF GPT-2's Conv1D layers; widths not multiples of 16): fp8
+    would train plain bf16 under its name, so it is refused, the model untouched."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    before = {k: v.clone() for k, v in gpt2.state_dict().items()}
+    with pytest.raises(MeshfitError) as refused:
+        mf.parallelize(gpt2, "precision=fp8", loss_fn="model")
+    message = str(refused.value)
+    assert "found no nn.Linear in the model's blocks whose sizes are multiples of 16" in message
+    assert "Conv1D" in message and message.endswith("use precision='bf16'")
+    assert all(torch.equal(v, before[k]) for k, v in gpt2.state_dict().items())
+    assert not any("Float8" in type(m).__name__ for m in gpt2.modules())
+
+    narrow = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+    )
+    with pytest.raises(MeshfitError, match=r"have sizes 8->8; float8 matmuls need both sizes"):
+        mf.parallelize(narrow, "precision=fp8", loss_fn=torch.nn.functional.mse_loss)
+
+
+def test_emulation_on_fp8_hardware_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torchao.float8", reason="the fp8 extra: pip install 'meshfit[fp8]'")
+    import warnings
+
+    from meshfit import fp8
+
+    monkeypatch.setattr(fp8, "has_fp8_hardware", lambda device: True)
+    monkeypatch.setattr(fp8, "_describe", lambda device: "NVIDIA H100 (capability 9.0)")
+    monkeypatch.setattr(fp8, "_warned_emulating", False)
+    monkeypatch.setenv("MESHFIT_FP8_EMULATE", "1")
+    with pytest.warns(UserWarning, match=r"emulation is slower .* real fp8 path is available"):
+        assert fp8.check_available(torch.device("cuda", 0)) is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning
+        assert fp8.check_available(torch.device("cuda", 0)) is True
+    monkeypatch.delenv("MESHFIT_FP8_EMULATE")
+    monkeypatch.setattr(fp8, "_warned_emulating", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the real path: no warning
+        assert fp8.check_available(torch.device("cuda", 0)) is False

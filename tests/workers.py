@@ -240,6 +240,9 @@ def engine_run(spec: dict) -> dict:
     model, loss_fn = build(spec["model"], dtype)
     if "grad_scale" in spec:
         loss_fn = scaled_gradient(loss_fn, spec["grad_scale"])
+    params = dict(model.named_parameters())
+    for name, scale in spec.get("grad_hooks", {}).items():  # negative controls: one
+        params[name].register_hook(lambda g, s=scale: g * s)  # tensor's gradient wrong
     compiled = spec.get("options", {}).get("compile", False)
     if compiled:  # a fresh cache per run: earlier runs' graphs count toward torch's limit
         torch._dynamo.reset()
@@ -271,6 +274,9 @@ def engine_run(spec: dict) -> dict:
         "rank": engine.rank,
         "fsdp_units": fsdp_units,
         "buffer_bytes": buffer_bytes,
+        "float8_layers": _on_every_rank(
+            sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        ),
         "reduce_scatters_last_step": reduce_scatters[0],
         "compiled_graphs": _compiled_graphs() - graphs_before,
         # the frames torch.compile compiled, on every rank
@@ -287,11 +293,12 @@ def _compiled_frames() -> list[int]:
 
 
 def _on_every_rank(value: object) -> list:
+    """[value of rank 0, value of rank 1, ...] (mf.launch returns rank 0's result only)."""
     if not torch.distributed.is_initialized():
         return [value]
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, value)
-    return gathered
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
 
 
 def _compiled_graphs() -> int:

@@ -19,7 +19,9 @@ model as they were.
 
 MESHFIT_FP8_EMULATE=1 runs the same path where there is no fp8 hardware (CPU, older
 GPUs): torchao's emulate mode computes the float8 roundings in higher precision. It is
-for tests and debugging only: slower than bf16, never faster.
+for tests and debugging only: slower than bf16, never faster (set on fp8 hardware, it
+warns once). A model in which nothing converts is refused (`refuse_if_nothing_converts`):
+it would train plain bf16 under the name fp8.
 """
 
 from __future__ import annotations
@@ -45,15 +47,29 @@ def emulating() -> bool:
     return os.environ.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+_warned_emulating = False
+
+
 def check_available(device: torch.device) -> bool:
-    """Refuse fp8 where it cannot run, naming the fix; return whether to emulate."""
+    """Refuse fp8 where it cannot run, naming the fix; return whether to emulate.
+    Warns (once per process) when MESHFIT_FP8_EMULATE is set on fp8 hardware."""
+    global _warned_emulating
     emulate = emulating()
-    if not emulate and not has_fp8_hardware(device):
+    hardware = has_fp8_hardware(device)
+    if not emulate and not hardware:
         raise MeshfitError(
             f"precision='fp8' needs a GPU with float8 matmuls (CUDA capability 8.9 or "
             f"later: H100, H200, L4, L40, RTX 4090), but this process runs on "
             f"{_describe(device)}; use precision='bf16' here (or {EMULATE_ENV}=1 to "
             f"emulate float8 for tests and debugging only: slower, never faster)"
+        )
+    if emulate and hardware and not _warned_emulating:
+        _warned_emulating = True
+        warnings.warn(
+            f"{EMULATE_ENV}=1 emulates float8 on {_describe(device)}, which has float8 "
+            f"matmuls: emulation is slower than bf16, and the real fp8 path is available "
+            f"here; unset {EMULATE_ENV} to use it",
+            stacklevel=3,
         )
     _import_torchao()
     return emulate
@@ -111,6 +127,48 @@ def convertible(model: nn.Module) -> list[str]:
         (n, m) for n, m in linears if m.in_features % _MULTIPLE == m.out_features % _MULTIPLE == 0
     ]
     return [n for n, _ in fits]
+
+
+def refuse_if_nothing_converts(model: nn.Module) -> None:
+    """Refuse precision="fp8" for a model in which `convert` would convert nothing (it
+    would train plain bf16 under the name fp8), before the model is changed. A model that
+    already holds Float8Linear layers (an earlier fp8 run) passes: those run in float8."""
+    if convertible(model) or any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+        return
+    raise MeshfitError(
+        f"precision='fp8' found no nn.Linear in the model's blocks whose sizes are "
+        f"multiples of {_MULTIPLE} ({_why_none(model)}), so nothing would run in float8: "
+        f"use precision='bf16'"
+    )
+
+
+def _why_none(model: nn.Module) -> str:
+    """What `convertible` saw, for the refusal."""
+    from meshfit.parallel.blocks import find_blocks
+
+    try:
+        blocks = list(find_blocks(model).blocks)
+    except MeshfitError:
+        blocks = []
+    scope = [m for b in blocks for m in b.modules()] if blocks else list(model.modules())
+    where = "its repeated blocks" if blocks else "the model (no repeated blocks found)"
+    output = [m for m in model.modules() if type(m) is nn.Linear][-1:]  # stays bf16
+    linears = [m for m in scope if type(m) is nn.Linear and m not in output]
+    if linears:
+        sizes = sorted({f"{m.in_features}->{m.out_features}" for m in linears})
+        return (
+            f"the nn.Linear layers of {where} have sizes {', '.join(sizes[:4])}"
+            f"{', ...' if len(sizes) > 4 else ''}; float8 matmuls need both sizes to be "
+            f"multiples of {_MULTIPLE}"
+        )
+    kinds = sorted(
+        {type(m).__name__ for m in scope if isinstance(getattr(m, "weight", None), nn.Parameter)}
+        - {"LayerNorm", "RMSNorm", "Embedding", "BatchNorm1d", "BatchNorm2d"}
+    )
+    other = f"; their layers with weights are {', '.join(kinds[:4])}" if kinds else ""
+    if "Conv1D" in kinds:
+        other += " (HF GPT-2's Conv1D is not an nn.Linear)"
+    return f"{where} hold no nn.Linear but the output layer{other}"
 
 
 def warn_if_converted(model: nn.Module) -> None:

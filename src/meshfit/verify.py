@@ -51,9 +51,13 @@ _SAFETY = 100
 # its own share: about one roundoff apart, allowed twice (tests/test_equivalence.py).
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp8: each rank scales its own activations and gradients to float8 (3 and 2 mantissa
-# bits); measured 1.4e-2 on a tiny GPT's weights under dp/fsdp/pp=2, allowed about twice
-# (tests/test_precision_fp8.py).
+# bits). Weights: measured 1.4e-2 relative on a tiny GPT's final weights under
+# dp/fsdp/pp=2 after 4 SGD steps (the setting of tests/test_precision_fp8.py), 1.4e-3
+# under verify's own SGD-momentum default (3 steps, TINY_GPT, dp/fsdp/pp=2); allowed
+# about twice the first. Losses, per step: measured at most 6.0e-5 relative in the first
+# setting, 4.1e-5 in the second (torchao 0.18, emulated on CPU); allowed 4e-4, about 7x.
 _FP8_RTOL = 3e-2
+_FP8_LOSS_RTOL = 4e-4
 
 
 def tolerance(dtype: torch.dtype = torch.float32, precision: str = "fp32") -> float:
@@ -61,7 +65,7 @@ def tolerance(dtype: torch.dtype = torch.float32, precision: str = "fp32") -> fl
     plan may show against one process, for a model in `dtype` trained at `precision`:
     1.9e-12 in float64, 1.0e-3 in float32 (its noise floor after a few steps differs
     between CPUs), 2 roundoffs of the autocast format under bf16 or fp16, 3e-2 under
-    fp8."""
+    fp8 (`loss_tolerance` is the one for losses where it differs)."""
     if dtype not in _ROUNDOFF:
         raise MeshfitError(
             f"no tolerance for a model in {dtype}; pass rtol=... or use a floating-point model"
@@ -72,6 +76,17 @@ def tolerance(dtype: torch.dtype = torch.float32, precision: str = "fp32") -> fl
     if precision == "fp8":
         rtol = max(rtol, _FP8_RTOL)
     return rtol
+
+
+def loss_tolerance(dtype: torch.dtype = torch.float32, precision: str = "fp32") -> float:
+    """The largest relative difference of each step's loss a correct plan may show:
+    `tolerance`'s, except under fp8 for a float32 or float64 model, 4e-4 (a loss
+    averages over the batch: its float8 noise is smaller than a weight tensor's)."""
+    if precision == "fp8" and dtype in (torch.float32, torch.float64):
+        # Measured with float32 master weights (the comment at _FP8_LOSS_RTOL): tighter
+        # than float32's general 1.0e-3, whose 100x safety covers other CPUs' kernels.
+        return _FP8_LOSS_RTOL
+    return tolerance(dtype, precision)
 
 
 def weight_differences(
@@ -126,6 +141,12 @@ class VerifyReport:
     max_weight_name: str | None = None
     weights_moved: float = math.nan  # largest relative change of a weight over the run
     refused: str | None = None  # meshfit's refusal of the plan, if it was refused
+    loss_rtol: float | None = None  # the tolerance of each step's loss (None: rtol)
+
+    @property
+    def loss_bound(self) -> float:
+        """The tolerance the losses are held to: `loss_rtol`, or `rtol` without one."""
+        return self.rtol if self.loss_rtol is None else self.loss_rtol
 
     @property
     def loss_diffs(self) -> list[float]:
@@ -138,11 +159,12 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        """Same per-step losses and final weights within `rtol` (False when refused; a
-        NaN compares as different)."""
+        """Same per-step losses within `loss_bound` and final weights within `rtol`
+        (False when refused; a NaN compares as different)."""
         if self.refused is not None or not self.losses:
             return False
-        return all(d <= self.rtol for d in self.loss_diffs) and self.max_weight_diff <= self.rtol
+        losses_ok = all(d <= self.loss_bound for d in self.loss_diffs)
+        return losses_ok and self.max_weight_diff <= self.rtol
 
     @property
     def verdict(self) -> str:
@@ -152,7 +174,7 @@ class VerifyReport:
             return "same run"
         if not self.max_weight_diff <= self.rtol:
             return f"DIFFERENT run: largest difference in {self.max_weight_name}"
-        step = next(i for i, d in enumerate(self.loss_diffs, 1) if not d <= self.rtol)
+        step = next(i for i, d in enumerate(self.loss_diffs, 1) if not d <= self.loss_bound)
         return f"DIFFERENT run: the loss differs at step {step}"
 
     def table(self) -> str:
@@ -170,6 +192,8 @@ class VerifyReport:
             ):
                 rows.append([str(step), _loss(ref), _loss(got), f"{diff:.1e}"])
             lines.append(_columns(rows))
+            if self.loss_bound != self.rtol:
+                lines.append(f"loss tolerance: {self.loss_bound:.1e} relative")
             lines.append(
                 f"largest weight difference: {self.max_weight_diff:.1e} relative, in "
                 f"{self.max_weight_name} (tolerance {self.rtol:.1e}; the weights moved by up "
@@ -203,9 +227,15 @@ def reports_table(reports: Sequence[VerifyReport], title: str | None = None) -> 
     lines = [title] if title else []
     lines.append(_columns(rows))
     rtols = sorted({r.rtol for r in reports if r.refused is None})
+    loss_rtols = sorted({r.loss_bound for r in reports if r.refused is None})
+    within = (
+        f"every loss and weight within {_join(rtols)} relative"
+        if loss_rtols == rtols
+        else f"every loss within {_join(loss_rtols)} and weight within {_join(rtols)} relative"
+    )
     lines.append(
         "max weight diff: the largest relative difference of a weight tensor from the "
-        f"one-process run; same run: every loss and weight within {_join(rtols)} relative"
+        f"one-process run; same run: {within}"
     )
     return "\n".join(lines)
 
@@ -440,7 +470,9 @@ def verify(
         every GPU).
     optimizer: a function of the parameters (default SGD, lr 0.1, momentum 0.9: it keeps
         the gradient's scale in the update, where Adam would hide a wrongly scaled one).
-    rtol: the relative tolerance (default `tolerance(model dtype, plan precision)`).
+    rtol: the relative tolerance, of losses and weights alike (default
+        `tolerance(model dtype, plan precision)` for weights and `loss_tolerance(...)`
+        for each step's loss: they differ under fp8).
     seed: ``torch.manual_seed(seed)`` before each build (default 0).
     devices, threads: as for `mf.launch`.
     parallelize_options: any other `mf.parallelize` keyword (grad_clip, tp_plan, ...),
@@ -560,7 +592,9 @@ def _compare(
     plan: str, nproc: int, got: dict[str, Any], ref: dict[str, Any], rtol: float | None
 ) -> VerifyReport:
     common = dict(plan=plan, nproc=nproc, dtype=str(ref["dtype"]).removeprefix("torch."))
+    loss_rtol = ref["loss_rtol"] if rtol is None else rtol  # a given rtol: for both
     rtol = ref["rtol"] if rtol is None else rtol
+    common["loss_rtol"] = None if loss_rtol == rtol else loss_rtol
     if "refused" in got:
         return VerifyReport(
             **common, rtol=rtol, refused=got["refused"], reference_losses=ref["losses"]
@@ -623,7 +657,14 @@ def _reference_run(
     final = {k: run["state"][k] for k in common}
     moved = max(weight_differences(final, {k: initial[k] for k in common}).values(), default=0.0)
     rtol = tolerance(dtype or torch.float32, precision)
-    return {**run, "dtype": dtype or torch.float32, "rtol": rtol, "moved": moved}
+    loss_rtol = loss_tolerance(dtype or torch.float32, precision)
+    return {
+        **run,
+        "dtype": dtype or torch.float32,
+        "rtol": rtol,
+        "loss_rtol": loss_rtol,
+        "moved": moved,
+    }
 
 
 def _default_nproc(plan: Plan, devices: str | Sequence[int] | None) -> int:

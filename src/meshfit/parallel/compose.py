@@ -71,7 +71,11 @@ def apply_plan(
                 "a model spread over devices with mf.place runs in one process; for "
                 "several processes use a Plan (pp=N is the scalable form of placement)"
             )
-    else:
+    if plan.precision == "fp8":  # refused before anything changes the model
+        from meshfit.fp8 import refuse_if_nothing_converts
+
+        refuse_if_nothing_converts(model)
+    if not is_placed(model):
         model = model.to(device)
     if sync_batchnorm:
         from meshfit.parallel.batchnorm import (
