@@ -276,7 +276,9 @@ def engine_run(spec: dict) -> dict:
         "buffer_bytes": buffer_bytes,
         "float8_layers": _on_every_rank(
             sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-        ),
+        )
+        if "fp8" in str(spec.get("plan"))
+        else None,
         "reduce_scatters_last_step": reduce_scatters[0],
         "compiled_graphs": _compiled_graphs() - graphs_before,
         # the frames torch.compile compiled, on every rank
