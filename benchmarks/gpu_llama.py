@@ -30,7 +30,7 @@ import statistics
 import time
 
 import torch
-from gpu_fp8 import LLAMA_1B, TINY, flops_per_token, make_model
+from gpu_fp8 import LLAMA_1B, TINY, adamw, flops_per_token, make_model
 from gpu_throughput import matmul_tflops
 
 import meshfit as mf
@@ -49,11 +49,6 @@ class CollatedTokens(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = self.tokens[i]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
-
-def adamw(params):
-    params = list(params)
-    return torch.optim.AdamW(params, lr=3e-4, fused=all(p.is_cuda for p in params) or None)
 
 
 def run(fields: dict, args: argparse.Namespace, compiled: bool, device: torch.device) -> dict:

@@ -85,6 +85,7 @@ def test_wrapped_block_forwards_follow_a_deep_copy_and_pickle() -> None:
     assert not torch.allclose(copied(tokens), recomputed(tokens))
     # compiled too (checked without running: no compiling in the everyday tier)
     compile_block_forwards(list(recomputed.blocks))
+    # pickle.loads reads the bytes pickle.dumps made on the line itself: nobody else's
     for again in (copy.deepcopy(recomputed), pickle.loads(pickle.dumps(recomputed))):
         assert all(b.forward.__self__ is b for b in again.blocks)
 

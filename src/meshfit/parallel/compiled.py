@@ -27,12 +27,11 @@ pp the cache cannot cross stages anyway, so compiled blocks run without it
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 from torch import nn
 
-from meshfit.parallel.recompute import unbound_forward, without_cache
+from meshfit.parallel.recompute import rebind_forwards, without_cache
 
 _COMPILED_CACHE = (
     "under pp with compile=True each {kind} compiles on its own, and a KV cache handed to "
@@ -44,15 +43,10 @@ _COMPILED_CACHE = (
 def compile_block_forwards(blocks: list[nn.Module]) -> None:
     """Replace each block's `forward` with a compiled one, in place (after tensor parallel
     and recomputation, which it then compiles too, and before data parallel wraps it)."""
-    wrapped: dict[object, object] = {}  # one compiled function per forward function
     said: set[str] = set()
-    for block in blocks:
-        if getattr(block.forward, "_meshfit_compiled", False):
-            continue  # a block listed twice is compiled once
-        inner = unbound_forward(block)
-        if inner not in wrapped:
-            wrapped[inner] = _compiled(inner, said)
-        block.forward = types.MethodType(wrapped[inner], block)
+    fresh = [b for b in blocks if not getattr(b.forward, "_meshfit_compiled", False)]
+    # a block listed twice, or compiled already, is compiled once
+    rebind_forwards(list(dict.fromkeys(fresh)), lambda inner: _compiled(inner, said))
 
 
 def _compiled(inner, said: set[str]):

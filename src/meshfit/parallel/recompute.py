@@ -62,13 +62,19 @@ def apply_recomputation(model: nn.Module, mode: str) -> nn.Module:
         else None
     )
     said: set[str] = set()  # block kinds whose cache was left out (said once per model)
-    wrapped: dict[Callable, Callable] = {}  # one wrapper per forward function
-    for block in find_blocks(model).blocks:
+    rebind_forwards(find_blocks(model).blocks, lambda inner: _recomputed(inner, context_fn, said))
+    return model
+
+
+def rebind_forwards(blocks: list[nn.Module], wrap: Callable[[Callable], Callable]) -> None:
+    """Give each block `wrap(its forward function)` as its forward, bound to the block
+    (see unbound_forward); one wrapper per forward function, shared by its blocks."""
+    wrapped: dict[Callable, Callable] = {}
+    for block in blocks:
         inner = unbound_forward(block)
         if inner not in wrapped:
-            wrapped[inner] = _recomputed(inner, context_fn, said)
+            wrapped[inner] = wrap(inner)
         block.forward = types.MethodType(wrapped[inner], block)
-    return model
 
 
 def _recomputed(inner: Callable, context_fn: Any, said: set[str]) -> Callable:
