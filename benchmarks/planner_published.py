@@ -16,7 +16,7 @@ Rows:
   does (recomputation included). Two predictions: as Megatron runs the plan (fused
   kernels, the LM head split over tp as its vocabulary-parallel head is), and as meshfit
   would run it with compile=True (blocks compiled, the stages' ends eager, the LM head
-  whole on the last stage).
+  split over tp with its logits gathered on the last stage; the embedding whole).
 - Megatron-LM Table 2: GPT-3 175B under ZeRO-3 without model parallelism on 384, 768
   and 1536 A100s at batch 1536 (the network-bound case of sharded data parallel).
 - ZeRO (Rajbhandari et al. 2020, Figure 1 / Table 1): model-state memory per device of a
@@ -65,7 +65,8 @@ def megatron_rows() -> list[dict]:
         fused = dataclasses.replace(hw, eager_efficiency=1.0)
         split_head = dataclasses.replace(profile)
         split_head.head = dataclasses.replace(profile.head, tp_share=1.0)
-        split_head.tail = dataclasses.replace(profile.tail, tp_share=1.0)
+        # Megatron's head needs no gather: its cross-entropy runs on the vocabulary shards
+        split_head.tail = dataclasses.replace(profile.tail, tp_share=1.0, tp_gathered_outputs=0)
         as_megatron = estimate(split_head, plan, batch_size=batch, hardware=fused)
         rows.append(
             {

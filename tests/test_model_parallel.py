@@ -38,6 +38,11 @@ def test_two_way_model_parallel_matches_one_process() -> None:
     # trains it keeps one-element placeholders (8 bytes each in float64), not 4,224 bytes
     # of copies.
     assert specs[4] == make_spec("gpt", "pp=2") and results[4]["buffer_bytes"] == 16
+    # tp splits the GPT's LM head over its 32 outputs (its logits gathered), and nothing
+    # else outside the blocks; a Sequential has no head
+    assert specs[1] == make_spec("gpt", "tp=2")
+    assert [r["split_outside"] for r in results[1:3]] == [{"lm_head.weight": (16, 16)}] * 2
+    assert results[0]["split_outside"] == {}
 
 
 @pytest.mark.slow

@@ -109,7 +109,9 @@ def test_mixtral_experts_split_under_tp_and_their_checkpoint_loads_in_one_proces
         warnings.simplefilter("ignore")
         got, control = mf.launch(many_zoo_runs, nproc=2, args=(specs,))
     share = re.fullmatch(
-        r"tensor parallel splits ([\d.]+)% of MixtralDecoderLayer parameters", got["tp_split"]
+        r"tensor parallel splits ([\d.]+)% of MixtralDecoderLayer parameters"
+        r" and lm_head over its 32 outputs \(gathered\)",
+        got["tp_split"],
     )
     assert share and float(share[1]) >= 95, got["tp_split"]
     print(_verdict(specs[0], got, zoo_run({"model": "mixtral", "plan": None})))

@@ -274,6 +274,8 @@ def engine_run(spec: dict) -> dict:
         "rank": engine.rank,
         "fsdp_units": fsdp_units,
         "buffer_bytes": buffer_bytes,
+        # {parameter: its local shape} where tensor parallel split one outside the blocks
+        "split_outside": _split_outside_blocks(model),
         "float8_layers": _on_every_rank(
             sum(type(m).__name__ == "Float8Linear" for m in model.modules())
         )
@@ -406,6 +408,23 @@ def fit_killed_once(
         "losses": history.losses,
         "state": model.state_dict(),
         "rank": history.engine.rank,
+    }
+
+
+def _split_outside_blocks(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.tensor import DTensor
+
+    from meshfit.parallel.blocks import find_blocks
+
+    try:
+        stack = find_blocks(model)
+    except mf.MeshfitError:
+        return {}
+    inside = tuple(f"{stack.qualified(key)}." for key in stack.keys)
+    return {
+        name: tuple(p.to_local().shape)
+        for name, p in model.named_parameters()
+        if isinstance(p, DTensor) and not name.startswith(inside)
     }
 
 

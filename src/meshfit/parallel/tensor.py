@@ -9,8 +9,10 @@ replicated values becomes column-parallel; one that reads only column-parallel o
 (through per-element and per-head steps: activations, attention) row-parallel, its
 all-reduce making the residual stream whole again: one all-reduce after attention and
 one after the MLP, in forward and in backward. Column-parallel q/k/v give each rank whole
-heads, so attention runs on the local heads with no communication. Everything else
-(embeddings, norms, the LM head) stays replicated on every tp rank.
+heads, so attention runs on the local heads with no communication. Outside the blocks,
+an untied LM head is split over the vocabulary and its logits gathered (gathered_heads);
+everything else (embeddings, norms, a head tied to the embedding) stays replicated on
+every tp rank.
 
 What the trace also settles: a fused projection whose output is first cut into N equal
 parts (GPT-2's q|k|v) is split chunk by chunk, so each rank keeps whole heads of q, of k
@@ -46,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -910,8 +912,14 @@ def apply_tensor_parallel(
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
     modules = dict(model.named_modules())
     styles: dict[str, ParallelStyle] = {}
+    heads: dict[str, int] = {}
     if derivation is not None:
         styles.update(_weight_styles(derivation))
+        inputs = derivation.inputs if derivation.inputs is not None else example_inputs
+        if inputs is not None and type(model) is not nn.Sequential:  # one with blocks
+            heads, kept = gathered_heads(model, inputs, tp)
+            derivation.whole.update(kept)
+            styles.update({name: ColwiseParallel(output_layouts=Replicate()) for name in heads})
     for name, style in plan.items():
         if derivation is not None and name in derivation.weights:
             continue  # split with the module holding it (_weight_styles)
@@ -945,7 +953,81 @@ def apply_tensor_parallel(
             _settle_local_sizes(model, mesh, derivation, reference, scaled)
         _SHARES[model] = tp_share(model, derivation.plan)
         _WHOLE[model] = dict(derivation.whole)
+        _HEADS[model] = heads
     return model
+
+
+def gathered_heads(
+    model: nn.Module, inputs: Any, tp: int | None = None
+) -> tuple[dict[str, int], dict[str, str]]:
+    """({LM head tp splits over its outputs: its output count}, {one it keeps whole: why}).
+
+    Megatron-LM's column-parallel LM head with its output gathered. A head here is an
+    nn.Linear outside the blocks, run after them on `inputs`, that widens what they made
+    (out_features > in_features: a vocabulary); it is the largest layer left outside the
+    blocks (Llama 3 8B: 0.5B of 8B parameters, 6% of the FLOPs). Each tp rank keeps 1/tp
+    of its weights, gradients and optimizer state and computes 1/tp of its outputs; one
+    all-gather makes the output whole (the logits, as before), and the gradient of its
+    input is all-reduced in backward. Kept whole: a weight shared with another layer (a
+    head tied to the token embedding: splitting one would untie them), and a head whose
+    outputs `tp` does not divide (GPT-2's 50257). The token embedding stays whole:
+    torch's row-parallel embedding has no sharded backward (its gradient is made
+    full-size on every rank, then reduced).
+    """
+    units = _block_units(model, find_blocks(model))
+    inside = tuple(f"{name}." for name, _ in units)
+    wide = {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+        and not name.startswith(inside)
+        and module.out_features > module.in_features
+    }
+    if not wide:
+        return {}, {}
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.rsplit(".", 1)[0])
+    heads: dict[str, int] = {}
+    kept: dict[str, str] = {}
+    for name in _run_after_blocks(model, units, wide, inputs):
+        module = wide[name]
+        others = [o for o in owners.get(id(module.weight), []) if o != name]
+        if others:
+            kept[name] = f"its weight is tied to {others[0]}'s"
+        elif tp is not None and module.out_features % tp:
+            kept[name] = f"tp={tp} does not divide its {module.out_features} outputs"
+        else:
+            heads[name] = module.out_features
+    return heads, kept
+
+
+@torch.no_grad()
+def _run_after_blocks(
+    model: nn.Module, units: list[tuple[str, nn.Module]], layers: dict[str, nn.Module], inputs: Any
+) -> list[str]:
+    """Those of `layers` whose first call on `inputs` (eval mode) comes after the last
+    block's: the head, not an input projection."""
+    calls: list[str] = []
+    first: dict[str, int] = {}
+    handles = [b.register_forward_hook(lambda *_: calls.append("")) for _, b in units]
+    for name, layer in layers.items():
+
+        def seen(*_: Any, name: str = name) -> None:
+            first.setdefault(name, len(calls))
+            calls.append(name)
+
+        handles.append(layer.register_forward_hook(seen))
+    training = model.training
+    model.eval()
+    try:
+        call_model(model, inputs)
+    finally:
+        model.train(training)
+        for handle in handles:
+            handle.remove()
+    last_block = max((i for i, c in enumerate(calls) if c == ""), default=-1)
+    return [name for name in layers if first.get(name, -1) > last_block]
 
 
 def _weight_styles(derivation: _Derivation) -> dict[str, ParallelStyle]:
@@ -1115,8 +1197,10 @@ def _plan_summary(plan: dict[str, str]) -> str:
 
 
 _SHARES: weakref.WeakKeyDictionary[nn.Module, dict[str, float]] = weakref.WeakKeyDictionary()
-# {model: {module inside a block: why tp left its weights whole}}
+# {model: {module inside a block, or a head outside them: why tp left its weights whole}}
 _WHOLE: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+# {model: {Linear outside the blocks split over its outputs, then gathered: output count}}
+_HEADS: weakref.WeakKeyDictionary[nn.Module, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 def tp_share(model: nn.Module, plan: dict[str, str]) -> dict[str, float]:
@@ -1165,9 +1249,12 @@ def describe_tp(model: nn.Module) -> str | None:
     if not share:
         return None
     parts = ", ".join(f"{100 * v:.1f}% of {k} parameters" for k, v in share.items())
+    heads = "".join(
+        f" and {name} over its {n} outputs (gathered)" for name, n in _HEADS.get(model, {}).items()
+    )
     whole = _WHOLE.get(model, {})
     kept = "".join(f"; {owner} kept whole: {why}" for owner, why in sorted(whole.items()))
-    return f"tensor parallel splits {parts}{kept}"
+    return f"tensor parallel splits {parts}{heads}{kept}"
 
 
 class _CopyToTP(torch.autograd.Function):

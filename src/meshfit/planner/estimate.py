@@ -222,8 +222,15 @@ def _optimizer_bytes(optimizer: str | float) -> float:
     return float(OPTIMIZER_STATE_BYTES[key])
 
 
+def _tp_of(part: PartCost, tp: int) -> int:
+    """The tp that splits `part`: 1 for a head whose outputs tp does not divide."""
+    outputs = part.tp_gathered_outputs
+    return 1 if outputs and outputs % tp else tp
+
+
 def _split(part: PartCost, tp: int) -> float:
     """Parameters of `part` on one tp rank."""
+    tp = _tp_of(part, tp)
     if tp == 1:
         return float(part.params)
     return part.params * (1 - part.tp_share + part.tp_share / tp)
@@ -390,15 +397,22 @@ def _add_time(
         ops = sum(p.ops for p in parts) * (3 + recompute)
         ops += ((profile.head.ops if first else 0) + (profile.tail.ops if last else 0)) * 3
         launches = ops * hw.op_overhead * (0.3 if compiled else 1.0)
+        gathered = last and _tp_of(profile.tail, plan.tp) > 1 and profile.tail.tp_gathered_outputs
         if plan.tp > 1:
             redo = 1 + (1 if plan.checkpointing == "full" else 0)
             launches += sum(p.tp_projections for p in parts) * hw.dtensor_overhead * redo
+            launches += profile.tail.tp_projections * hw.dtensor_overhead if gathered else 0
         t_mb = max(t_mb, launches) if hw.launch_ahead else t_mb + launches
         # tensor parallel: every row-parallel output is all-reduced, forward and backward
         for p in parts:
             calls = p.tp_reductions * (2 + (1 if plan.checkpointing == "full" else 0))
             nbytes = p.input_bytes * mb * act_scale
             t_mb += calls * _collective(hw, plan, "tp", nbytes, 2.0)
+        if gathered and profile.blocks:  # the head's outputs gathered, its input's gradient summed
+            t_mb += _collective(hw, plan, "tp", profile.output_bytes * mb * act_scale, 1.0)
+            t_mb += _collective(
+                hw, plan, "tp", profile.blocks[-1].input_bytes * mb * act_scale, 2.0
+            )
         if plan.pp > 1 and parts:  # an activation out, a gradient back
             t_mb += 2 * _collective(hw, plan, "pp", parts[0].input_bytes * mb * act_scale, 2.0)
         params = sum(_split(p, plan.tp) for p in parts)
@@ -455,6 +469,7 @@ def _add_time(
 
 
 def _block_flops(part: PartCost, tp: int) -> float:
+    tp = _tp_of(part, tp)
     if tp == 1 or part.tp_share == 0:
         return part.flops
     dense = part.flops - part.attention_flops

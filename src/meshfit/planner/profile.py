@@ -61,6 +61,9 @@ class PartCost:
     tp_share: float = 0.0  # fraction of `params` tensor parallel splits
     tp_reductions: int = 0  # all-reduces of a tp forward (row-parallel outputs)
     tp_projections: int = 0  # layers tp splits (each a DTensor dispatch, forward and backward)
+    # a head tp splits over its outputs and gathers (tensor.gathered_heads): its output
+    # count, which tp must divide (else it stays whole); 0: none
+    tp_gathered_outputs: int = 0
     ops: int = 0  # operators its forward runs (each costs a fixed launch / dispatch time)
 
 
@@ -428,6 +431,12 @@ def _tensor_parallel_costs(
     try:
         with _repeats_skipped(stack, active=on_meta) as repeats:
             plan = tensor.derive_tp_plan(model, _first_samples(example_inputs, 1))
+            # a Sequential's derived plan has no head of its own (apply_tensor_parallel)
+            heads = (
+                {}
+                if type(model) is nn.Sequential
+                else tensor.gathered_heads(model, _first_samples(example_inputs, 1))[0]
+            )
     except MeshfitError as error:
         profile.tp_error = str(error).split(";")[0]
         return
@@ -444,6 +453,11 @@ def _tensor_parallel_costs(
         part.tp_reductions = sum(1 for style in mine.values() if style == "rowwise")
         part.tp_projections = len(mine)
     profile.max_tp = _largest_tp(model, plan)
+    if heads and profile.tail.params:
+        split = sum(tensor.split_numel(modules, params, name, "colwise") for name in heads)
+        profile.tail.tp_share = split / profile.tail.params
+        profile.tail.tp_projections = len(heads)
+        profile.tail.tp_gathered_outputs = math.gcd(*heads.values())
 
 
 def _largest_tp(model: nn.Module, plan: dict[str, str]) -> int:
