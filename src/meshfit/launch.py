@@ -462,11 +462,17 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
                 rdzv_id,
             ]
     argv += list(options.torchrun_args)  # checked in run_config: none of the above
+    # Each worker runs meshfit/_boot.py, which runs the target and then exits past the
+    # interpreter's teardown (a gloo thread can abort a finished worker there; _boot.py).
+    argv.append(BOOT)
     if options.module:
-        argv.append("--module")
+        argv.append("--meshfit-module")
     argv.append(options.target)
     argv += list(options.target_args)
     return argv
+
+
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
 
 
 def is_single_node(options: RunOptions) -> bool:
