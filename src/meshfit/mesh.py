@@ -91,10 +91,11 @@ def _refuse_a_copy_among_many() -> None:
 
 
 def _destroy_at_exit() -> None:
-    """Tear the process group down before the interpreter does. Left to static
-    destructors, a gloo worker occasionally aborted at exit ("terminate called without
-    an active exception", seen once in CI after a finished run); PyTorch asks for
-    destroy_process_group before exiting. It is local: no collective, no waiting."""
+    """Tear the process group down before the interpreter does, as PyTorch asks. It is
+    local: no collective, no waiting. It does not stop gloo's threads while anything
+    still holds the group (a DeviceMesh, the engine), so it cannot prevent the abort at
+    interpreter teardown that `meshfit run` workers avoid by exiting past it
+    (meshfit/_boot.py)."""
     watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
