@@ -136,6 +136,14 @@ def test_planner_published_benchmark(tmp_path) -> None:
     assert zero["predicted"] == 1.875
 
 
+def test_tp_head_benchmark_quick(tmp_path) -> None:
+    written = _run_quick("tp_head.py", tmp_path)[1]
+    params = written["params_per_rank"]
+    # the split head keeps half of its 512 x 16 weights on each of the 2 ranks
+    assert params["whole"] - params["split"] == 512 * 16 // 2, params
+    assert all(t > 0 for t in written["step_s_median"].values())
+
+
 def test_planner_ranking_benchmark_quick(tmp_path) -> None:
     rows = _run_quick("planner_ranking.py", tmp_path, timeout=240)[1]["rows"]
     assert [r["plan"] for r in rows] == ["dp=2", "fsdp=2"]
