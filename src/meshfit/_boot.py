@@ -66,8 +66,10 @@ def main() -> None:
     module = len(sys.argv) > 2 and sys.argv[1] == "--meshfit-module"
     target = sys.argv[2] if module else sys.argv[1]
     # What `python script.py` / `python -m module` put first on the path (this file's
-    # own directory is there now and would shadow top-level imports).
-    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
+    # own directory is there now and would shadow top-level imports); under -P /
+    # PYTHONSAFEPATH Python puts nothing there, and neither do we.
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
     sys.argv = sys.argv[2:] if module else sys.argv[1:]
 
     import runpy
