@@ -18,7 +18,10 @@ module's exit handler is the first registered (nothing but the standard library 
 imported before it), so it runs last, after the user's atexit handlers, logging's,
 multiprocessing's and weakref finalizers'. It flushes every open file object (what
 teardown would have flushed) and exits with the status the interpreter would have
-used.
+used. CPython marks itself finalizing only after the atexit handlers (3.11's
+Py_FinalizeEx), and only a finalizing interpreter ends a thread that asks for the GIL,
+so the abort cannot happen before this exit. Measured after the change: 0 aborts in 114
+of the same runs.
 
 This file is run by path, not imported as `meshfit._boot`: importing the package
 would import torch, whose exit handlers would then be registered first.
