@@ -102,6 +102,10 @@ class Engine:
         # torch.compile over forward + loss together, so the loss (often a large
         # cross-entropy over the vocabulary) fuses with the last layers; under pp each
         # block compiles instead (parallel/compiled.py says why).
+        if options.compile and self.plan.tp > 1:
+            from meshfit.parallel.compiled import graphs_per_rank
+
+            graphs_per_rank()
         self.parallel_model, self.runner = apply_plan(
             model,
             topology,

@@ -40,6 +40,21 @@ _COMPILED_CACHE = (
 )
 
 
+def graphs_per_rank() -> None:
+    """Keep compiled graphs with collectives from being shared between ranks.
+
+    torch's AOT autograd cache (on disk, shared by every process of the machine) keys a
+    graph without the process-group names baked into its collectives: under dp=2,tp=2
+    ranks 2 and 3 loaded the graph ranks 0 and 1 had compiled, with their tp group
+    ("Could not resolve the process group registered under the name 7"; measured on
+    torch 2.13 with the LM head's all-gather, tests/test_compile.py). With that cache
+    off each rank compiles its own graphs (inductor's own graph cache, whose key does
+    include them, still serves later runs). Called for compile=True under tp."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.enable_autograd_cache = False
+
+
 def compile_block_forwards(blocks: list[nn.Module]) -> None:
     """Replace each block's `forward` with a compiled one, in place (after tensor parallel
     and recomputation, which it then compiles too, and before data parallel wraps it)."""
