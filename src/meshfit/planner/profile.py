@@ -430,13 +430,10 @@ def _tensor_parallel_costs(
     on_meta = _device_of(model).type == "meta"
     try:
         with _repeats_skipped(stack, active=on_meta) as repeats:
-            plan = tensor.derive_tp_plan(model, _first_samples(example_inputs, 1))
+            sample = _first_samples(example_inputs, 1)
+            plan = tensor.derive_tp_plan(model, sample)
             # a Sequential's derived plan has no head of its own (apply_tensor_parallel)
-            heads = (
-                {}
-                if type(model) is nn.Sequential
-                else tensor.gathered_heads(model, _first_samples(example_inputs, 1))[0]
-            )
+            heads = {} if type(model) is nn.Sequential else tensor.gathered_heads(model, sample)[0]
     except MeshfitError as error:
         profile.tp_error = str(error).split(";")[0]
         return
