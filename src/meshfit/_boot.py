@@ -39,7 +39,9 @@ def _exit_now() -> None:
     import gc
 
     for obj in gc.get_objects():  # file objects are tracked by the collector
-        if isinstance(obj, io.IOBase):
+        # by type: isinstance reads each object's __class__, which some objects turn into
+        # a warning (torch.distributed's deprecated `reduce_op`)
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed:
                     obj.flush()
