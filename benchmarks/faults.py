@@ -96,6 +96,16 @@ def workers(launcher: subprocess.Popen) -> dict[int, int]:
     return found
 
 
+def wait_for_workers(launcher: subprocess.Popen) -> dict[int, int]:
+    """The live workers, waiting for the launcher to start them: on a loaded machine its
+    own start-up (importing torch) can outlast a fault's delay (15% of the undisturbed
+    run), and a fault with no process to hit would leave the trial undisturbed, with no
+    rank (seen in CI). Empty only if the run ended first."""
+    while not (alive := workers(launcher)) and launcher.poll() is None:
+        time.sleep(0.02)
+    return alive
+
+
 def committed(ckpt: str) -> list[str]:
     return sorted(
         d for d in glob.glob(os.path.join(ckpt, "step-*"))
@@ -234,7 +244,7 @@ def trial(
                         f.write(bytes(rng.randrange(256) for _ in range(8)))
                 delay = 0.05
             time.sleep(delay)
-            alive = workers(launcher)
+            alive = wait_for_workers(launcher)
             if alive:
                 rank = rng.choice(sorted(alive))
                 at = time.monotonic() - started

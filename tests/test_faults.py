@@ -34,7 +34,9 @@ def test_fault_campaign_trials_end_exact(tmp_path) -> None:
     slow = [t for t in trials if t["outcome"] == "TIMEOUT"]
     assert not slow, f"timed out (machine too busy for the limit): {slow}\n{done.stdout}"
     assert all(t["outcome"] == "exact" for t in trials), done.stdout + done.stderr[-3000:]
-    assert all(t["rank"] is not None for t in trials), "a fault came after the run ended"
+    assert all(t["rank"] is not None for t in trials), (
+        "a fault came after the run ended\n" + done.stdout
+    )
     stop = trials[1]
     assert f"hang detected: rank {stop['rank']} stopped responding" in stop["detail"]
     assert done.returncode == 0
