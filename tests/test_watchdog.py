@@ -33,6 +33,17 @@ def test_stuck_rank_rules() -> None:
     assert "every rank waits in training step 3" in line and "\n" not in line
 
 
+def test_an_exited_rank_is_not_frozen() -> None:
+    before = {0: _state(0), 1: _state(1, kind="exited", doing="its exit", waiting=False)}
+    after = {0: _state(0, beat=6), 1: before[1]}
+    assert watchdog.frozen_ranks(before, after, world_size=2, me=0) == []
+    frozen = {0: _state(0, beat=6), 1: _state(1)}
+    assert watchdog.frozen_ranks({0: _state(0), 1: _state(1)}, frozen, 2, me=0) == [1]
+    # A rank that waits for one which has exited names it as such.
+    line = describe(before, [], 2, "/x")
+    assert "rank 1 has exited (its script ended); rank 0 waits for it" in line
+
+
 def test_phase_marks_and_margin() -> None:
     watchdog.mark("step", "training step 1", step=1)
     time.sleep(0.05)
@@ -72,6 +83,22 @@ def test_frozen_rank_is_named_and_killed(tmp_path) -> None:
     # Killed by its peer: without that the launcher waits 30 s on the stopped process
     # after the hang is reported (detection itself takes about 3 s here).
     assert _since_stall(tmp_path) < 28, str(caught.value)
+
+
+def test_rank_frozen_after_its_last_collective_is_named(tmp_path) -> None:
+    # Its peer has nothing left to wait for; it stays (wait_for_peers) and names it.
+    # Before, the peer exited and the launcher waited on the stopped process for good.
+    with pytest.raises(mf.MeshfitError, match="rank 1 stopped responding"):
+        mf.launch(hang_run, nproc=2, args=("stop_at_end", 1, str(tmp_path)), hang_timeout=2)
+
+
+def test_rank_busy_after_its_peers_returned_is_not_a_hang(tmp_path) -> None:
+    # Rank 0 returns while rank 1 spends 3 s (the timeout is 1 s) in its own code: rank 0
+    # is not frozen (it exited), nor is rank 1 (it beats). Before, rank 1 took its
+    # returned peer's silence for a freeze.
+    steps = mf.launch(hang_run, nproc=2, args=("sleep_at_end", 1, str(tmp_path)), hang_timeout=1)
+    assert steps == 4
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("rank-")]
 
 
 @pytest.mark.slow

@@ -313,6 +313,7 @@ def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: s
         sys.stderr.flush()
         # Exit at once: atexit handlers could block on peers that are already gone.
         os._exit(1)
+    watchdog.wait_for_peers()  # a peer that freezes after its last collective is named
     _shutdown_process_group()
     return result
 
@@ -540,6 +541,8 @@ def run(options: RunOptions) -> int:
             EXIT_USER_ERROR,
             watchdog.EXIT_HANG,
         }
+        if any(watchdog.killed_by_verdict(markers, f.pid) for f in failed.failures.values()):
+            reported.add(watchdog.EXIT_HANG)
         if reported:
             return min(reported)  # a worker already printed the one-line reason
         how = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {-info.exitcode}"

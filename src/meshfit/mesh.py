@@ -118,10 +118,9 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
     read the dead attempt's addresses ("Connection refused" in connectFullMesh, measured
     between two network namespaces). All nodes of a round share its number.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ:
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
         return None
-    attempt = os.environ.get("MESHFIT_RDZV_ROUND", attempt)
+    attempt = watchdog.attempt_id()
     world_size = int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(

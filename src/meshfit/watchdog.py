@@ -27,6 +27,12 @@ a slow first step does not make every later step suspect, and a save that took 4
 last time may take 12 now). A collective's own timeout (MESHFIT_TIMEOUT_S, gloo/NCCL) is
 reported the same way by `explain_collective_timeout`.
 
+The end of a run: a rank whose script ended publishes that it exited, so its silence is
+not taken for a freeze. Under `meshfit run` and `mf.launch` a rank that ended cleanly
+also keeps watching until every rank's script has ended (`wait_for_peers`): a peer that
+freezes after its last collective is then still named and killed, where otherwise its
+finished peers would exit and the launcher would wait on it for good.
+
 Set the timeout with `meshfit run --hang-timeout S`, `mf.launch(..., hang_timeout=S)` or
 MESHFIT_HANG_TIMEOUT_S; 0 turns detection off. Store traffic: per rank and interval
 (timeout / 10, between 0.2 and 5 s) one set, one check and one read of its neighbour's
@@ -59,6 +65,7 @@ PHASE_MARGIN = 3.0  # a phase may take this many times its kind's longest so far
 # Start-up (imports, joining the group, building the model) waits for the slowest rank's
 # start; 8 workers importing torch on 2 cores take over 10 s, so it gets at least this.
 SETUP_FLOOR_S = 60.0
+EXITED = "exited"  # the kind a rank publishes when its script has ended
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ class Mark:
 
     seq: int
     step: int
-    kind: str  # "setup", "step", "evaluate", "save", "load", "script"
+    kind: str  # "setup", "step", "evaluate", "save", "load", "script", "exited"
     doing: str
     waiting: bool
 
@@ -179,24 +186,60 @@ def start(rank: int, world_size: int) -> None:
     store = _store_client()
     if store is None:
         return
+    try:
+        store.add("started", 1)  # before the group: no rank can end before all counted
+    except Exception:  # noqa: BLE001 - as above
+        return
     _watchdog = _Watchdog(store, rank, world_size, timeout)
     _watchdog.start()
     atexit.register(stop)
 
 
+def wait_for_peers() -> None:
+    """Called when this rank's script has ended cleanly (`meshfit run` workers, mf.launch
+    workers): keep watching until every rank's script has ended.
+
+    Without it a rank that froze after its last collective (SIGSTOP, a hung driver call)
+    had no live peer left to notice: the others finished and exited, and torch's launcher
+    waited on the frozen one for good. A finished rank stays and watches the next rank in
+    the ring that is still running; a freeze is named and killed as any other, and the
+    launcher restarts from the last checkpoint where --max-restarts allows. Waiting costs
+    nothing in wall time: the launcher waits for every rank anyway."""
+    watchdog = _watchdog
+    if watchdog is None or not watchdog.is_alive():
+        return
+    mark(EXITED, "its exit (its script has ended)", waiting=False)
+    watchdog.finished.set()
+    watchdog.wake.set()
+    while watchdog.is_alive() and not watchdog.all_exited.wait(0.5):
+        pass
+
+
 def stop() -> None:
-    """Stop the watchdog thread and drop its store connection before the interpreter
-    exits, so no daemon thread is inside a TCPStore call while Python tears down. (The
-    abort of finished workers seen in CI came from gloo's threads instead; `meshfit
-    run` workers exit past teardown for it, meshfit/_boot.py.)"""
+    """Stop the watchdog thread, publish that this rank exited (so its peers do not take
+    its silence for a freeze) and drop the store connection before the interpreter exits,
+    so no daemon thread is inside a TCPStore call while Python tears down. (The abort of
+    finished workers seen in CI came from gloo's threads instead; `meshfit run` workers
+    exit past teardown for it, meshfit/_boot.py.)"""
     global _watchdog
     watchdog, _watchdog = _watchdog, None
     if watchdog is None or watchdog is threading.current_thread():
         return
+    mark(EXITED, "its exit (its script has ended)", waiting=False)
     watchdog.halt.set()
+    watchdog.wake.set()
     watchdog.join(timeout=10)
     if not watchdog.is_alive():
+        with contextlib.suppress(Exception):  # the store may be gone with the launcher
+            watchdog.publish_exit()
         watchdog.store = None
+
+
+def attempt_id() -> str:
+    """This restart attempt's name in the launcher's store, the same on every node: the
+    rendezvous round where meshfit's rendezvous runs (a host started again counts its
+    restarts from 0 while the others count 1), else torchrun's restart count."""
+    return os.environ.get("MESHFIT_RDZV_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _store_client():  # noqa: ANN202 - torch.distributed.Store
@@ -206,7 +249,7 @@ def _store_client():  # noqa: ANN202 - torch.distributed.Store
 
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = attempt_id()
     try:
         store = dist.TCPStore(
             host_name=os.environ["MASTER_ADDR"],
@@ -228,21 +271,34 @@ class _Watchdog(threading.Thread):
         self.timeout = timeout
         self.interval = min(5.0, max(0.2, timeout / 10))
         self.beat = 0
-        self.halt = threading.Event()
+        self.halt = threading.Event()  # stop watching (the process exits)
+        self.wake = threading.Event()  # end the current wait early
+        self.finished = threading.Event()  # this rank's script has ended (wait_for_peers)
+        self.all_exited = threading.Event()  # every rank's script has ended
+        self._counted = False  # this rank is in the store's "exited" count
+        self._others_exited = False  # every other rank's record says it exited
+        # While a finished rank waits for its peers it asks the store whether all have
+        # ended this often: about 640 cheap checks a second in all, whatever the job size.
+        self.poll_s = min(self.interval, 0.1 * max(1.0, world_size / 64))
         self.host = socket.gethostname()
-        self._neighbour_beat, self._neighbour_seen = -1, time.monotonic()
+        self._neighbour, self._neighbour_beat = -1, -1
+        self._neighbour_seen = time.monotonic()
 
     def run(self) -> None:
         try:
-            while True:
+            while not self.halt.is_set():
                 state = self._publish()
                 if self.store.check(["verdict"]):
                     self._obey(json.loads(self.store.get("verdict")))
                 stalled = state.waiting and state.stalled_s > self._allowed(state.kind)
                 if stalled or self._neighbour_frozen():
                     self._diagnose()
-                if self.halt.wait(self.interval):
+                if state.kind == EXITED and self.finished.is_set() and self._everyone_exited():
+                    self.all_exited.set()
                     return
+                wait = self.poll_s if self.finished.is_set() else self.interval
+                self.wake.wait(wait)
+                self.wake.clear()
         except Exception:  # noqa: BLE001 - the store is gone (job ending): stop watching
             return
 
@@ -252,17 +308,45 @@ class _Watchdog(threading.Thread):
         self.store.set(f"rank/{self.rank}", json.dumps(asdict(state)))
         return state
 
+    def publish_exit(self) -> None:
+        """Publish the exited state and count it; by the main thread once this thread
+        has ended."""
+        self._publish()
+        self._count_exit()
+
+    def _count_exit(self) -> None:
+        """Add this rank to the store's count of exited ranks, once; the rank that makes
+        it reach the count of started ones tells the waiting ranks."""
+        if self._counted:
+            return
+        self._counted = True
+        if self.store.add("exited", 1) >= self.store.add("started", 0):
+            self.store.set("all-exited", "1")
+
+    def _everyone_exited(self) -> bool:
+        self._count_exit()
+        return self._others_exited or self.store.check(["all-exited"])
+
     def _neighbour_frozen(self) -> bool:
-        """Whether the next rank's heartbeat has not changed for the hang timeout. Each
-        rank watches one neighbour (a ring: O(world) store reads per interval), which
-        catches a frozen rank even while this one is not inside a marked phase."""
-        key = f"rank/{(self.rank + 1) % self.world_size}"
-        if not self.store.check([key]):
-            return False  # not started yet: setup is the launcher's to time out
-        beat = json.loads(self.store.get(key))["beat"]
+        """Whether the next running rank's heartbeat has not changed for the hang timeout.
+        Each rank watches one neighbour (a ring: O(world) store reads per interval), which
+        catches a frozen rank even while this one is not inside a marked phase. Ranks
+        that have exited are skipped: their silence is not a freeze."""
+        for step in range(1, self.world_size):
+            neighbour = (self.rank + step) % self.world_size
+            key = f"rank/{neighbour}"
+            if not self.store.check([key]):
+                return False  # not started yet: setup is the launcher's to time out
+            record = json.loads(self.store.get(key))
+            if record["kind"] != EXITED:
+                break
+        else:
+            self._others_exited = True  # what the count says too, read from the records
+            return False
         now = time.monotonic()
-        if beat != self._neighbour_beat:
-            self._neighbour_beat, self._neighbour_seen = beat, now
+        if (neighbour, record["beat"]) != (self._neighbour, self._neighbour_beat):
+            self._neighbour, self._neighbour_beat = neighbour, record["beat"]
+            self._neighbour_seen = now
             return False
         return now - self._neighbour_seen > self.timeout
 
@@ -328,12 +412,32 @@ class _Watchdog(threading.Thread):
         if verdict["reporter"] == self.rank:
             for _rank, host, pid in verdict["frozen"]:
                 if host == self.host and pid != os.getpid():
+                    note_killed(pid)
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)  # frozen: it cannot exit by itself
             time.sleep(2 * self.interval + 0.5)  # let stuck ranks write their stacks
         else:
             time.sleep(0.2)
         os._exit(EXIT_HANG)
+
+
+KILLED_MARKER_PREFIX = "killed-by-hang-verdict-"
+
+
+def note_killed(pid: int) -> None:
+    """Leave word for `meshfit run` (its MESHFIT_MARKER_DIR) that this pid dies by a hang
+    verdict already reported: the launcher may see that death before the reporter's own
+    exit, and would otherwise add "worker rank N failed (signal 9)" to the report."""
+    from meshfit._worker_errors import MARKER_DIR_ENV
+
+    where = os.environ.get(MARKER_DIR_ENV)
+    if where:
+        with contextlib.suppress(OSError):
+            open(os.path.join(where, f"{KILLED_MARKER_PREFIX}{pid}"), "w").close()
+
+
+def killed_by_verdict(marker_dir: str, pid: int) -> bool:
+    return os.path.exists(os.path.join(marker_dir, f"{KILLED_MARKER_PREFIX}{pid}"))
 
 
 def wait_if_stopping() -> None:
@@ -362,11 +466,13 @@ def frozen_ranks(
     first: dict[int, RankState], second: dict[int, RankState], world_size: int, me: int
 ) -> list[int]:
     """The ranks besides `me` whose heartbeat did not move between two reads of the
-    store some beats apart, or that vanished from it."""
+    store some beats apart, or that vanished from it; not those that exited."""
     return [
         r
         for r in range(world_size)
-        if r != me and (r not in second or (r in first and first[r].beat == second[r].beat))
+        if r != me
+        and (r not in second or (r in first and first[r].beat == second[r].beat))
+        and not (r in second and second[r].kind == EXITED)
     ]
 
 
@@ -403,6 +509,8 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
                 parts.append(
                     f"rank {r} stopped responding (no heartbeat: the process is frozen or stopped{since})"
                 )
+            elif s.kind == EXITED:
+                parts.append(f"rank {r} has exited (its script ended)")
             else:
                 parts.append(f"rank {r} has been in {s.doing} for {s.stalled_s:.0f} s")
         who = "rank" if len(waiters) == 1 else "ranks"
