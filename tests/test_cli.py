@@ -25,6 +25,18 @@ def meshfit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def test_frozen_worker_is_one_hang_line_and_exit_3(tmp_path) -> None:
+    # The reporting rank kills the frozen one, and the launcher may see that death first:
+    # it must not add "worker rank 1 failed (signal 9)" to the hang line, nor exit 1.
+    script = os.path.join(SCRIPTS, "frozen_rank.py")
+    result = meshfit("run", "--nproc", "2", "--hang-timeout", "2", script, str(tmp_path))
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("meshfit: ")][1:]
+    assert len(errors) == 1 and "hang detected: rank 1 stopped responding" in errors[0], (
+        result.stderr[-3000:]
+    )
+    assert result.returncode == 3
+
+
 def test_devices_lists_the_cpu() -> None:
     result = meshfit("devices")
     assert result.returncode == 0, result.stderr

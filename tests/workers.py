@@ -845,9 +845,8 @@ def slow_user_code(seconds: float) -> None:
 def hang_run(how: str, stall_rank: int, dump_dir: str, collective_timeout_s: float = 0) -> int:
     """dp=2 steps where `stall_rank` stops after step 2: `sleep` in the script (peers wait
     in step 3), `stop` (SIGSTOP: frozen), or `both_sleep` (every rank busy in the script,
-    nobody waits: no hang); or after its last step: `stop_at_end` (frozen after its last
-    collective, its peers done) or `sleep_at_end` (3 s in its own code after its peers
-    returned: no hang). Returns the steps taken."""
+    nobody waits: no hang); or `sleep_at_end`: 3 s in its own code after its last step,
+    its peers returned (no hang). Returns the steps taken."""
     os.environ["MESHFIT_HANG_DIR"] = dump_dir
     if collective_timeout_s:
         os.environ["MESHFIT_TIMEOUT_S"] = str(collective_timeout_s)
@@ -861,7 +860,7 @@ def hang_run(how: str, stall_rank: int, dump_dir: str, collective_timeout_s: flo
         if stalls and step == (3 if at_end else 1):
             with open(os.path.join(dump_dir, f"stalled-{rank}"), "w") as f:
                 f.write(repr(time.time()))  # when the stall began, for the test's clock
-            if how.startswith("stop"):
+            if how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 slow_user_code(60 if how == "sleep" else 3)

@@ -93,21 +93,6 @@ def main() -> None:
             tb = tb.tb_next
         sys.excepthook(type(error), error.with_traceback(tb), tb)
         _status[0] = 130 if isinstance(error, KeyboardInterrupt) else 1
-    if _status[0] == 0:
-        _wait_for_peers()
-
-
-def _wait_for_peers() -> None:
-    """A clean end keeps watching the peers until their scripts end too, so one that
-    freezes after its last collective is named rather than waited on for good
-    (meshfit.watchdog.wait_for_peers). Only if the script used meshfit's process group."""
-    watchdog = sys.modules.get("meshfit.watchdog")
-    if watchdog is None:
-        return
-    try:
-        watchdog.wait_for_peers()
-    except KeyboardInterrupt:
-        _status[0] = 130
 
 
 def _ours(filename: str) -> bool:

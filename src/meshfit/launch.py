@@ -313,7 +313,6 @@ def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: s
         sys.stderr.flush()
         # Exit at once: atexit handlers could block on peers that are already gone.
         os._exit(1)
-    watchdog.wait_for_peers()  # a peer that freezes after its last collective is named
     _shutdown_process_group()
     return result
 

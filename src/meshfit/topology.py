@@ -46,9 +46,12 @@ class Topology:
     def create(cls, plan: Plan) -> Topology:
         """Start the process group if the launcher asked for one, resolve `plan` against
         the world size (dp=None fills what is left) and build the mesh."""
-        device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
+        # Checked before the group starts: a rank that refused the plan after joining
+        # could exit while a peer still connects, and the peer's "Connection reset"
+        # traceback followed the one-line refusal (seen once in the suite).
         resolved = plan.resolve(env_world_size())
         resolved.validate()  # again: dp is known only now
+        device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
         mesh = build_mesh(resolved, device)
         topology = cls(
             plan=resolved,

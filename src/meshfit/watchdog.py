@@ -27,11 +27,9 @@ a slow first step does not make every later step suspect, and a save that took 4
 last time may take 12 now). A collective's own timeout (MESHFIT_TIMEOUT_S, gloo/NCCL) is
 reported the same way by `explain_collective_timeout`.
 
-The end of a run: a rank whose script ended publishes that it exited, so its silence is
-not taken for a freeze. Under `meshfit run` and `mf.launch` a rank that ended cleanly
-also keeps watching until every rank's script has ended (`wait_for_peers`): a peer that
-freezes after its last collective is then still named and killed, where otherwise its
-finished peers would exit and the launcher would wait on it for good.
+The end of a run: a rank whose script ended publishes that it exited (`stop`), and a
+peer on the same host whose process is gone is skipped too, so their silence is not
+taken for a freeze while another rank works on alone.
 
 Set the timeout with `meshfit run --hang-timeout S`, `mf.launch(..., hang_timeout=S)` or
 MESHFIT_HANG_TIMEOUT_S; 0 turns detection off. Store traffic: per rank and interval
@@ -186,33 +184,9 @@ def start(rank: int, world_size: int) -> None:
     store = _store_client()
     if store is None:
         return
-    try:
-        store.add("started", 1)  # before the group: no rank can end before all counted
-    except Exception:  # noqa: BLE001 - as above
-        return
     _watchdog = _Watchdog(store, rank, world_size, timeout)
     _watchdog.start()
     atexit.register(stop)
-
-
-def wait_for_peers() -> None:
-    """Called when this rank's script has ended cleanly (`meshfit run` workers, mf.launch
-    workers): keep watching until every rank's script has ended.
-
-    Without it a rank that froze after its last collective (SIGSTOP, a hung driver call)
-    had no live peer left to notice: the others finished and exited, and torch's launcher
-    waited on the frozen one for good. A finished rank stays and watches the next rank in
-    the ring that is still running; a freeze is named and killed as any other, and the
-    launcher restarts from the last checkpoint where --max-restarts allows. Waiting costs
-    nothing in wall time: the launcher waits for every rank anyway."""
-    watchdog = _watchdog
-    if watchdog is None or not watchdog.is_alive():
-        return
-    mark(EXITED, "its exit (its script has ended)", waiting=False)
-    watchdog.finished.set()
-    watchdog.wake.set()
-    while watchdog.is_alive() and not watchdog.all_exited.wait(0.5):
-        pass
 
 
 def stop() -> None:
@@ -227,11 +201,10 @@ def stop() -> None:
         return
     mark(EXITED, "its exit (its script has ended)", waiting=False)
     watchdog.halt.set()
-    watchdog.wake.set()
     watchdog.join(timeout=10)
     if not watchdog.is_alive():
         with contextlib.suppress(Exception):  # the store may be gone with the launcher
-            watchdog.publish_exit()
+            watchdog._publish()
         watchdog.store = None
 
 
@@ -271,34 +244,25 @@ class _Watchdog(threading.Thread):
         self.timeout = timeout
         self.interval = min(5.0, max(0.2, timeout / 10))
         self.beat = 0
-        self.halt = threading.Event()  # stop watching (the process exits)
-        self.wake = threading.Event()  # end the current wait early
-        self.finished = threading.Event()  # this rank's script has ended (wait_for_peers)
-        self.all_exited = threading.Event()  # every rank's script has ended
-        self._counted = False  # this rank is in the store's "exited" count
-        self._others_exited = False  # every other rank's record says it exited
-        # While a finished rank waits for its peers it asks the store whether all have
-        # ended this often: about 640 cheap checks a second in all, whatever the job size.
-        self.poll_s = min(self.interval, 0.1 * max(1.0, world_size / 64))
+        self.halt = threading.Event()
         self.host = socket.gethostname()
         self._neighbour, self._neighbour_beat = -1, -1
         self._neighbour_seen = time.monotonic()
+        # How far round the ring the first rank that may still run is: a rank that has
+        # exited stays exited within an attempt, so the walk never passes it again.
+        self._skip = 1
 
     def run(self) -> None:
         try:
-            while not self.halt.is_set():
+            while True:
                 state = self._publish()
                 if self.store.check(["verdict"]):
                     self._obey(json.loads(self.store.get("verdict")))
                 stalled = state.waiting and state.stalled_s > self._allowed(state.kind)
                 if stalled or self._neighbour_frozen():
                     self._diagnose()
-                if state.kind == EXITED and self.finished.is_set() and self._everyone_exited():
-                    self.all_exited.set()
+                if self.halt.wait(self.interval):
                     return
-                wait = self.poll_s if self.finished.is_set() else self.interval
-                self.wake.wait(wait)
-                self.wake.clear()
         except Exception:  # noqa: BLE001 - the store is gone (job ending): stop watching
             return
 
@@ -308,47 +272,42 @@ class _Watchdog(threading.Thread):
         self.store.set(f"rank/{self.rank}", json.dumps(asdict(state)))
         return state
 
-    def publish_exit(self) -> None:
-        """Publish the exited state and count it; by the main thread once this thread
-        has ended."""
-        self._publish()
-        self._count_exit()
-
-    def _count_exit(self) -> None:
-        """Add this rank to the store's count of exited ranks, once; the rank that makes
-        it reach the count of started ones tells the waiting ranks."""
-        if self._counted:
-            return
-        self._counted = True
-        if self.store.add("exited", 1) >= self.store.add("started", 0):
-            self.store.set("all-exited", "1")
-
-    def _everyone_exited(self) -> bool:
-        self._count_exit()
-        return self._others_exited or self.store.check(["all-exited"])
-
     def _neighbour_frozen(self) -> bool:
         """Whether the next running rank's heartbeat has not changed for the hang timeout.
         Each rank watches one neighbour (a ring: O(world) store reads per interval), which
         catches a frozen rank even while this one is not inside a marked phase. Ranks
-        that have exited are skipped: their silence is not a freeze."""
-        for step in range(1, self.world_size):
-            neighbour = (self.rank + step) % self.world_size
+        that have exited, or whose process on this host is gone, are skipped: their
+        silence is not a freeze."""
+        while self._skip < self.world_size:
+            neighbour = (self.rank + self._skip) % self.world_size
             key = f"rank/{neighbour}"
             if not self.store.check([key]):
                 return False  # not started yet: setup is the launcher's to time out
             record = json.loads(self.store.get(key))
-            if record["kind"] != EXITED:
+            if record["kind"] != EXITED and not self._gone(record):
                 break
+            self._skip += 1
         else:
-            self._others_exited = True  # what the count says too, read from the records
-            return False
+            return False  # every other rank has exited
         now = time.monotonic()
         if (neighbour, record["beat"]) != (self._neighbour, self._neighbour_beat):
             self._neighbour, self._neighbour_beat = neighbour, record["beat"]
             self._neighbour_seen = now
             return False
         return now - self._neighbour_seen > self.timeout
+
+    def _gone(self, record: dict) -> bool:
+        """Whether a rank's process on this host has ended without saying so (os._exit
+        skips `stop`); a rank on another host cannot be checked from here."""
+        if record["host"] != self.host or record["pid"] == os.getpid():
+            return False
+        try:
+            with open(f"/proc/{record['pid']}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
 
     def _own_state(self) -> RankState:
         with _lock:
