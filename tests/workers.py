@@ -853,11 +853,10 @@ def hang_run(how: str, stall_rank: int, dump_dir: str, collective_timeout_s: flo
     model, loss_fn = build("mlp")
     engine = mf.parallelize(model, "dp=2", loss_fn=loss_fn, optimizer=optimizer_factory("sgd"))
     rank = engine.rank
-    at_end = how.endswith("_at_end")
     for step in range(4):
         engine.step(make_batch("mlp", 8, step))
         stalls = rank == stall_rank or how == "both_sleep"
-        if stalls and step == (3 if at_end else 1):
+        if stalls and step == (3 if how == "sleep_at_end" else 1):
             with open(os.path.join(dump_dir, f"stalled-{rank}"), "w") as f:
                 f.write(repr(time.time()))  # when the stall began, for the test's clock
             if how == "stop":

@@ -2,11 +2,13 @@
 
 A MeshfitError is the user's to fix, so a worker prints it as one line instead of a
 traceback and exits with status 2. When several ranks hit the same error, the first to
-claim a marker file prints it and the others stay silent.
+claim a marker file prints it and the others stay silent. The launcher's marker
+directory also holds a marker per worker a hang verdict killed (`note_killed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -31,6 +33,23 @@ def _claim_report() -> bool:
     except OSError:
         return True
     return True
+
+
+KILLED_MARKER_PREFIX = "killed-by-hang-verdict-"
+
+
+def note_killed(pid: int) -> None:
+    """Leave word for `meshfit run` that this pid dies by a hang verdict already
+    reported: the launcher may see that death before the reporter's own exit, and would
+    otherwise add "worker rank N failed (signal 9)" to the report."""
+    where = os.environ.get(MARKER_DIR_ENV)
+    if where:
+        with contextlib.suppress(OSError):
+            open(os.path.join(where, f"{KILLED_MARKER_PREFIX}{pid}"), "w").close()
+
+
+def killed_by_verdict(marker_dir: str, pid: int) -> bool:
+    return os.path.exists(os.path.join(marker_dir, f"{KILLED_MARKER_PREFIX}{pid}"))
 
 
 def _hook(exc_type, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signature

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from meshfit import rendezvous, stores, watchdog
-from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV
+from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV, killed_by_verdict
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
 
@@ -540,7 +540,7 @@ def run(options: RunOptions) -> int:
             EXIT_USER_ERROR,
             watchdog.EXIT_HANG,
         }
-        if any(watchdog.killed_by_verdict(markers, f.pid) for f in failed.failures.values()):
+        if any(killed_by_verdict(markers, f.pid) for f in failed.failures.values()):
             reported.add(watchdog.EXIT_HANG)
         if reported:
             return min(reported)  # a worker already printed the one-line reason

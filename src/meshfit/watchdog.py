@@ -55,6 +55,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
+from meshfit import _worker_errors
+
 HANG_TIMEOUT_ENV = "MESHFIT_HANG_TIMEOUT_S"
 HANG_DIR_ENV = "MESHFIT_HANG_DIR"
 DEFAULT_HANG_TIMEOUT_S = 120.0
@@ -371,32 +373,13 @@ class _Watchdog(threading.Thread):
         if verdict["reporter"] == self.rank:
             for _rank, host, pid in verdict["frozen"]:
                 if host == self.host and pid != os.getpid():
-                    note_killed(pid)
+                    _worker_errors.note_killed(pid)
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)  # frozen: it cannot exit by itself
             time.sleep(2 * self.interval + 0.5)  # let stuck ranks write their stacks
         else:
             time.sleep(0.2)
         os._exit(EXIT_HANG)
-
-
-KILLED_MARKER_PREFIX = "killed-by-hang-verdict-"
-
-
-def note_killed(pid: int) -> None:
-    """Leave word for `meshfit run` (its MESHFIT_MARKER_DIR) that this pid dies by a hang
-    verdict already reported: the launcher may see that death before the reporter's own
-    exit, and would otherwise add "worker rank N failed (signal 9)" to the report."""
-    from meshfit._worker_errors import MARKER_DIR_ENV
-
-    where = os.environ.get(MARKER_DIR_ENV)
-    if where:
-        with contextlib.suppress(OSError):
-            open(os.path.join(where, f"{KILLED_MARKER_PREFIX}{pid}"), "w").close()
-
-
-def killed_by_verdict(marker_dir: str, pid: int) -> bool:
-    return os.path.exists(os.path.join(marker_dir, f"{KILLED_MARKER_PREFIX}{pid}"))
 
 
 def wait_if_stopping() -> None:
