@@ -122,6 +122,27 @@ def test_language_models_match_one_process_under_dp_x_pp() -> None:
         _check(specs, mf.launch(many_lm_runs, nproc=4, args=(specs,)))
 
 
+def test_per_head_norms_under_tp_train_the_one_process_run() -> None:
+    """Qwen3's q_norm / k_norm (one weight shared by all heads) act on each tp rank's own
+    heads, so each rank's gradient is its heads' part: tp sums the parts over the ranks.
+    Controls: without the sum, the split's backward check refuses the model, naming the
+    norm; without the check too, the run trains apart from one process (float64: the
+    loss and q_norm drift by ~1e-7 and ~4e-4 in 3 steps)."""
+    specs = [
+        {"model": "qwen3", "plan": "tp=2"},
+        {"model": "qwen3", "plan": "tp=2", "unsummed": True},
+        {"model": "qwen3", "plan": "tp=2", "unsummed": True, "unchecked": True},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, refused, apart = mf.launch(many_lm_runs, nproc=2, args=(specs,))
+    _check(specs[:1], [got])
+    assert re.search(r"q_norm\.weight's gradient is [\d.e-]+ off one process's", refused["refused"])
+    assert "\n" not in refused["refused"]
+    with pytest.raises(AssertionError):
+        assert_same_run(apart, lm_run({"model": "qwen3"}), _rtol("qwen3"))
+
+
 def _first_step_refusal(model: str, plan: str) -> bool:
     return any(model == m and f"{form}=" in plan for m, form in REFUSED_IN_THE_FIRST_STEP)
 
@@ -150,6 +171,39 @@ def test_a_mean_loss_over_ignored_targets_warns_once_with_the_fix() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.step(sft_batch("seq_lm", 8, 1))  # once
+
+
+def test_fit_eval_loss_of_a_token_loss_is_the_mean_over_every_token() -> None:
+    """The eval loss of a (sum, count) loss was the mean of per-batch means: not the
+    token mean over the evaluation set, and it moved with the eval batch size. It must
+    equal one batch holding the whole set, at any batch size."""
+    from workers import build_lm
+
+    ids, targets = sft_batch("seq_lm", 32, 0)  # answers of different lengths
+    samples = (ids, targets)
+    loss_fn = mf.losses.cross_entropy()
+
+    def eval_loss(batch_size: int) -> float:
+        history = mf.fit(
+            build_lm("seq_lm"),
+            samples,
+            loss_fn=loss_fn,
+            eval_dataset=samples,
+            batch_size=batch_size,
+            max_steps=1,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.0),  # weights kept
+            progress=False,
+        )
+        return history.eval_losses[-1][1]
+
+    total, count = loss_fn(build_lm("seq_lm")(ids), targets)
+    whole = float(total / count)
+    for batch_size in (4, 8, 32):
+        assert eval_loss(batch_size) == pytest.approx(whole, rel=1e-12), batch_size
+    per_batch = [
+        loss_fn(build_lm("seq_lm")(ids[i : i + 4]), targets[i : i + 4]) for i in range(0, 32, 4)
+    ]
+    assert sum(float(s / c) for s, c in per_batch) / 8 != pytest.approx(whole, rel=1e-6)
 
 
 def test_model_loss_needs_the_labels_in_a_mapping() -> None:

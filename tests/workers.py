@@ -7,6 +7,7 @@ training run in one process or in many.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import signal
@@ -53,12 +54,17 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return GPT(TINY_GPT), next_token_loss
     if kind == "gpt4":
         return GPT(GPT4), next_token_loss
+    if kind == "gpt4_dropout":  # random numbers every step, on every stage
+        return GPT(dataclasses.replace(GPT4, dropout=0.1)), next_token_loss
     if kind == "llama":
         return hf_llama(), next_token_loss_of_output
     if kind == "llama10":  # more blocks per pp stage than torch.compile's recompile limit
         return hf_llama(num_hidden_layers=20), next_token_loss_of_output
     if kind == "root_param":
         return RootScaled(), F.cross_entropy
+    if kind == "column_major":  # blocks whose outputs are not contiguous
+        blocks = [ColumnMajorBlock() for _ in range(4)]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(8, 5)), F.cross_entropy
     if kind == "bn_cnn":  # BatchNorm: statistics over the batch
         return bn_cnn(), F.cross_entropy
     if kind == "titan":  # layers in a ModuleDict, and a larger stack that is not them
@@ -153,6 +159,19 @@ class GlobalHeads(torch.nn.Module):
         return self.head(h)
 
 
+class ColumnMajorBlock(torch.nn.Module):
+    """A block whose output is laid out column-major (a transposed view, as a
+    channels-last norm or a transposed projection leaves it): the same values, not
+    contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)).t().contiguous().t()
+
+
 class RootScaled(torch.nn.Module):
     """A parameter on the model itself, used before the blocks (under fsdp x pp it lands
     in the root FSDP unit of the first stage), and a loop that computes between blocks
@@ -176,7 +195,7 @@ def make_batch(
     kind: str, batch: int, step: int, dtype: str = "float64"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 + step)
-    if kind in ("mlp", "deep_mlp", "root_param", "titan"):
+    if kind in ("mlp", "deep_mlp", "root_param", "titan", "column_major"):
         inputs = torch.randn(batch, 8, generator=g).to(getattr(torch, dtype))
         return inputs, torch.randint(0, 5, (batch,), generator=g)
     if kind == "bn_cnn":
@@ -236,6 +255,10 @@ def scaled_gradient(loss_fn, scale: float):
 
 def engine_run(spec: dict) -> dict:
     """Train with engine.step on the global batch; return losses and final weights."""
+    if spec.get("unsendable"):  # negative control: stages send what their blocks return
+        from meshfit.parallel.pipeline import stage
+
+        stage._sendable = lambda output: output
     dtype = spec.get("dtype", "float64")
     model, loss_fn = build(spec["model"], dtype)
     if "grad_scale" in spec:
@@ -327,13 +350,15 @@ def fit_run(spec: dict) -> dict:
         checkpoint_dir=spec.get("checkpoint_dir"),
         checkpoint_every=spec.get("checkpoint_every"),
         log_every=spec.get("log_every", 2),
-        progress=False,
+        progress=spec.get("progress", False),
         seed=3,
     )
     if spec.get("lr_scheduler"):
         kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
     if spec.get("dropout"):
         model = torch.nn.Sequential(model, torch.nn.Dropout(0.2))
+    if spec.get("busy_rank") == int(os.environ.get("RANK", "0")):
+        _keep_busy()  # another job's load on this rank's core, all run long
     data = dataset(spec["model"], spec.get("samples", 64))
     history = mf.fit(model, data, **kwargs)
     state = history.engine.full_state_dict()
@@ -343,6 +368,18 @@ def fit_run(spec: dict) -> dict:
         "state": state,
         "planned": history.planned,
     }
+
+
+def _keep_busy() -> None:
+    """A thread that spins for the rest of the process: this rank's work (and any timing
+    it takes) runs slowed and unevenly, as beside another job."""
+    import threading
+
+    def spin() -> None:
+        while True:
+            sum(range(10_000))
+
+    threading.Thread(target=spin, daemon=True).start()
 
 
 def raise_on_rank(rank_to_fail: int) -> int:
@@ -718,6 +755,27 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             max_position_embeddings=LM_LEN,
         )
         model = Olmo2ForCausalLM(config)
+    elif kind in ("qwen3", "qwen3_moe"):  # per-head q_norm / k_norm shared by all heads
+        from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        fields = dict(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+            max_position_embeddings=LM_LEN,
+        )
+        if kind == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(**fields))
+        else:
+            config = Qwen3MoeConfig(
+                **fields, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2
+            )
+            model = Qwen3MoeForCausalLM(config)
+            dtype = "float32"  # its experts run on torch._grouped_mm, which takes no float64
     elif kind == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
 
@@ -757,7 +815,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
         targets = torch.full_like(labels, -100)
         targets[:, :-1] = labels[:, 1:]
         return ids, targets
-    if kind == "llama":
+    if kind in ("llama", "qwen3", "qwen3_moe"):
         return {"input_ids": ids, "attention_mask": mask}, labels
     if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):  # labels travel in the batch
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -773,7 +831,7 @@ def lm_loss(kind: str, mean: bool = False):
     `mean=True`: a per-micro-batch mean instead (the negative control)."""
     if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):
         return "model"
-    loss = mf.losses.cross_entropy(shift=kind == "llama")
+    loss = mf.losses.cross_entropy(shift=kind in ("llama", "qwen3", "qwen3_moe"))
     if not mean:
         return loss
 
@@ -790,13 +848,16 @@ def lm_run(spec: dict) -> dict:
     options = dict(spec.get("options", {}))
     if spec.get("plan") is None:  # the one-process reference: no form to split for
         options = {k: v for k, v in options.items() if k not in ("tp_plan", "pp_split")}
-    engine = mf.parallelize(
-        model,
-        spec.get("plan"),
-        loss_fn=lm_loss(spec["model"], spec.get("mean", False)),
-        optimizer=optimizer_factory("sgd"),
-        **options,
-    )
+    with contextlib.ExitStack() as stack:
+        if spec.get("unsummed"):  # negative control: per-head norms' gradient parts unsummed
+            stack.enter_context(_tp_gradients_unsummed(check=not spec.get("unchecked")))
+        engine = mf.parallelize(
+            model,
+            spec.get("plan"),
+            loss_fn=lm_loss(spec["model"], spec.get("mean", False)),
+            optimizer=optimizer_factory("sgd"),
+            **options,
+        )
     if spec.get("local_split_size"):  # with a hand-written plan for GPT-2's fused c_attn
         for module in model.modules():
             if hasattr(module, "split_size"):
@@ -818,6 +879,22 @@ def lm_run(spec: dict) -> dict:
 
         result["tp_split"] = describe_tp(engine.user_model)
     return result
+
+
+@contextlib.contextmanager
+def _tp_gradients_unsummed(check: bool):
+    """tp as it was before parameters acting on column-parallel values had their gradient
+    parts summed (Qwen3's q_norm trained apart on each rank); `check=False` also without
+    the backward check that refuses such a split."""
+    from unittest import mock
+
+    from meshfit.parallel import tensor
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(tensor, "_partial_gradients", lambda *_: []))
+        if not check:
+            stack.enter_context(mock.patch.object(tensor, "_check_gradients", lambda *_: None))
+        yield
 
 
 def runs_or_refusals(run, specs: list[dict]) -> list[dict]:

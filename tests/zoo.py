@@ -4,7 +4,7 @@ is trained with. Dropout is off in every config: with it on, no two runs share r
 numbers, in one process or many.
 
 Sources: Hugging Face transformers (causal LMs, an encoder-decoder, a masked-LM encoder,
-a vision transformer, a mixture of experts), Keras 3 (torch backend), torchvision-style
+a vision transformer, mixtures of experts, per-head q/k norms), Keras 3 (torch backend), torchvision-style
 vision code (BatchNorm CNNs, a ResNet whose stages differ in width) and meshfit's own.
 """
 
@@ -107,6 +107,14 @@ def hf_mixtral() -> nn.Module:  # mixture of experts: 4 experts, 2 per token
             max_position_embeddings=LENGTH,
         )
     )
+
+
+def hf_qwen3() -> nn.Module:  # per-head q_norm / k_norm, shared by all heads
+    return _lm("qwen3")
+
+
+def hf_qwen3_moe() -> nn.Module:  # the same attention, a mixture of experts' MLP
+    return _lm("qwen3_moe")
 
 
 def hf_t5() -> nn.Module:  # encoder-decoder: two stacks
@@ -245,6 +253,8 @@ FAMILIES: dict[str, Family] = {
     "gpt_neox": Family(hf_gpt_neox, _lm_batch, _causal),
     # float32: its experts run on torch._grouped_mm, which takes no float64
     "mixtral": Family(hf_mixtral, _lm_batch, _causal, dtype="float32"),
+    "qwen3": Family(hf_qwen3, _lm_batch, _causal),
+    "qwen3_moe": Family(hf_qwen3_moe, _lm_batch, _causal, dtype="float32"),  # as mixtral
     "t5": Family(hf_t5, _t5_batch, _masked),
     "bert": Family(hf_bert, lambda b, s: _lm_batch(b, s, masked_lm=True), _masked),
     "vit": Family(hf_vit, _vit_batch, lambda: _logits_loss),

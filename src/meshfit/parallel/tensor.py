@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import inspect
 import itertools
 import re
@@ -59,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.recompute import rebind_forwards
 from meshfit.trees import call_model, map_tensors, tensors_in
 
 TPPlan = dict[str, "str | ParallelStyle"]
@@ -94,6 +96,9 @@ class _Derivation:
     owners: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # {module (named inside its block): why its weights stay whole}
     whole: dict[str, str] = field(default_factory=dict)
+    # replicated parameters inside the blocks that act on column-parallel values (Qwen3's
+    # per-head q_norm): each rank's gradient is its heads' part, summed over the tp ranks
+    summed: list[str] = field(default_factory=list)
 
 
 def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
@@ -133,6 +138,7 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
         whole: dict[str, str] = {}
         block_plan = _classify(trace, whole)
         plan.update(block_plan)
+        split.summed += _partial_gradients(trace, block_plan)
         local_attrs.update(_stored_sizes(modules, block_plan))
         _note_weights(split, trace, block_plan, whole, prefix=f"{name}.")
     if "rowwise" not in plan.values():
@@ -245,6 +251,8 @@ class _BlockTrace:
     misused: dict[str, str] = field(default_factory=dict)
     # {module owning weight parameters: the labels of its floating-point outputs}
     owner_outputs: dict[str, list[frozenset[str]]] = field(default_factory=dict)
+    # {parameter of the block: the labels of the values it was combined with}
+    partners: dict[str, set[str]] = field(default_factory=dict)
 
 
 class _Flow(TorchFunctionMode):
@@ -271,6 +279,9 @@ class _Flow(TorchFunctionMode):
         # dimension each of the view's dimensions is)}
         self.lineage: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.weight_calls: dict[str, _Call] = {}
+        # {id of a block parameter, or of a value computed from parameters alone: their
+        # names}: where such a value meets a labelled one, the labels are its partners
+        self.params: dict[int, frozenset[str]] = {}
 
     def label(self, tree: Any) -> frozenset[str]:
         found: frozenset[str] = frozenset()
@@ -287,10 +298,33 @@ class _Flow(TorchFunctionMode):
         self.lineage[id(weight)] = (name, tuple(range(weight.ndim)))
         self.alive.append(weight)
 
+    def watch(self, name: str, param: torch.Tensor) -> None:
+        self.params[id(param)] = frozenset({name})
+        self.alive.append(param)
+
+    def _note_parameters(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """Record which labelled values each watched parameter (or a value computed from
+        parameters alone, as Gemma's 1 + weight) is combined with."""
+        names = frozenset().union(
+            *(self.params[id(t)] for t in tensors_in((args, kwargs)) if id(t) in self.params)
+        )
+        if not names:
+            return
+        label = self.label((args, kwargs))
+        if label:
+            for name in names:
+                self.trace.partners.setdefault(name, set()).update(label)
+            return
+        for t in tensors_in(out):
+            self.params[id(t)] = names | self.params.get(id(t), frozenset())
+            self.alive.append(t)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if self.params:
+            self._note_parameters(args, kwargs, out)
         if self.lineage and self._weight_step(name, args, kwargs, out):
             return out
         reads = name != "__get__"  # not `.shape` and the like
@@ -514,6 +548,8 @@ def _trace_blocks(
                     flow.set(t, frozenset({"H"}))
             for name, weight in _weights_of(block, key):
                 flow.follow(name, weight)
+            for name, param in block.named_parameters():
+                flow.watch(f"{key}.{name}", param)
             traces[key] = trace
             current.append((key, flow, trace))
             flow.__enter__()
@@ -685,6 +721,21 @@ def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[s
         elif state.get(call.name) == "row":
             plan[call.name] = "rowwise"
     return plan
+
+
+def _partial_gradients(trace: _BlockTrace, plan: dict[str, str]) -> list[str]:
+    """The parameters that `plan` leaves whole but that act on column-parallel values
+    (per-head norms applied to each rank's own heads): each rank's gradient is the part
+    of its heads, so the parts must be summed over the tp ranks (Megatron does the same
+    for its q/k layer norms). The column-parallel values are the split projections'
+    outputs and split position tables'."""
+    sharded = {n for n, style in plan.items() if style.startswith("colwise")}
+    sharded |= {TABLE + n for n in sharded}
+    return [
+        name
+        for name, partners in trace.partners.items()
+        if name not in plan and name.rsplit(".", 1)[0] not in plan and partners & sharded
+    ]
 
 
 def _owner_problems(trace: _BlockTrace, state: dict[str, str], whole: dict[str, str]) -> set[str]:
@@ -937,20 +988,23 @@ def apply_tensor_parallel(
                 f"tp_plan[{name!r}] = {style!r}: use 'colwise', 'rowwise' or a "
                 f"torch.distributed.tensor.parallel ParallelStyle"
             )
-    reference, scale = None, True
+    reference, scale, gradients = None, True, {}
     if derivation is not None and derivation.inputs is not None:
         reference = _outputs(model, derivation.inputs, _column_weights(model, derivation.plan))
         if not all(bool(t.isfinite().all()) for t in reference):  # fp16 overflow: unscaled
             scale = False
             reference = _outputs(model, derivation.inputs)
+        gradients = _gradients(model, derivation.inputs, _checked_gradients(model, derivation))
     # DTensor shards each weight from tp rank 0's copy (src_data_rank=0).
     parallelize_module(model, mesh, styles)
     _broadcast_replicated(model, mesh)
     if derivation is not None:
+        _sum_gradients_over_tp(model, mesh, derivation.summed)
         if reference is not None:
             # the split model's own parameters (sharding replaced the objects)
             scaled = _column_weights(model, derivation.plan) if scale else []
             _settle_local_sizes(model, mesh, derivation, reference, scaled)
+            _check_gradients(model, mesh, derivation, gradients)
         _SHARES[model] = tp_share(model, derivation.plan)
         _WHOLE[model] = dict(derivation.whole)
         _HEADS[model] = heads
@@ -1187,6 +1241,130 @@ def _compare(
     group = mesh.get_group()
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
+
+
+def _checked_gradients(model: nn.Module, derivation: _Derivation) -> list[str]:
+    """The parameters whose gradients the backward check compares: every one inside the
+    blocks that the plan leaves whole (small: norms, biases, routers), where a gradient
+    that is only this rank's part would go unnoticed by the forward check, and all of the
+    first block's, split ones included (one block's worth of memory)."""
+    units = _block_units(model, find_blocks(model))
+    split = set(derivation.plan)
+    names = []
+    for i, (unit, block) in enumerate(units):
+        for name, _ in block.named_parameters():
+            full = f"{unit}.{name}"
+            if i == 0 or (full not in split and full.rsplit(".", 1)[0] not in split):
+                names.append(full)
+    return names
+
+
+def _gradients(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, torch.Tensor | None]:
+    """{name: gradient (whole)} of the named parameters for one backward on `inputs` (eval
+    mode) of a fixed random projection of the model's floating-point outputs, the same
+    on every rank. Parameters' .grad are left as they were."""
+    params = dict(model.named_parameters())
+    chosen = [n for n in names if params[n].requires_grad]
+    if not chosen:
+        return {}
+    training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            outputs = [
+                t.full_tensor() if isinstance(t, DTensor) else t
+                for t in tensors_in(call_model(model, inputs))
+                if t.is_floating_point() and t.requires_grad
+            ]
+            if not outputs:
+                return {}
+            g = torch.Generator().manual_seed(0)
+            total = sum(
+                (t * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t)).sum()
+                for t in outputs
+            )
+            grads = torch.autograd.grad(total, [params[n] for n in chosen], allow_unused=True)
+    finally:
+        model.train(training)
+    return {
+        n: None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).detach()
+        for n, g in zip(chosen, grads, strict=True)
+    }
+
+
+def _check_gradients(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    derivation: _Derivation,
+    reference: dict[str, torch.Tensor | None],
+) -> None:
+    """The backward check beside the forward one: on the traced input, the split model's
+    gradients (whole parameters on every rank, split ones gathered) must be one process's.
+    It catches what the plan's rules miss, such as a parameter whose gradient is only this
+    rank's part (the forward is right, the ranks' copies drift apart as they train)."""
+    got = _gradients(model, derivation.inputs, list(reference))
+    # A gradient that is zero in exact arithmetic (a key bias: softmax ignores it) holds
+    # rounding noise only, which the split sums in another order: each gradient is
+    # measured against at least a thousandth of the largest one.
+    largest = max((g.abs().max().item() for g in reference.values() if g is not None), default=0)
+    problem = ""
+    for name, want in reference.items():
+        have = got.get(name)
+        if (want is None) != (have is None):
+            problem = f"{name} gets a gradient in {'one' if have is None else 'neither'} run"
+        elif want is not None and have is not None:
+            rtol = {torch.float64: 1e-6, torch.float32: 1e-3}.get(want.dtype, 5e-2)
+            scale = max(want.abs().max().item(), 1e-3 * largest)
+            if have.shape != want.shape:
+                problem = (
+                    f"{name}'s gradient has shape {tuple(have.shape)}, not {tuple(want.shape)}"
+                )
+            elif (off := (have - want).abs().max().item()) > rtol * scale:
+                problem = f"{name}'s gradient is {off:.3g} off one process's (of {scale:.3g})"
+        if problem:
+            break
+    problems = [""] * mesh.size()
+    dist.all_gather_object(problems, problem, group=mesh.get_group())
+    problem = next((p for p in problems if p), "")
+    if problem:
+        raise MeshfitError(
+            f"tensor parallel split {type(model).__name__} as derived "
+            f"({_plan_summary(derivation.plan)}) and on the traced input {problem}; pass a "
+            f"tp_plan, or use dp, fsdp or pp"
+        )
+
+
+def _sum_gradients_over_tp(model: nn.Module, mesh: DeviceMesh, names: list[str]) -> None:
+    """Give each parameter in `names` to its module's forward through Megatron's f
+    (_CopyToTP: the same value; in backward, the gradient summed over the tp ranks).
+    It happens where the parameter is used, so it holds under FSDP2 (which hands the
+    forward an unsharded copy) and DDP alike, and in every micro-batch."""
+    modules = dict(model.named_modules())
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        owners.setdefault(owner, []).append(leaf)
+    for owner, leaves in owners.items():
+        modules[owner]._tp_summed_gradients = tuple(leaves)
+    group = mesh.get_group()
+    rebind_forwards([modules[o] for o in owners], lambda inner: _summing(inner, group))
+
+
+def _summing(inner: Any, group: Any) -> Any:
+    """`inner` (a forward of (module, ...)) run with its module's `_tp_summed_gradients`
+    parameters seen through _CopyToTP."""
+
+    @functools.wraps(inner)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        held = {n: self._parameters[n] for n in self._tp_summed_gradients}
+        try:
+            for n, p in held.items():
+                self._parameters[n] = _CopyToTP.apply(p, group)
+            return inner(self, *args, **kwargs)
+        finally:
+            self._parameters.update(held)
+
+    return forward
 
 
 def _plan_summary(plan: dict[str, str]) -> str:
