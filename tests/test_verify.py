@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,14 @@ import verify_targets as vt
 
 import meshfit as mf
 from meshfit.cli import _verify_status
-from meshfit.verify import VerifyReport, _Objects, tolerance, verify_many, weight_differences
+from meshfit.verify import (
+    VerifyReport,
+    _Objects,
+    tolerance,
+    verify_many,
+    verify_target,
+    weight_differences,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,6 +72,44 @@ def test_a_gradient_wrong_on_one_rank_is_a_different_run() -> None:
     assert "DIFFERENT run" in str(report)
     for name, value in model.state_dict().items():  # the caller's model is not trained
         assert torch.equal(value, before[name]), name
+
+
+def test_a_float32_model_is_compared_in_float64() -> None:
+    """The same one-in-a-million gradient bug as above, in a model built in float32:
+    verify trains both runs in float64, where it is a different run; in float32 its
+    tolerance (1e-3) would call it the same run."""
+    batches = [vt.small_batch(seed=seed) for seed in (1, 2, 3)]
+    batches32 = [(x.float(), y) for x, y in batches]
+    sources = [_Objects(vt.small_mlp_float32, vt.loss_wrong_on_rank_1, {})] * 2
+    wide = verify_many(sources[0], ["dp=2"], batches32)[0]
+    assert wide.dtype == "float64" and wide.note is None and not wide.ok, wide
+    own = verify_many(sources[1], ["dp=2"], batches32, in_float64=False)[0]
+    assert own.dtype == "float32" and own.ok, own  # the bug hides under float32's noise
+
+
+def test_a_model_that_fails_in_float64_is_compared_in_its_own_dtype() -> None:
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g))
+    report = mf.verify(vt.Float32Only, "dp=2", batch, loss_fn=F.cross_entropy)
+    assert report.ok and report.dtype == "float32", report
+    assert report.note.startswith("compared in the model's own dtype: it does not train in float64")
+    assert "RuntimeError: expected float32 input" in report.note and "note: " in str(report)
+
+
+@pytest.mark.slow
+def test_tp_copies_apart_on_the_ranks_are_a_different_run() -> None:
+    """A small Qwen3 built in float32 under tp=2: the same run; with tp's summing of the
+    per-head norms' gradient parts taken out (the bug of issue 34, which a float32
+    comparison at 1e-3 called the same run), the ranks' copies of q_norm drift apart
+    and verify names them."""
+    same = verify_target("verify_targets:qwen3_and_batch", "tp=2")
+    assert same.ok and same.dtype == "float64" and same.replica_gap == 0.0, same
+    bug = verify_target("verify_targets:qwen3_with_unsummed_norm_gradients", "tp=2")
+    assert not bug.ok, bug
+    assert re.fullmatch(
+        r"DIFFERENT run: the ranks' copies of \S+_norm\.weight drifted apart", bug.verdict
+    )
+    assert bug.replica_gap > 100 * bug.replica_rtol
 
 
 @pytest.mark.slow

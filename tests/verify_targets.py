@@ -41,3 +41,44 @@ def model_and_batch() -> tuple:
 def model_and_batch_with_options() -> tuple:
     """The 4-item form: a model (not a builder), and mf.parallelize options."""
     return small_mlp(), small_batch(), lambda out, y: F.cross_entropy(out, y), {"grad_clip": 1.0}
+
+
+def small_mlp_float32() -> torch.nn.Module:
+    """The same small model as users build it, in float32."""
+    return small_mlp().float()
+
+
+class Float32Only(torch.nn.Module):
+    """A model that refuses any input but float32, as a kernel without float64 does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise RuntimeError(f"expected float32 input, got {x.dtype}")
+        return self.linear(x)
+
+
+def qwen3_and_batch() -> tuple:
+    """A small transformers Qwen3 (per-head q_norm / k_norm) in float32, an SFT batch,
+    and its token loss: `meshfit verify --plan tp=2` on it."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from workers import build_lm, lm_loss, sft_batch
+
+    return build_lm("qwen3", "float32"), sft_batch("qwen3", 8, 0), lm_loss("qwen3")
+
+
+def qwen3_with_unsummed_norm_gradients() -> tuple:
+    """qwen3_and_batch, with tp as it was before it summed the per-head norms' gradient
+    parts over the ranks and without the split's backward check: the ranks' copies of
+    q_norm drift apart (a bug verify must call a different run). Each process calls
+    this function itself, so the patch holds in the workers."""
+    from meshfit.parallel import tensor
+
+    tensor._partial_gradients = lambda *_: []
+    tensor._check_gradients = lambda *_: None
+    return qwen3_and_batch()

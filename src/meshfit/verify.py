@@ -32,6 +32,7 @@ from torch import nn
 from meshfit.engine import LossFn, OptimizerFactory, as_plan, parallelize
 from meshfit.errors import MeshfitError
 from meshfit.plan import Plan
+from meshfit.trees import map_tensors
 
 DEFAULT_STEPS = 3
 
@@ -142,6 +143,17 @@ class VerifyReport:
     weights_moved: float = math.nan  # largest relative change of a weight over the run
     refused: str | None = None  # meshfit's refusal of the plan, if it was refused
     loss_rtol: float | None = None  # the tolerance of each step's loss (None: rtol)
+    # The largest relative difference between two ranks' copies of one piece of a trained
+    # parameter (dp replicas, tp's unsplit parameters, pp's tied copies), and where.
+    replica_gap: float = 0.0
+    replica_name: str | None = None
+    note: str | None = None  # why the runs are not in float64, when they could not be
+
+    @property
+    def replica_rtol(self) -> float:
+        """How far apart ranks' copies may be: `rtol` without its allowance for other
+        CPUs (the copies are updated on one machine, from one gradient)."""
+        return self.rtol / _SAFETY
 
     @property
     def loss_bound(self) -> float:
@@ -164,7 +176,8 @@ class VerifyReport:
         if self.refused is not None or not self.losses:
             return False
         losses_ok = all(d <= self.loss_bound for d in self.loss_diffs)
-        return losses_ok and self.max_weight_diff <= self.rtol
+        replicas_ok = self.replica_gap <= self.replica_rtol
+        return losses_ok and replicas_ok and self.max_weight_diff <= self.rtol
 
     @property
     def verdict(self) -> str:
@@ -172,6 +185,8 @@ class VerifyReport:
             return f"refused: {self.refused}"
         if self.ok:
             return "same run"
+        if not self.replica_gap <= self.replica_rtol:
+            return f"DIFFERENT run: the ranks' copies of {self.replica_name} drifted apart"
         if not self.max_weight_diff <= self.rtol:
             return f"DIFFERENT run: largest difference in {self.max_weight_name}"
         step = next(i for i, d in enumerate(self.loss_diffs, 1) if not d <= self.loss_bound)
@@ -199,11 +214,19 @@ class VerifyReport:
                 f"{self.max_weight_name} (tolerance {self.rtol:.1e}; the weights moved by up "
                 f"to {self.weights_moved:.1e} relative over the run)"
             )
+            if self.replica_name is not None:
+                lines.append(
+                    f"largest difference between ranks' copies of a parameter: "
+                    f"{self.replica_gap:.1e} relative, in {self.replica_name} (tolerance "
+                    f"{self.replica_rtol:.1e})"
+                )
             if self.weights_moved == 0:
                 lines.append(
                     "warning: no weight changed over the run, so an equal result proves "
                     "nothing (a learning rate of 0, or a loss that does not depend on them?)"
                 )
+        if self.note:
+            lines.append(f"note: {self.note}")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 
@@ -383,23 +406,101 @@ FORM_OPTIONS = ("tp_plan", "pp_split")
 
 
 def _train(
-    recipe: _Recipe, plan: Plan | str | None, batches: list[Any], reference: bool = False
+    recipe: _Recipe,
+    plan: Plan | str | None,
+    batches: list[Any],
+    reference: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """One run: parallelize under `plan`, a step per batch; the per-step losses and the
-    whole final state (gathered, so call it on every rank)."""
+    """One run: parallelize under `plan` (the model and the batches' floating-point
+    tensors in `dtype`, when given), a step per batch; the per-step losses, the whole
+    final state (gathered, so call it on every rank) and how far apart the ranks'
+    copies of a parameter are."""
     options = recipe.options
     if reference:
         options = {k: v for k, v in options.items() if k not in FORM_OPTIONS}
-    engine = parallelize(recipe.model, plan, loss_fn=recipe.loss_fn, **options)
+    model = recipe.model
+    if dtype is not None:
+        model = model.to(dtype)
+        batches = [
+            map_tensors(b, lambda t: t.to(dtype) if t.is_floating_point() else t) for b in batches
+        ]
+    engine = parallelize(model, plan, loss_fn=recipe.loss_fn, **options)
     losses = [float(engine.step(batch)) for batch in batches]
-    return {"losses": losses, "state": engine.full_state_dict()}
+    gap, name = (0.0, None) if reference else replica_gap(engine)
+    return {"losses": losses, "state": engine.full_state_dict(), "replicas": (gap, name)}
 
 
-def _plan_worker(source: _Objects | _Target, plans: list[str], batches: list[Any], seed: int):
+def replica_gap(engine: Any) -> tuple[float, str | None]:
+    """The largest relative difference between two ranks' copies of the same piece of a
+    trained parameter, and its name ((0.0, None) when all copies are equal). A copy is
+    what a rank holds of a parameter: the whole of an unsplit one (dp replicas, the
+    parameters tp leaves whole, pp's tied copies), or the shard at its coordinates on
+    the mesh dimensions that split it. A correct run updates every copy from the same
+    gradient; copies apart mean a gradient that was not (fully) reduced, which the
+    gathered state hides (it holds one rank's copy). Call on every rank."""
+    import torch.distributed as dist
+    import xxhash
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0.0, None
+    trained = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    pieces = {
+        _piece_key(name, p): _local(p).detach().cpu().contiguous()
+        for name, p in engine.parallel_model.named_parameters()
+        if id(p) in trained
+    }
+    digests = {
+        k: xxhash.xxh3_64_hexdigest(v.view(-1).view(torch.uint8).numpy()) for k, v in pieces.items()
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digests)
+    apart = {k for k in digests if len({d[k] for d in everyone if k in d}) > 1}
+    held: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(held, {k: pieces[k] for k in sorted(apart)})  # bitwise apart only
+    worst, where = 0.0, None
+    for key in sorted(apart):
+        copies = [h[key] for h in held if key in h]
+        for other in copies[1:]:
+            gap = weight_differences({"p": other}, {"p": copies[0]})["p"]
+            if gap > worst:
+                worst, where = gap, key[0]
+    return worst, where
+
+
+def _piece_key(name: str, param: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """(name, this rank's coordinates on the mesh dimensions that split the parameter):
+    the ranks with the same key hold copies of the same piece."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return name, ()
+    coordinate = param.device_mesh.get_coordinate() or []
+    split = [c for c, placement in zip(coordinate, param.placements, strict=False)
+             if not placement.is_replicate()]  # fmt: skip
+    return name, tuple(split)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _plan_worker(
+    source: _Objects | _Target,
+    plans: list[str],
+    batches: list[Any],
+    seed: int,
+    dtypes: list[torch.dtype | None],
+):
     """On each worker: every plan in turn, on the same process group. A refusal is not
     caught here: the launcher stops every worker (a rank that refused alone would
     otherwise leave its peers in a collective) and the parent asks again plan by plan."""
-    results = [_train(source.recipe(seed), plan, batches) for plan in plans]
+    results = [
+        _train(source.recipe(seed), plan, batches, dtype=dtype)
+        for plan, dtype in zip(plans, dtypes, strict=True)
+    ]
     # Only rank 0's result reaches the caller; the others need not send their copies.
     return results if int(os.environ.get("RANK", "0")) == 0 else None
 
@@ -412,16 +513,18 @@ def _launch_plans(
     nproc: int,
     devices: str | Sequence[int] | None,
     threads: int | None,
+    dtypes: list[torch.dtype | None],
 ) -> list[dict[str, Any]]:
-    """Results (or {"refused": message}) of every plan, in one launch when none is
-    refused inside the workers (a launch costs seconds of start-up)."""
+    """Results (or {"refused": message}) of every plan, each in its dtype (None: the
+    model's own), in one launch when none is refused inside the workers (a launch costs
+    seconds of start-up)."""
     from meshfit.launch import launch
 
     try:
         return launch(
             _plan_worker,
             nproc=nproc,
-            args=(source, plans, batches, seed),
+            args=(source, plans, batches, seed, dtypes),
             devices=devices,
             threads=threads,
         )
@@ -430,7 +533,8 @@ def _launch_plans(
             return [{"refused": str(exc)}]
     # Some plan was refused: run each alone, so each gets its own verdict.
     return [
-        _launch_plans(source, [plan], batches, seed, nproc, devices, threads)[0] for plan in plans
+        _launch_plans(source, [plan], batches, seed, nproc, devices, threads, [dtype])[0]
+        for plan, dtype in zip(plans, dtypes, strict=True)
     ]
 
 
@@ -450,6 +554,7 @@ def verify(
     seed: int = 0,
     devices: str | Sequence[int] | None = None,
     threads: int | None = None,
+    in_float64: bool = True,
     **parallelize_options: Any,
 ) -> VerifyReport:
     """Train the model a few steps under `plan` on worker processes and in this process,
@@ -475,6 +580,12 @@ def verify(
         for each step's loss: they differ under fp8).
     seed: ``torch.manual_seed(seed)`` before each build (default 0).
     devices, threads: as for `mf.launch`.
+    in_float64: train both runs in float64 (the model's floating-point parameters and
+        buffers, and the batch's floating-point tensors, converted), where rounding
+        cannot hide a small difference: a gradient off by one part in a million is a
+        different run. A model that fails in float64 is compared in its own dtype, and
+        the report's note says why. False, or a plan with bf16 / fp16 / fp8 precision:
+        the model's own dtype.
     parallelize_options: any other `mf.parallelize` keyword (grad_clip, tp_plan, ...),
         given to both runs.
 
@@ -500,6 +611,7 @@ def verify(
         seed=seed,
         devices=devices,
         threads=threads,
+        in_float64=in_float64,
     )[0]
 
 
@@ -513,6 +625,7 @@ def verify_target(
     seed: int = 0,
     devices: str | Sequence[int] | None = None,
     threads: int | None = None,
+    in_float64: bool = True,
 ) -> VerifyReport:
     """`meshfit verify`: as `verify`, with model, batch and loss from the function that
     `target` ("module:function") names; see `meshfit verify --help` for its contract."""
@@ -528,6 +641,7 @@ def verify_target(
         seed=seed,
         devices=devices,
         threads=threads,
+        in_float64=in_float64,
     )[0]
 
 
@@ -542,10 +656,13 @@ def verify_many(
     seed: int = 0,
     devices: str | Sequence[int] | None = None,
     threads: int | None = None,
+    in_float64: bool = True,
 ) -> list[VerifyReport]:
     """Several plans against one reference run; the plans of one process count share
     one launch (`meshfit demo --verify`)."""
     _refuse_inside_workers()
+    if not isinstance(in_float64, bool):
+        raise MeshfitError(f"in_float64 must be True or False, not {in_float64!r}")
     if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
         raise MeshfitError(f"nproc must be a whole number >= 1, not {nproc!r}")
     if rtol is not None and not (isinstance(rtol, (int, float)) and rtol >= 0):
@@ -569,11 +686,15 @@ def verify_many(
     references: dict[str, dict[str, Any]] = {}
     if runnable:
         for precision in {planned[i][2].precision for i in runnable}:
-            references[precision] = _reference(source, precision, batches, seed, devices, threads)
+            wanted = torch.float64 if in_float64 and precision == "fp32" else None
+            references[precision] = _reference(
+                source, precision, batches, seed, devices, threads, wanted
+            )
     for count in sorted({planned[i][1] for i in runnable}):
         group = [i for i in runnable if planned[i][1] == count]
+        dtypes = [references[planned[i][2].precision]["run_dtype"] for i in group]
         outcome = _launch_plans(
-            source, [planned[i][0] for i in group], batches, seed, count, devices, threads
+            source, [planned[i][0] for i in group], batches, seed, count, devices, threads, dtypes
         )
         results.update(zip(group, outcome, strict=True))
     reports = []
@@ -591,7 +712,9 @@ def verify_many(
 def _compare(
     plan: str, nproc: int, got: dict[str, Any], ref: dict[str, Any], rtol: float | None
 ) -> VerifyReport:
-    common = dict(plan=plan, nproc=nproc, dtype=str(ref["dtype"]).removeprefix("torch."))
+    common = dict(
+        plan=plan, nproc=nproc, dtype=str(ref["dtype"]).removeprefix("torch."), note=ref["note"]
+    )
     loss_rtol = ref["loss_rtol"] if rtol is None else rtol  # a given rtol: for both
     rtol = ref["rtol"] if rtol is None else rtol
     common["loss_rtol"] = None if loss_rtol == rtol else loss_rtol
@@ -600,6 +723,7 @@ def _compare(
             **common, rtol=rtol, refused=got["refused"], reference_losses=ref["losses"]
         )
     worst, name = _largest_difference(got["state"], ref["state"])
+    gap, apart = got["replicas"]
     return VerifyReport(
         **common,
         rtol=rtol,
@@ -608,6 +732,8 @@ def _compare(
         max_weight_diff=worst,
         max_weight_name=name,
         weights_moved=ref["moved"],
+        replica_gap=gap,
+        replica_name=apart,
     )
 
 
@@ -629,6 +755,7 @@ def _reference(
     seed: int,
     devices: str | Sequence[int] | None,
     threads: int | None,
+    dtype: torch.dtype | None,
 ) -> dict[str, Any]:
     """The one-process run, in this process; on a GPU machine whose workers are told to
     use the CPU (devices="cpu"), in one worker process instead, so that both runs use
@@ -637,30 +764,62 @@ def _reference(
 
     here = "cuda" if torch.cuda.is_available() else "cpu"
     if plan_workers(1, devices, threads).device_kind != here:
-        args = (source, precision, batches, seed)
+        args = (source, precision, batches, seed, dtype)
         return launch(_reference_run, nproc=1, args=args, devices=devices, threads=threads)
-    return _reference_run(source, precision, batches, seed)
+    return _reference_run(source, precision, batches, seed, dtype)
 
 
 def _reference_run(
-    source: _Objects | _Target, precision: str, batches: list[Any], seed: int
+    source: _Objects | _Target,
+    precision: str,
+    batches: list[Any],
+    seed: int,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    recipe = source.recipe(seed)
-    initial = {k: v.detach().cpu().clone() for k, v in recipe.model.state_dict().items()}
-    dtype = next((p.dtype for p in recipe.model.parameters() if p.is_floating_point()), None)
+    """The one-process run, in `dtype` when the model runs in it (else in its own, with
+    a note that says why); "run_dtype" is the one the plans' runs must use."""
     plan = None if precision == "fp32" else Plan(precision=precision)
-    run = _train(recipe, plan, batches, reference=True)
+    note = None
+    if dtype is not None:
+        try:
+            return _reference_in(source.recipe(seed), plan, batches, dtype, None)
+        except Exception as failure:  # noqa: BLE001 - compared in its own dtype instead
+            # meshfit's first-step explanation wraps the model's own error: name that one
+            error = failure.__cause__ or failure
+            note = (
+                f"compared in the model's own dtype: it does not train in "
+                f"{str(dtype).removeprefix('torch.')} ({type(error).__name__}: "
+                f"{(str(error).splitlines() or [''])[0]})"
+            )
+    return _reference_in(source.recipe(seed), plan, batches, None, note)
+
+
+def _reference_in(
+    recipe: _Recipe,
+    plan: Plan | None,
+    batches: list[Any],
+    run_dtype: torch.dtype | None,
+    note: str | None,
+) -> dict[str, Any]:
+    initial = {k: v.detach().cpu().clone() for k, v in recipe.model.state_dict().items()}
+    dtype = run_dtype or next(
+        (p.dtype for p in recipe.model.parameters() if p.is_floating_point()), None
+    )
+    run = _train(recipe, plan, batches, reference=True, dtype=run_dtype)
     if torch.cuda.is_initialized():
         gc.collect()  # the engine (with reference cycles) and its GPU tensors
         torch.cuda.empty_cache()  # hand the reference's GPU memory to the workers
     common = [k for k in initial if k in run["state"]]
     final = {k: run["state"][k] for k in common}
     moved = max(weight_differences(final, {k: initial[k] for k in common}).values(), default=0.0)
+    precision = plan.precision if plan is not None else "fp32"
     rtol = tolerance(dtype or torch.float32, precision)
     loss_rtol = loss_tolerance(dtype or torch.float32, precision)
     return {
         **run,
         "dtype": dtype or torch.float32,
+        "run_dtype": run_dtype,
+        "note": note,
         "rtol": rtol,
         "loss_rtol": loss_rtol,
         "moved": moved,
