@@ -5,6 +5,7 @@ micro-batches, which BatchNorm would normalise one by one, are refused with the 
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import assert_same_run, check_against_one_process, make_spec
 from workers import build, engine_run, many_engine_runs
 
@@ -26,6 +27,38 @@ def test_batchnorm_matches_one_process_under_dp_fsdp_and_pp() -> None:
     check_against_one_process(specs, results[: len(specs)])
     with pytest.raises(AssertionError):
         assert_same_run(results[-1], engine_run({**control, "plan": None}), 1e-6)
+
+
+@pytest.mark.slow
+def test_pipeline_running_statistics_come_from_their_owner_stage(tmp_path) -> None:
+    """Under pp every stage runs the layers before the blocks (its prologue), the later
+    ones on stand-in weights: a ResNet's stem BatchNorm had running statistics on every
+    stage, and the gathered state and the checkpoint took the last stage's (zeros). And
+    the forward that counts the blocks' FLOPs for the cut must not update statistics
+    (bn_cnn's counted one batch more than one process). With the example batch fit
+    gives, the gathered state, running statistics included, is the one-process state,
+    and so is the checkpoint loaded in one process."""
+    from zoo import FAMILIES, many_zoo_runs, zoo_optimizer, zoo_run
+
+    plan = "pp=2,microbatches=1,schedule=gpipe"
+    specs = [
+        {"model": "resnet", "plan": plan, "save": str(tmp_path / "resnet")},
+        {"model": "bn_cnn", "plan": plan},
+    ]
+    results = mf.launch(many_zoo_runs, nproc=2, args=(specs,))
+    for spec, got in zip(specs, results, strict=True):
+        ref = zoo_run({**spec, "plan": None, "save": None})
+        assert_same_run(got, ref)  # every state key: weights and running statistics
+    ref_state = zoo_run({"model": "resnet", "plan": None})["state"]
+    family = FAMILIES["resnet"]
+    engine = mf.parallelize(
+        family.build().double(), None, loss_fn=family.loss(), optimizer=zoo_optimizer
+    )
+    engine.load(str(tmp_path / "resnet"))
+    loaded = engine.user_model.state_dict()
+    assert ref_state["stem.1.running_mean"].abs().sum() > 0  # the one-process statistics
+    for name in ("stem.1.running_mean", "stem.1.running_var", "layers.0.bn1.running_mean"):
+        assert torch.allclose(loaded[name], ref_state[name], rtol=1e-12, atol=0), name
 
 
 def test_batchnorm_with_micro_batches_is_refused_with_the_fix() -> None:

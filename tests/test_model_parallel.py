@@ -6,12 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_same_run, check_against_one_process, make_spec
-from workers import GPT4, TINY_GPT, balance_run, build, many_engine_runs, skewed_sequential
+from workers import (
+    GPT4,
+    TINY_GPT,
+    balance_run,
+    build,
+    engine_run,
+    many_engine_runs,
+    skewed_sequential,
+)
 
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig
 from meshfit.parallel.blocks import find_blocks
-from meshfit.parallel.pipeline import balanced_starts, measure_costs, stage_costs_of
+from meshfit.parallel.pipeline import balanced_starts, count_costs, stage_costs_of
 from meshfit.parallel.tensor import check_tp_plan, derive_tp_plan
 
 CLIPPED = {"optimizer": "adamw", "grad_clip": 0.05}
@@ -59,38 +67,56 @@ def test_four_way_model_parallel_matches_one_process() -> None:
     check_against_one_process(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
 
 
-def test_pipeline_cuts_balance_measured_time() -> None:
+def test_pipeline_cuts_balance_forward_flops() -> None:
     """One heavy block then five light ones: cutting by count (3+3) puts the heavy
-    block and two more on stage 0; cutting by measured time must even the stages out."""
+    block and two more on stage 0; cutting by forward FLOPs must even the stages out,
+    and the FLOPs, unlike a timing, are the same at every count."""
     model = skewed_sequential()
     stack = find_blocks(model)
-    costs = measure_costs(model, stack, torch.randn(64, 64))
-    assert costs.blocks[0] > 3 * costs.blocks[2]  # the model really is skewed
+    costs = count_costs(model, stack, torch.randn(64, 64))
+    assert costs.unit == "flops" and costs.blocks[0] == 16 * costs.blocks[2]  # 64x1024x64
+    assert costs.blocks[2] == 2 * 2 * 64 * 64 * 64  # two 64x64 products of 64 rows
+    assert count_costs(model, stack, torch.randn(64, 64)) == costs  # no noise to move it
     starts = balanced_starts(costs, 2)
     by_count = stage_costs_of(costs, [0, 3])
     balanced = stage_costs_of(costs, starts)
-    # The cut is the best of every cut on the measured costs, and better than by count
-    # (which adds two light blocks to the heavy one). No ratio of timings is asserted:
-    # on a loaded machine the light blocks' share moves (a 0.85 bound failed at load 14).
+    # The cut is the best of every cut on the counted costs, and better than by count
+    # (which adds two light blocks to the heavy one).
     every_cut = [max(stage_costs_of(costs, [0, k])) for k in range(1, len(costs.blocks))]
     assert max(balanced) == min(every_cut), (balanced, every_cut)
     assert max(balanced) < max(by_count), (balanced, by_count)
-    # Through parallelize on 2 workers: rank 0's measurement sets the cut, and the run
+    # Through parallelize on 2 workers: rank 0's count sets the cut, and the run
     # still trains like one process (losses equal whatever the cut).
     got = mf.launch(balance_run, nproc=2, args=(True,))
-    assert got["costs"].unit == "s" and got["starts"] == [0, 1], got["describe"]
+    assert got["costs"].unit == "flops" and got["starts"] == [0, 1], got["describe"]
+    assert got["describe"].startswith("pipeline cut by forward FLOPs: stage 0: blocks 0-0 (")
     by_params = mf.launch(balance_run, nproc=2, args=(False,))
     assert by_params["costs"].unit == "params" and by_params["starts"] == [0, 1]
     assert got["losses"] == pytest.approx(by_params["losses"], rel=1e-5)
 
 
+def test_pipeline_stages_send_activations_that_are_not_contiguous() -> None:
+    """Blocks whose outputs are column-major (ConvNeXt's channels-last norm, Whisper's
+    transposed input): pp=2 trains the one-process run. Control: stages sending them as
+    they are fail in torch's send, and that failure is reported as meshfit's (its
+    traceback and a note), not as a batch the model cannot take."""
+    specs = [make_spec("column_major", "pp=2"), make_spec("column_major", "dp=1,pp=2")]
+    check_against_one_process(specs[:1], mf.launch(many_engine_runs, nproc=2, args=(specs[:1],)))
+    with pytest.raises(RuntimeError, match="contiguous") as caught:
+        mf.launch(engine_run, nproc=2, args=({**specs[1], "unsendable": True},))
+    assert not isinstance(caught.value, mf.MeshfitError)
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert "comes from meshfit's own code (meshfit/parallel/pipeline/schedule.py:" in notes
+    assert "batch" not in str(caught.value)
+
+
 def test_balanced_starts_is_optimal_on_known_costs() -> None:
     from meshfit.parallel.pipeline import StageCosts
 
-    costs = StageCosts(unit="s", blocks=[8, 1, 1, 1, 1, 1, 1, 1, 1], head=0, tail=0)
+    costs = StageCosts(unit="flops", blocks=[8, 1, 1, 1, 1, 1, 1, 1, 1], head=0, tail=0)
     assert balanced_starts(costs, 2) == [0, 1]
     assert balanced_starts(costs, 3) == [0, 1, 5]
-    uniform = StageCosts(unit="s", blocks=[1] * 8, head=2, tail=2)
+    uniform = StageCosts(unit="flops", blocks=[1] * 8, head=2, tail=2)
     assert stage_costs_of(uniform, balanced_starts(uniform, 4)) == [3, 3, 3, 3]
 
 

@@ -242,6 +242,10 @@ def save_checkpoint(
         model_sd, optim_sd = get_state_dict(
             engine.parallel_model, engine.optimizer, options=options
         )
+        # each key from the rank that owns it: DCP would keep any one rank's copy of a
+        # replicated key, and a later stage's copy of a BatchNorm before the blocks holds
+        # statistics of stand-in weights (loading still fills every rank's copy)
+        model_sd = engine.runner.owned_state(model_sd)
         if engine.plan.tp > 1:  # fused q|k|v split per chunk: saved whole
             from meshfit.parallel.tensor import strided_as_replicated
 
@@ -293,6 +297,8 @@ def _meta(engine: Any, extra_json: Any, files: dict[str, str]) -> dict[str, Any]
         "format": FORMAT,
         "step": engine.step_count,
         "plan": str(engine.plan),
+        # under pp: the first block of every stage (a resume says when its cut differs)
+        "pipeline_cut": list(engine.pipeline.starts) if engine.pipeline is not None else None,
         "world_size": engine.world_size,
         "model": engine.fingerprint,
         "model_digest": fingerprint_digest(engine.fingerprint),

@@ -124,6 +124,9 @@ class Engine:
         self.last_grad_norm: torch.Tensor | None = None
         self._batch_checked = False  # until a training step has worked
         self._evaluated = False  # until an evaluation has worked
+        # the global item count of the last evaluation of a (sum, count) loss (None for
+        # a mean): what weighs its batch in a mean over several (fit's eval loss)
+        self.last_eval_count: torch.Tensor | None = None
         self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
         self._measure_gradients = False
 
@@ -272,7 +275,7 @@ class Engine:
         token mean, as in one process, however the tokens fall on ranks and
         micro-batches. No second forward; float64 keeps counts exact."""
         mean, items = self._global_token_mean(loss_sum, count)
-        factor = self.dp_size * self.runner.sum_gradient_divisor / items
+        factor = self.dp_size * self.runner.sum_gradient_divisor / items.clamp_min(1)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in self.parallel_model.parameters():
             if p.grad is not None:
@@ -290,8 +293,7 @@ class Engine:
         all-reduce, in float64 (exact counts); a batch with nothing to count has loss 0."""
         local = torch.stack([loss_sum.double(), count.double()])
         total, items = self.topology.batch_sum(local).unbind()
-        items = items.clamp_min(1)
-        return (total / items).to(loss_sum.dtype), items
+        return (total / items.clamp_min(1)).to(loss_sum.dtype), items
 
     def _warn_on_ignored_targets(self, targets: Any) -> None:
         """A mean loss over targets with -100 (ignored) entries weighs tokens unequally
@@ -363,8 +365,10 @@ class Engine:
                 self.metric_tap, self.runner.eval_microbatches, self, self.pipeline
             )
         if count is None:
+            self.last_eval_count = None
             return self.topology.batch_mean(loss)
-        return self._global_token_mean(loss, count)[0]
+        mean, self.last_eval_count = self._global_token_mean(loss, count)
+        return mean
 
     # ---- batch handling ----------------------------------------------------------
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
@@ -514,8 +518,8 @@ def parallelize(
         instead of the plan meshfit derives by tracing the blocks' computation.
     pp_split: for pp > 1, the block indices where stages 2, 3, ... begin, instead of
         the balanced cut meshfit chooses.
-    example_inputs: one micro-batch of inputs; with pp > 1 meshfit times each block
-        on it and balances the stages by measured time (else by parameter count), and
+    example_inputs: one micro-batch of inputs; with pp > 1 meshfit counts each block's
+        forward FLOPs on it and balances the stages by them (else by parameter count), and
         checks the cut on it on every rank before training; with tp > 1 it traces the
         blocks on it (else on an input it makes up).
     sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global

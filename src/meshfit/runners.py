@@ -49,6 +49,11 @@ class Runner(Protocol):
         """The whole model's state from this rank's (full-tensor) state dict."""
         ...
 
+    def owned_state(self, local: dict[str, Any]) -> dict[str, Any]:
+        """The entries of this rank's state dict that are its to save (not another
+        stage's copy of a module it also runs)."""
+        ...
+
     def counted_elsewhere(self) -> set[int]:
         """ids of this rank's parameters whose gradient another rank holds too and
         counts in the gradient norm (a tied weight's second copy under pp)."""
@@ -116,6 +121,9 @@ class LocalRunner:
 
     def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return local  # this rank's full-tensor state dict is the whole model's
+
+    def owned_state(self, local: dict[str, Any]) -> dict[str, Any]:
+        return local
 
     def counted_elsewhere(self) -> set[int]:
         return set()

@@ -133,7 +133,7 @@ class Estimate:
             text += f", {self.step_time.total * 1e3:.1f} ms a step"
             if self.tokens_per_s is not None:
                 text += f", {self.tokens_per_s:,.0f} tokens/s"
-        return text
+        return text + "".join(f" ({note})" for note in self.notes)
 
 
 def estimate_profile(
@@ -171,7 +171,7 @@ def estimate_profile(
 
 def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], bool, bool]]:
     """Per pipeline rank: (its block indices, holds the head, holds the tail). The cut
-    balances FLOPs the way meshfit's own cut balances measured time."""
+    balances FLOPs, as meshfit's own cut does (pipeline/costs.py)."""
     from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
 
     n = len(profile.blocks)
@@ -193,7 +193,7 @@ def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], boo
 
 
 def _cached_starts(profile: ModelProfile, stages: int, tp: int) -> list[int]:
-    """meshfit cuts after tensor parallel has split the blocks (their time is measured
+    """meshfit cuts after tensor parallel has split the blocks (their FLOPs are counted
     on the split model), so the cut balances the split blocks' FLOPs."""
     from meshfit.parallel.pipeline.costs import StageCosts, balanced_starts
 

@@ -8,7 +8,7 @@ model in place), `stage` (a stage's module: the model's own forward over its blo
 from meshfit.parallel.pipeline.costs import (
     StageCosts,
     balanced_starts,
-    measure_costs,
+    count_costs,
     parameter_costs,
     stage_costs_of,
 )
@@ -32,7 +32,7 @@ __all__ = [
     "balanced_starts",
     "build_pipeline",
     "build_stage_module",
-    "measure_costs",
+    "count_costs",
     "parameter_costs",
     "reported_dtype",
     "split_model",

@@ -1,15 +1,17 @@
 """What a pipeline stage costs, and the cut points that balance the stages.
 
-Costs are measured forward times of each block on an example batch (rank 0 times them
-and tells the others, so every rank cuts at the same place) or, without one, parameter
-counts. `balanced_starts` picks the contiguous cut that makes the costliest stage as
-cheap as possible.
+Costs are each block's forward FLOPs on an example batch (matrix products, convolutions
+and attention, counted by torch's FlopCounterMode: rank 0 counts them and tells the
+others) or, without one, parameter counts. Both are properties of the model and the
+batch's shape, never of the machine's load: a cut on measured time moved with timing
+noise, and with it the random numbers each stage's dropout draws, so the same script
+and seed trained another run on a busy machine (issue 32). A block without FLOPs
+counts its parameters, as the planner's cut does. `balanced_starts` picks the
+contiguous cut that makes the costliest stage as cheap as possible.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack
@@ -27,7 +30,7 @@ from meshfit.trees import call_model
 class StageCosts:
     """What the cut points were balanced on, per block (seconds or parameters)."""
 
-    unit: str  # "s" (measured forward time) or "params"
+    unit: str  # "flops" (forward FLOPs on the example batch) or "params"
     blocks: list[float]
     head: float = 0.0  # before the first block (goes to the first stage)
     tail: float = 0.0  # after the last block (goes to the last stage)
@@ -111,71 +114,56 @@ def _measures_with_rank0(model: nn.Module) -> bool:
     return dist.get_rank() == 0
 
 
-def measure_costs(
-    model: nn.Module, stack: BlockStack, example_inputs: Any, repeats: int = 3
-) -> StageCosts:
-    """Time each block's forward (median of `repeats` runs after a warm-up) and count
-    the bytes autograd saves in it for backward (the activation memory it costs)."""
-    device = next(model.parameters()).device
-    marks: dict[str, list[float]] = {}
+def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> StageCosts:
+    """Each block's forward FLOPs on `example_inputs` (a block with none: its parameter
+    count), the FLOPs before and after the blocks, and the bytes autograd saves in each
+    block for backward (the activation memory it costs). One forward; the same numbers
+    on any machine, however busy."""
+    counter = FlopCounterMode(display=False)
     saved = dict.fromkeys(stack.keys, 0)
-    current: list[str | None] = [None]
+    flops: dict[str, float] = {}
+    current: list[str] = ["head"]
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def total() -> float:
+        return float(sum(counter.get_flop_counts().get("Global", {}).values()))
+
+    def switch(to: str) -> None:
+        now = total()
+        flops[current[0]] = flops.get(current[0], 0.0) + now - flops.get("_at", 0.0)
+        flops["_at"] = now
+        current[0] = to
 
     def before(key: str) -> Callable:
-        def hook(module, args):
-            sync()
-            current[0] = key
-            marks.setdefault(key, []).append(time.perf_counter())
-
-        return hook
-
-    def after(key: str) -> Callable:
-        def hook(module, args, output):
-            sync()
-            marks[key].append(time.perf_counter())
-            current[0] = None
-
-        return hook
+        return lambda module, args: switch(key)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if current[0] is not None:
+        if current[0] in saved:
             saved[current[0]] += t.numel() * t.element_size()
         return t
 
-    handles = []
-    for key, block in zip(stack.keys, stack.blocks, strict=True):
-        handles.append(block.register_forward_pre_hook(before(key)))
-        handles.append(block.register_forward_hook(after(key)))
-    runs: list[tuple[list[float], float, float]] = []
+    # What the forward runs between two blocks runs on the earlier one's stage
+    # (stage.py): it counts with that block, until the next block starts.
+    handles = [
+        block.register_forward_pre_hook(before(key))
+        for key, block in zip(stack.keys, stack.blocks, strict=True)
+    ]
+    handles.append(stack.blocks[-1].register_forward_hook(lambda *_: switch("tail")))
     try:
-        for attempt in range(repeats + 1):
-            marks.clear()
-            if attempt == 1:
-                saved.update(dict.fromkeys(saved, 0))
-            sync()
-            start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                call_model(model, example_inputs)
-            sync()
-            end = time.perf_counter()
-            per_block = [marks[k][1] - marks[k][0] for k in stack.keys]
-            runs.append(
-                (per_block, marks[stack.keys[0]][0] - start, end - marks[stack.keys[-1]][1])
-            )
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call_model(model, example_inputs)
+            switch("tail")
     finally:
         for h in handles:
             h.remove()
-    runs = runs[1:]  # drop the warm-up
     return StageCosts(
-        unit="s",
-        blocks=[statistics.median(r[0][i] for r in runs) for i in range(len(stack.keys))],
-        head=statistics.median(r[1] for r in runs),
-        tail=statistics.median(r[2] for r in runs),
-        activation_bytes=[saved[k] // repeats for k in stack.keys],
+        unit="flops",
+        blocks=[
+            flops.get(k) or float(sum(p.numel() for p in b.parameters()))
+            for k, b in zip(stack.keys, stack.blocks, strict=True)
+        ],
+        head=flops.get("head", 0.0),
+        tail=flops.get("tail", 0.0),
+        activation_bytes=[saved[k] for k in stack.keys],
         trainable=_trainable(stack),
     )
 

@@ -26,7 +26,7 @@ from meshfit.parallel.pipeline.costs import (
     StageCosts,
     _measures_with_rank0,
     balanced_starts,
-    measure_costs,
+    count_costs,
     parameter_costs,
 )
 from meshfit.parallel.pipeline.tied import TiedWeights, check_placements, find_tied, tie_stages
@@ -58,6 +58,20 @@ def _head_tail_parameters(
     return head, tail
 
 
+def _head_tail_state(model: nn.Module, stack: BlockStack) -> tuple[frozenset[str], frozenset[str]]:
+    """The state-dict keys (parameters and persistent buffers) registered before / after
+    the blocks, by the state dict's own order (registration order)."""
+    blocks = tuple(f"{stack.qualified(k)}." for k in stack.keys)
+    head, tail = set(), set()
+    seen_blocks = False
+    for key in model.state_dict(keep_vars=True):
+        if key.startswith(blocks):
+            seen_blocks = True
+        else:
+            (tail if seen_blocks else head).add(key)
+    return frozenset(head), frozenset(tail)
+
+
 @dataclass
 class PipelineSplit:
     """Where the model was cut and what this rank keeps (see `split_model`)."""
@@ -73,6 +87,22 @@ class PipelineSplit:
     group: dist.ProcessGroup
     pp: int
     tied: TiedWeights | None = None  # weights held by the first and the last stage
+    # state-dict keys outside the blocks, registered before / after them: the first /
+    # the last stage owns them (every stage keeps the modules, which run its prologue)
+    head_state: frozenset[str] = frozenset()
+    tail_state: frozenset[str] = frozenset()
+
+    @property
+    def foreign_state(self) -> frozenset[str]:
+        """Keys of this rank's state dict that another stage owns: a BatchNorm before the
+        blocks has running statistics on every stage, but only the first one's are the
+        model's (the others ran it on stand-in weights)."""
+        foreign: set[str] = set()
+        if not self.has_first:
+            foreign |= self.head_state
+        if not self.has_last:
+            foreign |= self.tail_state
+        return frozenset(foreign)
 
     @property
     def num_stages(self) -> int:
@@ -139,6 +169,7 @@ def split_model(
             f"use pp <= {n // virtual}" + (" or schedule='1f1b'" if virtual > 1 else "")
         )
     head, tail = _head_tail_parameters(model, stack)
+    head_state, tail_state = _head_tail_state(model, stack)
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     tied = find_tied(head, tail, names)
 
@@ -147,8 +178,8 @@ def split_model(
         costs = parameter_costs(stack, head, tail)
     else:
         if example_inputs is not None:
-            # Every rank must cut at the same place, so rank 0 measures (alone, so that
-            # workers sharing its cores do not disturb the timing) and tells the others.
+            # Every rank must cut at the same place: rank 0 counts the FLOPs (the same
+            # on every rank; one forward is enough) and tells the others.
             # Its forward also runs the checks a stage's first forward would run, so a
             # model the cut would train wrongly is refused here, on every rank alike
             # (at a stage's first forward only that stage's rank can refuse, and the
@@ -157,8 +188,8 @@ def split_model(
             shared: list[Any] = [None]
             if measures:
                 try:
-                    with _checked(model, stack, head, tail):
-                        shared[0] = measure_costs(model, stack, example_inputs)
+                    with _checked(model, stack, head, tail), _side_effects_undone(model):
+                        shared[0] = count_costs(model, stack, example_inputs)
                 except MeshfitError as refusal:
                     shared[0] = str(refusal)
             dist.broadcast_object_list(shared, src=0)
@@ -182,6 +213,8 @@ def split_model(
         schedule=schedule,
         group=mesh.get_group(),
         pp=pp,
+        head_state=head_state,
+        tail_state=tail_state,
     )
 
     owned = {k for s in mine for k in stage_keys[s]}
@@ -223,6 +256,15 @@ def _checked(model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _side_effects_undone(model: nn.Module) -> Any:
+    """The counting forward leaves no trace: BatchNorm statistics untouched (they were
+    updated once more on rank 0 than in one process) and the random-number state as it
+    was (stage.py)."""
+    from meshfit.parallel.pipeline.stage import _side_effects_undone as undone
+
+    return undone(model)
 
 
 def _refuse_direct_call(module, args):

@@ -60,6 +60,7 @@ class PipelineRunner:
     stage_loss: _StageLoss
     tied: TiedWeights | None = None  # weights the first and the last stage both hold
     pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
+    foreign_state: frozenset[str] = frozenset()  # state keys another stage owns
 
     @property
     def sum_gradient_divisor(self) -> int:
@@ -82,12 +83,12 @@ class PipelineRunner:
         parts = []
         for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
             cost = (
-                f"{totals[i] * 1e3:.2f} ms"
-                if self.costs.unit == "s"
+                f"{totals[i] / 1e6:.2f} MFLOP"
+                if self.costs.unit == "flops"
                 else f"{totals[i] / 1e6:.2f}M params"
             )
             parts.append(f"stage {i}: blocks {a}-{b - 1} ({cost})")
-        how = "measured forward time" if self.costs.unit == "s" else "parameter count"
+        how = "forward FLOPs" if self.costs.unit == "flops" else "parameter count"
         return f"pipeline cut by {how}: " + "; ".join(parts)
 
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
@@ -129,10 +130,14 @@ class PipelineRunner:
         dist.broadcast_object_list(outputs, src=self.last_rank, group=self.group)
         return outputs[0]
 
+    def owned_state(self, local: dict[str, Any]) -> dict[str, Any]:
+        """This rank's state dict less what another stage owns (see PipelineSplit)."""
+        return {k: v for k, v in local.items() if k not in self.foreign_state}
+
     def gather_state(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The whole model's state from every stage's part (each rank holds its own)."""
+        """The whole model's state from every stage's part, each key from its owner."""
         parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(parts, local, group=self.group)
+        dist.all_gather_object(parts, self.owned_state(local), group=self.group)
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
             merged.update(part or {})
@@ -216,6 +221,7 @@ def build_pipeline(
         microbatches=microbatches,
         stage_loss=checked_loss,
         tied=split.tied,
+        foreign_state=split.foreign_state,
     )
 
 

@@ -111,7 +111,7 @@ class StageModule(nn.Module):
             with self._autocast(), torch.enable_grad() if untracked else contextlib.nullcontext():
                 output = call_forward(model, inputs)
         except _StageExit as leave:
-            output = leave.output
+            output = _sendable(leave.output)
         finally:
             container._modules = everything
             for h in handles:
@@ -119,6 +119,13 @@ class StageModule(nn.Module):
         if self.is_last:
             output = self.output_form.flatten(output)
         return map_tensors(output, torch.Tensor.detach) if untracked else output
+
+
+def _sendable(output: Any) -> Any:
+    """What the next stage receives: torch sends contiguous tensors only (a channels-last
+    norm's or a transposed output failed in the send, "input tensor has to be
+    contiguous")."""
+    return map_tensors(output, torch.Tensor.contiguous)
 
 
 # What torch's PipelineStage calls its first forward in (2.13: `_forward_metadata_inference`;
