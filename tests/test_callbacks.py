@@ -16,13 +16,12 @@ import meshfit as mf
 
 def _fit(tmp_path, callbacks=(), **extra) -> mf.History:
     model, loss_fn = build("mlp")
-    options = {"max_steps": 10, "log_every": 5, **extra}
+    options = {"max_steps": 10, "log_every": 5, "progress": False, **extra}
     return mf.fit(
         model,
         dataset("mlp", 64),
         loss_fn=loss_fn,
         batch_size=8,
-        progress=False,
         callbacks=callbacks,
         **options,
     )
@@ -60,6 +59,29 @@ def test_early_stopping_stops_returns_the_history_and_keeps_a_checkpoint(tmp_pat
     assert len(history.records) == 3
     assert history.stopped.startswith("early stopping: loss did not improve for 2 checks")
     assert os.path.isdir(tmp_path / "ck" / "step-00000003")  # the run can be picked up
+
+
+def test_a_callback_watching_an_evaluation_that_never_happens_is_refused(tmp_path, capsys) -> None:
+    """EarlyStopping and BestCheckpoint on eval_loss silently never fired: refused at
+    start, naming what would make the value exist."""
+    evaluation = {"eval_dataset": dataset("mlp", 16)}
+    cases = [
+        ([mf.EarlyStopping("eval_loss")], {}, r"EarlyStopping watches 'eval_loss', which this "
+         r"run never computes: it has no evaluation data; pass eval_dataset=\.\.\."),
+        ([mf.BestCheckpoint("eval_acc", path=str(tmp_path / "b"))], evaluation,
+         r"BestCheckpoint watches 'eval_acc', which no evaluation computes \(it gives "
+         r"eval_loss\); .* metrics=\{'acc': fn\}"),
+        ([mf.EarlyStopping("eval_loss")], evaluation, r"evaluates only once, at its end, so "
+         r"it could never act during training; pass eval_every=N"),
+    ]  # fmt: skip
+    for callbacks, extra, message in cases:
+        with pytest.raises(mf.MeshfitError, match=message):
+            _fit(tmp_path, callbacks, **extra)
+    # a max_steps run with evaluation data but no eval_every says when it evaluates
+    _fit(tmp_path, [mf.BestCheckpoint(path=str(tmp_path / "best"))], progress=True, **evaluation)
+    assert "evaluating on 16 samples at the end of the run (pass eval_every=N" in (
+        capsys.readouterr().out
+    )
 
 
 def test_best_checkpoint_keeps_the_best_evaluation(tmp_path) -> None:

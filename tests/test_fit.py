@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -69,9 +70,12 @@ def test_resume_continues_the_exact_run(tmp_path) -> None:
 def test_pipeline_run_resumes_exactly_with_adamw(tmp_path) -> None:
     """pp=2 with AdamW and an LR schedule: 8 steps straight == 4, stop, resume to 8.
     Each pipeline rank holds other parameters; resuming once failed in AdamW.step with
-    KeyError 'betas' (the ranks' optimizer param_groups collided in the checkpoint)."""
+    KeyError 'betas' (the ranks' optimizer param_groups collided in the checkpoint).
+    With dropout in every block, and the interrupted run on a busy rank 0 (which chose
+    the cut from timings until issue 32: the cut, and with it each stage's dropout
+    masks, moved with the load), the runs must still be bit-identical."""
     spec = {
-        "model": "gpt",
+        "model": "gpt4_dropout",
         "samples": 64,
         "batch": 8,
         "plan": "pp=2",
@@ -79,12 +83,25 @@ def test_pipeline_run_resumes_exactly_with_adamw(tmp_path) -> None:
         "lr_scheduler": True,
     }
     straight = mf.launch(fit_run, nproc=2, args=({**spec, "steps": 8},))
-    saved = {**spec, "checkpoint_dir": str(tmp_path), "checkpoint_every": 2}
+    saved = {**spec, "checkpoint_dir": str(tmp_path), "checkpoint_every": 2, "busy_rank": 0}
     mf.launch(fit_run, nproc=2, args=({**saved, "steps": 4},))
     resumed = mf.launch(fit_run, nproc=2, args=({**saved, "steps": 8},))
     assert resumed["losses"] == straight["losses"]
     for name, value in straight["state"].items():
         assert torch.equal(resumed["state"][name], value), name
+
+
+@pytest.mark.slow
+def test_a_resume_says_when_the_pipeline_cut_changed(tmp_path, capsys) -> None:
+    """The cut is recorded in the checkpoint; a resume under another plan says what it
+    was (here: from pp=2 on 2 workers to one process, which has none)."""
+    spec = {"model": "gpt4", "samples": 32, "batch": 8, "checkpoint_dir": str(tmp_path)}
+    mf.launch(fit_run, nproc=2, args=({**spec, "plan": "pp=2", "steps": 2},))
+    capsys.readouterr()
+    fit_run({**spec, "plan": "dp=1", "steps": 3, "progress": True})
+    out = capsys.readouterr().out
+    assert "changed: plan dp=1,pp=2 -> dp=1 (resharded), pipeline cut stages from " in out
+    assert re.search(r"pipeline cut stages from blocks 0, \d -> none", out), out
 
 
 def _assert_resumed_exactly(results: list[dict], specs: list[dict]) -> None:
@@ -223,9 +240,17 @@ def test_validation_split_and_epochs_as_keras_shows_them(capsys) -> None:
     held_out = run(dataset=(x, y), validation_split=0.2)
     out = capsys.readouterr().out
     assert "Epoch 1/2" in out and "Epoch 2/2" in out and "epoch 2/2 | step 8/8" in out
+    # evaluated at the end of every epoch (Keras' habit), said at the start and shown
+    # in the epoch's line beside its mean training loss
+    assert [step for step, _ in held_out.eval_losses] == [4, 8]
+    assert "meshfit: evaluating on 8 samples at the end of every epoch" in out
+    epoch_1 = sum(held_out.losses[:4]) / 4
+    assert f"epoch 1/2: loss {epoch_1:.4f} - eval loss {held_out.eval_losses[0][1]:.4f}" in out
     explicit = run(dataset=(x[:32], y[:32]), eval_dataset=(x[32:], y[32:]))
     assert held_out.losses == explicit.losses  # the last 20%, taken before shuffling
     assert held_out.eval_losses == explicit.eval_losses
+    every_3 = run(dataset=(x, y), validation_split=0.2, eval_every=3)  # eval_every wins
+    assert [step for step, _ in every_3.eval_losses] == [3, 6, 8]
     with pytest.raises(mf.MeshfitError, match="validation_split must be a fraction"):
         run(dataset=(x, y), validation_split=1.5)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from workers import die_on_rank, raise_on_rank, world_info
@@ -19,6 +22,21 @@ def test_worker_exception_is_reraised_with_its_type_and_rank() -> None:
         mf.launch(raise_on_rank, nproc=2, args=(1,))
     assert caught.value.rank == 1
     assert any("rank 1" in note for note in caught.value.__notes__)
+
+
+def test_a_script_without_the_main_guard_gets_one_line_with_the_fix(tmp_path) -> None:
+    """Workers import the launching script (spawn); one that calls mf.launch at import
+    time printed torch's bootstrapping traceback from every worker."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import meshfit as mf\n\ndef f():\n    return 1\n\nmf.launch(f, nproc=2)\n")
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert result.returncode == 1
+    line = f"meshfit.errors.MeshfitError: mf.launch ran while its workers imported {script}: "
+    assert line in result.stderr, result.stderr
+    assert 'Put the call under `if __name__ == "__main__":`' in result.stderr
+    assert "bootstrapping" not in result.stderr
 
 
 def test_dead_worker_is_reported_not_waited_for() -> None:

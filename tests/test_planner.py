@@ -66,6 +66,19 @@ def test_zero3_model_state_is_16_bytes_per_parameter_over_n(n):
     assert states == pytest.approx(16 * profile.total_params / n)
 
 
+def test_an_estimate_without_dp_or_a_world_size_means_dp_1_and_says_so():
+    """`estimate(model, "fsdp=64", ...)` stopped with "give the plan's dp, or hardware";
+    the plan names every degree the user cares about."""
+    e = estimate(gpt("meta"), "fsdp=4", batch_size=8, example_inputs=tokens())
+    assert e.plan == Plan(dp=1, fsdp=4)
+    assert e.notes[0].startswith("dp not given: estimated with dp=1, 4 devices")
+    assert "(dp not given" in e.summary()
+    assert (
+        estimate(gpt("meta"), "fsdp=4", batch_size=8, example_inputs=tokens(), world_size=8).plan.dp
+        == 2
+    )
+
+
 def test_ddp_keeps_a_second_gradient_copy_in_its_buckets():
     profile = hand_profile()
     e = estimate(profile, Plan(dp=2), batch_size=2, optimizer="sgd")

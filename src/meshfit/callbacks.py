@@ -27,6 +27,10 @@ class Callback:
     Return True from on_step_end / on_eval_end to stop training after this step."""
 
     stop_reason: str | None = None  # set it with the True return: History.stopped says it
+    # the record field it watches (fit refuses, at start, one that the run never computes)
+    monitor: str | None = None
+    # whether it acts on each evaluation during training (one at the end is too late)
+    needs_evaluations_during_training: bool = False
 
     def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:
         """Before the first step (after a resume, at the resumed step)."""
@@ -106,8 +110,11 @@ class EarlyStopping(Callback):
         if not isinstance(patience, int) or patience < 1:
             raise MeshfitError(f"patience must be a whole number >= 1, not {patience!r}")
         self._watch = _Monitor(monitor, mode, min_delta)
+        self.monitor = monitor
         self.patience = patience
         self.waited = 0
+
+    needs_evaluations_during_training = True  # to stop a run early
 
     def on_step_end(self, record: dict[str, Any], engine: Any) -> bool | None:
         return self._check(record) if self._watch.monitor != "eval_loss" else None
@@ -138,6 +145,7 @@ class BestCheckpoint(Callback):
         self, monitor: str = "eval_loss", path: str | None = None, mode: str = "min"
     ) -> None:
         self._watch = _Monitor(monitor, mode, 0.0)
+        self.monitor = monitor
         self.path = path
 
     def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:

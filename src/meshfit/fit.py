@@ -126,7 +126,11 @@ def fit(
     batch_size: the GLOBAL batch, split over data-parallel ranks and micro-batches.
     max_steps / epochs: how long to train (one of them).
     eval_dataset, eval_every, eval_batches: evaluate the mean loss on up to
-        `eval_batches` global batches every `eval_every` steps and at the end.
+        `eval_batches` global batches every `eval_every` steps and at the end; without
+        eval_every, at the end of every epoch of an `epochs` run (as Keras does), and
+        at the end of a `max_steps` run. The start-up lines say which. A callback that
+        watches an evaluation value the run never computes (or EarlyStopping on one
+        computed only at the end) is refused before anything starts.
     validation_split: instead of eval_dataset, hold out the last fraction of `dataset`
         (taken before shuffling, as Keras does) for evaluation.
     collate: the function from a list of samples to a batch (e.g. a transformers data
@@ -213,6 +217,10 @@ def fit(
         _check_size(eval_data, batch_size, "eval_dataset")
     steps_per_epoch = max(num_samples, 0) // batch_size
     total_steps = max_steps if max_steps is not None else epochs * steps_per_epoch
+    eval_interval = eval_every
+    if eval_interval is None and epochs is not None and eval_data is not None:
+        eval_interval = steps_per_epoch  # Keras evaluates at the end of every epoch
+    _check_monitors(callbacks, eval_data, eval_interval, parallelize_options.get("metrics"))
     config = _RunConfig(batch_size=batch_size, seed=seed, num_samples=num_samples, shuffle=shuffle)
 
     history = _HistoryFile.of_run(history_file, checkpoint_dir, writer=engine.rank == 0)
@@ -225,6 +233,9 @@ def fit(
         steps_per_epoch=steps_per_epoch,
     )
     _announce(display, engine, batch_size, steps_per_epoch, total_steps, start)
+    if eval_data is not None:
+        schedule = _eval_schedule(eval_data, batch_size, eval_batches, eval_every, epochs)
+        display.print(f"meshfit: {schedule}")
     history.rewrite(start.records)
 
     loader = first_batch_explained(
@@ -252,7 +263,7 @@ def fit(
                 log.flush(step, log_line=logged)
             hooks.after_flush(log.records)
             with log.paused():  # eval and saves do not count against throughput
-                if eval_data is not None and _due(step, eval_every, at_end):
+                if eval_data is not None and _due(step, eval_interval, at_end):
                     log.flush(step, log_line=False)
                     hooks.after_flush(log.records)
                     eval_loss, eval_metrics = _evaluate(
@@ -469,7 +480,14 @@ class _StepLog:
         self.records[-1]["eval_loss"] = eval_loss
         self.records[-1].update(metrics)
         shown = "".join(f", {k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items())
-        self.display.print(f"step {step}: eval loss {eval_loss:.4f}{shown}")
+        epoch, steps = self.display.epoch_ending(step)
+        if epoch is None:
+            self.display.print(f"step {step}: eval loss {eval_loss:.4f}{shown}")
+            return
+        # Keras' epoch line: the epoch's mean training loss beside the evaluation
+        losses = [r["loss"] for r in self.records if step - steps < r["step"] <= step]
+        mean = sum(losses) / len(losses)
+        self.display.print(f"{epoch}: loss {mean:.4f} - eval loss {eval_loss:.4f}{shown}")
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -600,6 +618,56 @@ def _split_off(data: Dataset, fraction: Any, eval_data: Dataset | None) -> tuple
     return Subset(data, range(n - held)), Subset(data, range(n - held, n))
 
 
+def _check_monitors(
+    callbacks: list[Any], eval_data: Any, eval_interval: int | None, metrics: Any
+) -> None:
+    """Refuse a callback that watches an evaluation value this run never computes, or
+    one that acts on evaluations during training when the run evaluates only at its end
+    (EarlyStopping could never stop it early)."""
+    produced = {"eval_loss", *(f"eval_{name}" for name in (metrics or {}))}
+    for callback in callbacks:
+        watched = getattr(callback, "monitor", None)  # a plain function has none
+        if not isinstance(watched, str) or not watched.startswith("eval_"):
+            continue
+        name = type(callback).__name__
+        if eval_data is None:
+            raise MeshfitError(
+                f"{name} watches {watched!r}, which this run never computes: it has no "
+                f"evaluation data; pass eval_dataset=... or validation_split=... (with "
+                f"eval_every=N for evaluations during training), or watch 'loss'"
+            )
+        if watched not in produced:
+            raise MeshfitError(
+                f"{name} watches {watched!r}, which no evaluation computes (it gives "
+                f"{', '.join(sorted(produced))}); watch one of those, or add the metric "
+                f"with metrics={{{watched.removeprefix('eval_')!r}: fn}}"
+            )
+        if eval_interval is None and callback.needs_evaluations_during_training:
+            raise MeshfitError(
+                f"{name} watches {watched!r}, which this run evaluates only once, at its "
+                f"end, so it could never act during training; pass eval_every=N (steps), "
+                f"or train by epochs (evaluated at the end of each)"
+            )
+
+
+def _eval_schedule(
+    eval_data: Any, batch_size: int, eval_batches: int | None, eval_every: int | None, epochs: Any
+) -> str:
+    """When the run evaluates, and on what, in words, for the start-up lines."""
+    if isinstance(eval_data, IterableDataset):
+        size = f"{eval_batches} global batches of a stream"
+    else:
+        batches = len(eval_data) // batch_size
+        size = f"{min(batches, eval_batches or batches) * batch_size} samples"
+    if eval_every is not None:
+        when = f"every {eval_every} steps and at the end"
+    elif epochs is not None:
+        when = "at the end of every epoch"
+    else:
+        when = "at the end of the run (pass eval_every=N to evaluate during training)"
+    return f"evaluating on {size} {when}"
+
+
 def _due(step: int, every: int | None, at_end: bool) -> bool:
     """Whether a periodic job (eval, checkpoint) runs at `step`: every N steps and at the end."""
     return at_end or bool(every and step % every == 0)
@@ -619,11 +687,19 @@ def _resume(
         changes = _keep_new_hyperparameters(engine, wanted, meta["path"])
         if meta.get("plan") != str(engine.plan):
             changes.append(f"plan {meta.get('plan')} -> {engine.plan} (resharded)")
+        cut = list(engine.pipeline.starts) if engine.pipeline is not None else None
+        if "pipeline_cut" in meta and meta["pipeline_cut"] != cut:  # recorded since issue 32
+            changes.append(f"pipeline cut {_cut(meta['pipeline_cut'])} -> {_cut(cut)}")
         _restore_rng(meta.get("rank_state"))
         return _Start(step, history.read(step), meta["path"], changes)
     torch.manual_seed(config.seed + engine.rank)
     random.seed(config.seed + engine.rank)
     return _Start()
+
+
+def _cut(starts: list[int] | None) -> str:
+    """A pipeline cut as the first block of each stage ("none" without pp)."""
+    return "stages from blocks " + ", ".join(map(str, starts)) if starts else "none"
 
 
 def _train_loader(
@@ -868,8 +944,8 @@ def _closed_loop_line(planned: dict[str, Any]) -> str:
 def _pipeline_example(
     topology: Topology, data: Dataset, batch_size: int, reading: Reading, *, model_loss: bool
 ) -> Any:
-    """One micro-batch of inputs for a pipeline plan to time its blocks on (so its
-    stages are balanced by measured cost); None for other plans."""
+    """One micro-batch of inputs for a pipeline plan to count its blocks' FLOPs on (so
+    its stages are balanced by them); None for other plans."""
     plan = topology.plan
     if plan.pp == 1:
         return None
@@ -925,8 +1001,10 @@ def _evaluate(
     workers: int,
     reading: Reading,
 ) -> tuple[float, dict[str, float]]:
-    """The mean eval loss over up to `limit` global batches, and each metric's mean
-    ("eval_<name>")."""
+    """The eval loss over up to `limit` global batches (for a (sum, count) loss, every
+    language model's, the mean over all their counted items, as one batch of them all
+    would give; for a mean loss, the mean of the equal batches' means), and each
+    metric's mean over the batches ("eval_<name>")."""
     if isinstance(data, IterableDataset):
         share = StreamShare(
             data, batch_size, dp_size=engine.dp_size, dp_rank=engine.dp_rank, stop_step=limit
@@ -948,15 +1026,19 @@ def _evaluate(
             generator=torch.Generator().manual_seed(0),
         )
     batches = first_batch_explained(loader, "eval_dataset")
-    losses, metrics = [], []
+    losses, counts, metrics = [], [], []
     for batch in batches:
         losses.append(engine.evaluate_local(*engine.split_batch(reading.pick(batch))))
+        counts.append(engine.last_eval_count)
         metrics.append(engine.last_metrics)
     names = list(metrics[0]) if metrics else []
-    # the mean over batches, as for the loss: one read from the device
+    loss = torch.stack(losses).double()
+    if counts and all(c is not None for c in counts):  # weigh each batch by its items
+        items = torch.stack(counts).double().to(loss.device)
+        loss = (loss * items).sum() / items.sum().clamp_min(1)
+    # one read from the device
     means = torch.stack(
-        [torch.stack(losses).double().mean()]
-        + [torch.stack([m[n] for m in metrics]).mean() for n in names]
+        [loss.mean()] + [torch.stack([m[n] for m in metrics]).mean() for n in names]
     ).tolist()
     return means[0], {f"eval_{n}": v for n, v in zip(names, means[1:], strict=True)}
 

@@ -190,6 +190,8 @@ def launch(
     makes no progress for `hang_timeout` seconds (default 120, 0: off) while its peers
     wait stops the job with a MeshfitError naming it (watchdog.py).
     """
+    if _importing_main_in_a_worker():
+        _refuse_unguarded_main()
     if not callable(fn):
         raise MeshfitError(f"launch needs a function to run, not {fn!r}")
     if max_restarts < 0:
@@ -219,7 +221,7 @@ def launch(
         call = (ByValue.of(*call), (), {})
     try:
         with (
-            _patched_environ({**setup.env, **loopback_env()}),
+            _patched_environ({**setup.env, **loopback_env(), ERROR_DIR_ENV: error_dir}),
             rendezvous.using_secret(secret),
             _quiet_elastic_logs(logging.CRITICAL),
             _main_without_phantom_file(),
@@ -294,6 +296,34 @@ def _main_without_phantom_file() -> Iterator[None]:
         yield
     finally:
         main.__file__ = path
+
+
+ERROR_DIR_ENV = "MESHFIT_LAUNCH_ERRORS"  # where mf.launch's workers report failures
+
+
+def _importing_main_in_a_worker() -> bool:
+    """Whether this process is a spawned worker still importing the parent's main script
+    (as Python's spawn start method does, under the name __mp_main__): a launch there
+    runs because the script calls it at import time, with no main guard."""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _refuse_unguarded_main() -> None:
+    """In a worker importing a script that calls mf.launch at its top level: report one
+    line to the parent (which raises it) and leave, instead of torch's bootstrapping
+    traceback from every worker."""
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "your script"
+    error = MeshfitError(
+        f"mf.launch ran while its workers imported {script}: workers start by importing "
+        f"the script that launched them (Python's spawn), and this one calls mf.launch "
+        f'at import time. Put the call under `if __name__ == "__main__":`'
+    )
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        _write_failure(error_dir, error)
+    os._exit(1)
 
 
 def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: str) -> Any:

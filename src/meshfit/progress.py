@@ -93,6 +93,13 @@ class TrainingDisplay:
                 f"eta {format_duration(eta)}"
             )
 
+    def epoch_ending(self, step: int) -> tuple[str | None, int]:
+        """("epoch 3/10", steps per epoch) when `step` ends an epoch of a run trained by
+        epochs, else (None, 0)."""
+        if not self.epochs or step % self.steps_per_epoch:
+            return None, 0
+        return f"epoch {step // self.steps_per_epoch}/{self.epochs}", self.steps_per_epoch
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()

@@ -61,18 +61,28 @@ def estimate(
     example_inputs: one batch of the model's inputs (any batch size: costs are per
         sample). hardware: a preset name ("a100-40gb", "a100-80gb", "h100", "h200"),
         "cpu", or a Hardware. optimizer: "adamw", "sgd", "sgd-momentum", ... or its state
-        bytes per parameter. world_size: resolves dp=auto when hardware does not.
-        compiled: the run will use parallelize(..., compile=True) (faster on a GPU)."""
+        bytes per parameter. world_size: resolves dp=auto when hardware does not; with
+        neither, a plan that leaves dp open ("fsdp=64") means dp=1, and the Estimate's
+        notes say so. compiled: the run will use parallelize(..., compile=True)."""
     from meshfit.planner.hardware import hardware as get_hardware
 
     profile = profile_of(model, example_inputs, loss_fn, example_targets)
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
     hw = get_hardware(hardware) if hardware is not None else None
-    if plan.dp is None and world_size is not None:
+    notes = []
+    if plan.dp is None and world_size is None and hw is None:
+        plan = plan.resolve(plan.processes_per_replica)
+        notes.append(
+            f"dp not given: estimated with dp=1, {plan.world_size} devices (pass world_size= "
+            f"or hardware= to fill more with data parallelism)"
+        )
+    elif plan.dp is None and world_size is not None:
         plan = plan.resolve(world_size)
-    return estimate_profile(
+    result = estimate_profile(
         profile, plan, batch_size=batch_size, hardware=hw, optimizer=optimizer, compiled=compiled
     )
+    result.notes[:0] = notes
+    return result
 
 
 def plan_search(
