@@ -148,3 +148,13 @@ def test_planner_ranking_benchmark_quick(tmp_path) -> None:
     rows = _run_quick("planner_ranking.py", tmp_path, timeout=240)[1]["rows"]
     assert [r["plan"] for r in rows] == ["dp=2", "fsdp=2"]
     assert all(r["median_s"] > 0 and r["predicted_s"] > 0 for r in rows)
+
+
+def test_meta_memory_benchmark_quick(tmp_path) -> None:
+    written = _run_quick("meta_memory.py", tmp_path, timeout=300)[1]
+    rows = {(r["plan"], r["how"]): r for r in written["rows"]}
+    assert len(rows) == 9
+    for how in ("meta", "meta+weights"):  # sharded from the start: below the CPU-built
+        meta = max(r["peak"] for r in rows["fsdp=2", how]["ranks"])
+        cpu = min(r["peak"] for r in rows["fsdp=2", "cpu"]["ranks"])
+        assert meta < cpu, (how, meta, cpu)

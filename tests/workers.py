@@ -1160,3 +1160,95 @@ def mf_predict_runs(checkpoint: str, plans: list[str]) -> list[torch.Tensor]:
         mf.predict(build("gpt4")[0], inputs, checkpoint=checkpoint, plan=plan, batch_size=4)
         for plan in plans
     ]
+
+
+# ---- models built on meta (issue 30) -------------------------------------------------
+def meta_model(kind: str, on_meta: bool = True) -> tuple[torch.nn.Module, object, object]:
+    """(model, loss_fn, init) of `kind` as a user builds it: under
+    ``torch.device("meta")`` when `on_meta`, else on the CPU; from seed 1234, float32.
+    init: what parallelize needs besides the model's own initialisation (meshfit's GPT
+    applies two passes of its own)."""
+    torch.manual_seed(1234)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        if kind in ("gpt", "gpt4"):
+            model = GPT(TINY_GPT if kind == "gpt" else GPT4)
+            return model, next_token_loss, model.init_passes()
+        if kind == "llama":
+            from transformers import LlamaForCausalLM
+
+            return LlamaForCausalLM(llama_config()), lm_loss("llama"), None
+        model = build_lm(kind, dtype="float32")  # seeds 1234 itself
+        return model, lm_loss(kind), None
+
+
+def meta_run(spec: dict) -> dict:
+    """A model built on meta (spec["model"], a meta_model kind) under spec["plan"]: its
+    initial state, gathered, then `steps` SGD steps' losses and final state, in float64
+    (converted on meta: both runs initialise in float64). Under a pipeline plan the
+    example batch fit would give is passed. spec["peak"]: also measure this rank's peak of
+    live tensor bytes while parallelize materializes it (memory_probe)."""
+    from meshfit.memory_probe import measure_peak
+
+    kind = spec["model"]
+    model, loss_fn, init = meta_model(kind, on_meta=spec.get("meta", True))
+    model = model.to(torch.float64)
+    batch = _meta_batch(kind, spec.get("batch", 8), 0)
+    options = {"init": init, "weights": spec.get("weights")}
+    if spec.get("plan") and "pp=" in spec["plan"]:
+        options["example_inputs"] = _example_inputs(batch)
+    holder = {}
+
+    def build() -> None:
+        holder["engine"] = mf.parallelize(
+            model, spec.get("plan"), loss_fn=loss_fn, optimizer=optimizer_factory("sgd"), **options
+        )
+
+    peak = measure_peak(build) if spec.get("peak") else build()
+    engine = holder["engine"]
+    initial = engine.full_state_dict()
+    losses = [
+        float(engine.step(_meta_batch(kind, spec.get("batch", 8), step)))
+        for step in range(spec.get("steps", 3))
+    ]
+    return {
+        "initial": initial,
+        "losses": losses,
+        "state": engine.full_state_dict(),
+        "peak": _on_every_rank(peak.total if peak else 0),
+        "model_bytes": sum(t.numel() * t.element_size() for t in initial.values()),
+    }
+
+
+def _example_inputs(batch: object) -> object:
+    """Two samples of a batch's inputs, as fit gives a pipeline: of (inputs, targets),
+    or of the mapping a model with its own loss takes (less its labels)."""
+    if isinstance(batch, dict):
+        return {k: v[:2] for k, v in batch.items() if k != "labels"}
+    return map_tree(batch[0], lambda t: t[:2])
+
+
+def _meta_batch(kind: str, batch: int, step: int) -> object:
+    if kind in ("gpt", "gpt4"):
+        return make_batch("gpt", batch, step)
+    return sft_batch(kind, batch, step)
+
+
+def map_tree(tree: object, fn) -> object:
+    return mf.trees.map_tensors(tree, fn)
+
+
+def many_meta_runs(specs: list[dict]) -> list[dict]:
+    return runs_or_refusals(meta_run, specs)
+
+
+def save_sharded_run(spec: dict, path: str) -> dict:
+    """meta_run's model under spec["plan"], one step, then engine.save_model(path) in
+    shards of 20 KB; the gathered state to compare with what was written."""
+    model, loss_fn, init = meta_model(spec["model"])
+    options = {"init": init}
+    if "pp=" in spec["plan"]:
+        options["example_inputs"] = _example_inputs(_meta_batch(spec["model"], 8, 0))
+    engine = mf.parallelize(model, spec["plan"], loss_fn=loss_fn, **options)
+    engine.step(_meta_batch(spec["model"], 8, 0))
+    written = engine.save_model(path, max_shard_size="20KB")
+    return {"state": engine.full_state_dict(), "written": written}

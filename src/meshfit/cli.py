@@ -58,6 +58,7 @@ RUN_DEFAULTS = {
     "node_rank": None,
     "master": None,
     "plan": None,
+    "weights": None,
 }
 
 
@@ -318,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the plan (e.g. tp=2,pp=2, or auto: the planner chooses) for the script's "
         "parallelize / fit calls that give none; a script that gives another one is refused",
+    )
+    run.add_argument(
+        "--weights",
+        default=None,
+        help="pretrained safetensors (a file, or a directory save_pretrained wrote) for the "
+        "script's parallelize / fit calls that give none; each rank reads only its slices "
+        "of a model built on meta",
     )
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"

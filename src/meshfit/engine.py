@@ -16,7 +16,7 @@ from __future__ import annotations
 import numbers
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,8 @@ class EngineOptions:
     example_inputs: Any = None
     sync_batchnorm: bool = True
     metrics: dict[str, Any] | None = None
+    init: Any = None  # for a model on meta: materialize.py's init passes
+    weights: str | None = None  # pretrained safetensors to load (materialize.WeightFiles)
 
 
 class Engine:
@@ -117,6 +119,8 @@ class Engine:
             example_inputs=options.example_inputs,
             sync_batchnorm=options.sync_batchnorm,
             compile_blocks=options.compile and self.plan.pp > 1,
+            init=options.init,
+            weights=options.weights,
         )
         self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
         self.lr_scheduler = _build_scheduler(options.lr_scheduler, self.optimizer)
@@ -415,14 +419,16 @@ class Engine:
         with watchdog.phase("save", f"the save of {path}"):
             return save_checkpoint(self, path, extra=extra)
 
-    def save_model(self, path: str) -> str | None:
-        """Write the whole model (gathered from any plan) as safetensors to `path`: a
-        .safetensors file, or a directory (model.safetensors, plus config.json for a
-        Hugging Face model, loadable with from_pretrained). Call it on every rank;
-        returns the file on rank 0."""
+    def save_model(self, path: str, max_shard_size: int | str = "5GB") -> str | None:
+        """Write the whole model (from any plan) as safetensors to `path`: a directory
+        (model.safetensors, or Hugging Face-style shards of at most `max_shard_size` with
+        their index; plus config.json for a Hugging Face model: from_pretrained and
+        weights= load it), streamed tensor by tensor so no process holds more than one
+        file of it; or one .safetensors file. Call it on every rank; returns the file
+        (the index, for shards) on rank 0."""
         from meshfit.export import save_model
 
-        return save_model(self, path)
+        return save_model(self, path, max_shard_size)
 
     def load(self, path: str) -> dict[str, Any]:
         """Load a checkpoint saved by `save` (or the newest one under a checkpoint root
@@ -490,6 +496,8 @@ def parallelize(
     sync_batchnorm: bool = True,
     blocks: str | None = None,
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
+    init: Callable[[nn.Module], None] | Sequence[Callable[[nn.Module], None]] | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
@@ -535,6 +543,19 @@ def parallelize(
         the global batch (a mean per micro-batch, or a (sum, count) pair; e.g.
         ``{"acc": mf.metrics.accuracy}``); engine.last_metrics holds the values of the
         last step or evaluation, and fit records them.
+    init: for a model built on meta (``with torch.device("meta")``), which every form
+        splits as it is and each rank materializes only its part of: a function of a
+        module (or a list of them, one pass each) that sets its initial values, called
+        on every module after its children and after the module's own
+        reset_parameters, as ``Module.apply`` would (default: a Hugging Face model's own
+        _init_weights). The values equal one process's under every plan
+        (materialize.py says how, and what it refuses).
+    weights: pretrained weights to start from: a .safetensors file, or a directory with
+        model.safetensors or Hugging Face's shards and model.safetensors.index.json
+        (save_pretrained's, `engine.save_model`'s). Names are the model's state_dict
+        names (a tied weight under either); a tensor the file lacks, one it holds that
+        the model lacks, or one of another shape is refused by name before training.
+        With a model built on meta each rank reads only the slices it keeps.
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
@@ -613,6 +634,8 @@ def parallelize(
         example_inputs=example_inputs,
         sync_batchnorm=sync_batchnorm,
         metrics=check_metrics(metrics),
+        init=init,
+        weights=_weights_path(weights),
     )
     engine = Engine(model, topology, options)
     if auto is not None:
@@ -621,6 +644,15 @@ def parallelize(
             print(f"meshfit: {auto.describe()}", flush=True)
     watchdog.mark("script", "the training script before step 1", waiting=False)
     return engine
+
+
+def _weights_path(weights: Any) -> str | None:
+    """The weights to load: `weights`, else `meshfit run --weights` (MESHFIT_WEIGHTS)."""
+    if weights is None:
+        return os.environ.get("MESHFIT_WEIGHTS")
+    if not isinstance(weights, (str, os.PathLike)):
+        raise MeshfitError(f"weights must be a path to safetensors, not {weights!r}")
+    return os.fspath(weights)
 
 
 def auto_requested(plan: Any) -> str | None:

@@ -1,17 +1,27 @@
-"""The trained model as a plain file: safetensors that `safetensors.torch.load_file` and
+"""The trained model as plain files: safetensors that `safetensors.torch.load_file` and
 `model.load_state_dict` take, gathered from any plan.
 
-Two ways in: `engine.save_model(path)` from a live run (every rank calls it: the model
-is gathered from its shards and stages, rank 0 writes), and `meshfit export CKPT OUT`
+Two ways in: `engine.save_model(path)` from a live run, and `meshfit export CKPT OUT`
 from a checkpoint directory alone, without the model's code (DCP's checkpoint read
 through meshfit's safe reader, checksums verified). For a Hugging Face model,
 `save_model` to a directory also writes its `config.json`, so the directory loads
 with `from_pretrained`.
+
+`save_model` streams: every rank calls it, and tensor by tensor the ranks that hold one
+gather it (a shard's FSDP2 / tensor-parallel DTensor: its full tensor; a stage's: its
+owner sends it to rank 0), rank 0 writes a file whenever it holds `max_shard_size` of
+them, Hugging Face's way (`model-00001-of-00003.safetensors` and
+`model.safetensors.index.json`; a model that fits one file is `model.safetensors`). So
+no process holds more than one file's worth of gathered tensors (and one tensor), and
+the directory loads back with `from_pretrained` or `weights=`.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,15 +31,159 @@ from meshfit.errors import MeshfitError
 WEIGHTS_FILE = "model.safetensors"  # the name from_pretrained looks for
 
 
-def save_model(engine: Any, path: str) -> str | None:
-    """Write `engine`'s whole model to `path` (a .safetensors file, or a directory that
-    gets model.safetensors and, for a Hugging Face model, config.json). Call it on every
-    rank; returns the weights file on rank 0, None elsewhere."""
-    state = engine.full_state_dict()
-    if engine.rank != 0:
+def save_model(engine: Any, path: str, max_shard_size: int | str = "5GB") -> str | None:
+    """Write `engine`'s whole model to `path`: a directory that gets model.safetensors, or
+    shards of at most `max_shard_size` (bytes, or "500MB", "5GB") with their index, and
+    for a Hugging Face model config.json; or one .safetensors file (rank 0 then holds the
+    whole model). Call it on every rank; returns the weights file (the index, for
+    shards) on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    limit = _size(max_shard_size)
+    single = path.endswith(".safetensors")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    local = _sharded_state(engine)
+    entries = _entries(local, distributed)
+    shards = [entries] if single else _shards(entries, limit)
+    directory = None if single else path
+    if rank == 0:
+        os.makedirs(directory or os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    names = (
+        [path]
+        if single
+        else [os.path.join(path, WEIGHTS_FILE)]
+        if len(shards) == 1
+        else [
+            os.path.join(path, f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+            for i in range(len(shards))
+        ]
+    )
+    weight_map: dict[str, str] = {}
+    for file, shard in zip(names, shards, strict=True):
+        tensors = {}
+        for entry in shard:
+            value = _gathered(entry, local, engine.device, rank)
+            if rank == 0:
+                tensors[entry.key] = value
+                weight_map[entry.key] = os.path.basename(file)
+        if rank == 0:
+            _write_file(tensors, file)
+    if rank != 0:
         return None
     config = getattr(engine.user_model, "config", None)
-    return write_safetensors(state, path, config=config)
+    if directory is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(os.path.join(directory, "config.json"))
+    if len(names) == 1:
+        return names[0]
+    index = os.path.join(path, "model.safetensors.index.json")
+    total = sum(e.nbytes for e in entries)
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return index
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the model's state: its name, full shape and dtype, which ranks hold
+    (a part of) it, and the one that sends it to rank 0."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    holders: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _sharded_state(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's state as it holds it (DTensors for shards), under the model's own
+    names, less what another pipeline stage owns."""
+    if engine.mesh is None:
+        return dict(engine.parallel_model.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return engine.runner.owned_state(get_model_state_dict(engine.parallel_model))
+
+
+def _entries(local: dict[str, torch.Tensor], distributed: bool) -> list[_Entry]:
+    """Every rank's tensors, in one order everywhere (rank by rank, each in its state's
+    order: the model's, stage after stage)."""
+    import torch.distributed as dist
+
+    mine = [(k, tuple(v.shape), v.dtype) for k, v in local.items()]
+    everyone = [mine]
+    if distributed:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    found: dict[str, tuple[tuple[int, ...], torch.dtype, list[int]]] = {}
+    for rank, items in enumerate(everyone):
+        for key, shape, dtype in items:
+            found.setdefault(key, (shape, dtype, []))[2].append(rank)
+    return [_Entry(k, shape, dtype, tuple(r)) for k, (shape, dtype, r) in found.items()]
+
+
+def _shards(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
+    """The entries cut into files of at most `limit` bytes (a larger tensor alone)."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+def _gathered(
+    entry: _Entry, local: dict[str, torch.Tensor], device: torch.device, rank: int
+) -> torch.Tensor | None:
+    """The full tensor of `entry` on rank 0 (None elsewhere): the ranks holding it
+    gather a sharded one together; its first holder sends it when rank 0 holds none."""
+    import torch.distributed as dist
+
+    value = None
+    if entry.key in local:
+        value = local[entry.key]
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()  # collective over the ranks that hold its shards
+        value = value.detach()
+    if 0 in entry.holders:
+        return value.cpu() if rank == 0 else None
+    sender = entry.holders[0]
+    if rank == sender:
+        dist.send(value.contiguous().to(device), dst=0)
+    elif rank == 0:
+        received = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        dist.recv(received, src=sender)
+        return received.cpu()
+    return None
+
+
+def _size(limit: int | str) -> int:
+    """Bytes of "500MB", "5GB", "20KB" (powers of 1000, as Hugging Face's) or an int."""
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return limit
+    if isinstance(limit, str):
+        text = limit.strip().upper()
+        for unit, factor in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+            if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+                return int(float(text[: -len(unit)]) * factor)
+    raise MeshfitError(f"max_shard_size must be bytes or text such as '5GB', not {limit!r}")
+
+
+def _write_file(tensors: dict[str, torch.Tensor], file: str) -> None:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise MeshfitError(
+            "writing safetensors needs the safetensors package: pip install safetensors "
+            "(or meshfit[export])"
+        ) from None
+    save_file(_separate(tensors), file, metadata={"format": "pt"})
 
 
 def export_checkpoint(checkpoint_path: str, out: str) -> str:
@@ -40,29 +194,17 @@ def export_checkpoint(checkpoint_path: str, out: str) -> str:
     checkpoint = resolve_checkpoint(checkpoint_path)  # checksums verified
     meta = read_meta(checkpoint)
     state = _read_model_state(checkpoint)
-    written = write_safetensors(state, out, config=None)
+    written = write_safetensors(state, out)
     print(f"meshfit: exported the step-{meta['step']} model of {checkpoint} to {written}")
     return written
 
 
-def write_safetensors(state: dict[str, torch.Tensor], path: str, config: Any = None) -> str:
-    """`state` as safetensors at `path` (a file ending in .safetensors, or a directory)."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise MeshfitError(
-            "writing safetensors needs the safetensors package: pip install safetensors "
-            "(or meshfit[export])"
-        ) from None
-    if path.endswith(".safetensors"):
-        file, directory = path, None
-    else:
-        directory = path
-        file = os.path.join(path, WEIGHTS_FILE)
+def write_safetensors(state: dict[str, torch.Tensor], path: str) -> str:
+    """`state` as safetensors at `path` (a file ending in .safetensors, or a directory
+    that gets model.safetensors)."""
+    file = path if path.endswith(".safetensors") else os.path.join(path, WEIGHTS_FILE)
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-    save_file(_separate(state), file, metadata={"format": "pt"})
-    if directory is not None and hasattr(config, "to_json_file"):
-        config.to_json_file(os.path.join(directory, "config.json"))
+    _write_file(state, file)
     return file
 
 

@@ -945,11 +945,15 @@ def _pipeline_example(
     topology: Topology, data: Dataset, batch_size: int, reading: Reading, *, model_loss: bool
 ) -> Any:
     """One micro-batch of inputs for a pipeline plan to count its blocks' FLOPs on (so
-    its stages are balanced by them); None for other plans."""
+    its stages are balanced by them), or two samples for tensor parallel to trace and
+    check its split on (the user's batch, not one it makes up: a vision or speech model
+    takes no token ids); None for other plans."""
     plan = topology.plan
-    if plan.pp == 1:
+    if plan.pp == 1 and plan.tp == 1:
         return None
     size = max(1, batch_size // (topology.dp_size * plan.num_microbatches))
+    if plan.pp == 1:
+        size = min(size, 2)
     samples = (
         list(itertools.islice(iter(data), size))
         if isinstance(data, IterableDataset)

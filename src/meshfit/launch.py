@@ -414,10 +414,12 @@ class RunOptions:
     threads: int | None = None
     hang_timeout: float | None = None  # seconds; None: the default, 0: off
     plan: str | None = None  # the plan for parallelize/fit calls that give none
+    weights: str | None = None  # pretrained safetensors for parallelize/fit calls that give none
     torchrun_args: tuple[str, ...] = ()  # torchrun's own options, passed as they are
 
 
 PLAN_ENV = "MESHFIT_PLAN"  # meshfit run --plan: read by parallelize / fit (engine.as_plan)
+WEIGHTS_ENV = "MESHFIT_WEIGHTS"  # meshfit run --weights: read by parallelize
 
 
 def hang_timeout_env(seconds: float | None) -> dict[str, str]:
@@ -533,6 +535,10 @@ def run(options: RunOptions) -> int:
 
         Plan.check_text(options.plan)  # refuse bad text here, not in every worker
         setup.env[PLAN_ENV] = options.plan
+    if options.weights is not None:
+        if not os.path.exists(options.weights):
+            raise MeshfitError(f"--weights {options.weights!r}: no such file or directory")
+        setup.env[WEIGHTS_ENV] = os.path.abspath(options.weights)
     # One node: a secret made here, kept in memory. Several: the one every node was given.
     secret = rendezvous.new_secret() if is_single_node(options) else None
     if secret is None and _uses_signed_rendezvous(options):

@@ -38,6 +38,7 @@ KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "args": ((list,), "a list of strings"),
     "nproc": ((int,), "a whole number"),
     "plan": ((str,), 'text such as "tp=2,pp=2"'),
+    "weights": ((str,), "a path to safetensors"),
     "devices": ((str, int, list), 'text such as "0,2", or a list of GPU indices'),
     "threads": ((int,), "a whole number"),
     "max_restarts": ((int,), "a whole number"),

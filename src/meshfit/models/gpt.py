@@ -35,6 +35,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.v_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.out_proj.writes_residual = True  # GPT.scale_residual_projections
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +56,7 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.down = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.down.writes_residual = True  # GPT.scale_residual_projections
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +86,16 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections that write into the residual stream.
-        for name, param in self.named_parameters():
-            if name.endswith(("out_proj.weight", "down.weight")):
-                nn.init.normal_(param, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+        # Two passes of per-module functions, so a GPT built on meta initialises alike:
+        # parallelize(..., init=model.init_passes()).
+        for init in self.init_passes():
+            self.apply(init)
+
+    def init_passes(self) -> list:
+        """The functions of module that initialise the model, one pass each, as
+        Module.apply runs them: normal(0.02) weights and zero biases, then GPT-2's scaled
+        init of the projections that write into the residual stream."""
+        return [GPT._init_weights, self.scale_residual_projections]
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -96,6 +103,11 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    def scale_residual_projections(self, module: nn.Module) -> None:
+        if getattr(module, "writes_residual", False):
+            std = 0.02 / (2 * self.config.n_layer) ** 0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]."""

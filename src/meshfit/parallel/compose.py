@@ -59,12 +59,25 @@ def apply_plan(
     example_inputs: Any = None,
     sync_batchnorm: bool = True,
     compile_blocks: bool = False,
+    init: Any = None,
+    weights: str | None = None,
 ) -> tuple[nn.Module, Runner]:
     """Parallelize `model` as `topology.plan` says; return what runs forward (the model,
     wrapped for data parallel, or this rank's pruned model under pp) and its runner.
     `compile_blocks`: under pp, compile each of this rank's blocks (compiled.py; without
-    pp the caller compiles `forward_loss` whole)."""
+    pp the caller compiles `forward_loss` whole). A model on meta is split as it is and
+    each rank materializes only what it keeps (materialize.py; `init` as there), from
+    the safetensors at `weights` where given (each rank reads only its slices)."""
+    from meshfit.materialize import WeightFiles, load_weights, on_meta
+
     plan, mesh, device = topology.plan, topology.mesh, topology.device
+    meta = on_meta(model)
+    if meta and plan.tp > 1:
+        raise MeshfitError(
+            "tensor parallel does not take a model built on meta yet: it checks its split "
+            "on the model's values; build the model on the CPU for tp, or use fsdp / pp, "
+            "which shard a meta model from the start"
+        )
     if is_placed(model):  # the user spread it over this process's devices: keep that
         if mesh is not None:
             raise MeshfitError(
@@ -75,7 +88,10 @@ def apply_plan(
         from meshfit.fp8 import refuse_if_nothing_converts
 
         refuse_if_nothing_converts(model)
-    if not is_placed(model):
+    files = WeightFiles(weights) if weights is not None else None
+    if files is not None and not meta:  # a model with values: whole here anyway
+        load_weights(model, files)
+    if not is_placed(model) and not meta:
         model = model.to(device)
     if sync_batchnorm:
         from meshfit.parallel.batchnorm import (
@@ -95,6 +111,13 @@ def apply_plan(
         from meshfit.fp8 import warn_if_converted
 
         warn_if_converted(model)
+    materialize = None
+    if meta:  # captured before any form changes the model (after fp8's swap of Linears)
+        from meshfit.materialize import materialize as fill
+        from meshfit.materialize import plan_initialization
+
+        initializer = plan_initialization(model, init)
+        materialize = lambda: fill(initializer, model, device, files)  # noqa: E731
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 
@@ -112,9 +135,10 @@ def apply_plan(
             pp_split=pp_split,
             example_inputs=example_inputs,
             compile_blocks=compile_blocks,
+            materialize=materialize,
         )
     part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
-    [wrapped] = apply_data_parallel([part], topology, precision)
+    [wrapped] = apply_data_parallel([part], topology, precision, materialize)
     runner = LocalRunner(wrapped, forward_loss, precision, plan.num_microbatches)
     return wrapped, runner
 
@@ -128,13 +152,16 @@ def _apply_pipeline(
     pp_split: list[int] | None,
     example_inputs: Any,
     compile_blocks: bool,
+    materialize: Callable[[], None] | None,
 ) -> tuple[nn.Module, Runner]:
     """Cut first, then replicate / shard what this rank keeps, stage by stage (as
     torchtitan's pipeline_llm does), then build the schedule over the stages."""
     from meshfit.parallel.pipeline import build_pipeline, build_stage_module, split_model
 
     plan, device = topology.plan, topology.device
-    example = map_tensors(example_inputs, lambda t: t.to(device))
+    # a model on meta counts its blocks' FLOPs on meta: shapes only, no memory
+    where = "meta" if materialize is not None else device
+    example = map_tensors(example_inputs, lambda t: t.to(where))
     split = split_model(
         model,
         topology.submesh("pp"),
@@ -158,7 +185,7 @@ def _apply_pipeline(
         )
         for s in split.mine
     ]
-    stage_modules = apply_data_parallel(parts, topology, precision)
+    stage_modules = apply_data_parallel(parts, topology, precision, materialize)
     runner = build_pipeline(
         model,
         split,
@@ -194,14 +221,23 @@ def _refuse_enclosing_owners(model: nn.Module, split: Any) -> None:
 
 
 def apply_data_parallel(
-    parts: list[ModelPart], topology: Topology, precision: Precision
+    parts: list[ModelPart],
+    topology: Topology,
+    precision: Precision,
+    materialize: Callable[[], None] | None = None,
 ) -> list[nn.Module]:
     """Shard (FSDP2) or replicate (DDP) each part over the data-parallel ranks; the one
-    path for whole models and pipeline stages alike. Returns the parts' modules."""
+    path for whole models and pipeline stages alike. Returns the parts' modules.
+    `materialize` (a model on meta): called once the parts are sharded under FSDP2, so
+    each rank's storage is its shard from the start; before DDP, which broadcasts real
+    values (its replicas are whole anyway)."""
     plan, device = topology.plan, topology.device
+    sharded = topology.mesh is not None and plan.uses_fsdp
+    if materialize is not None and not sharded:
+        materialize()
     modules = []
     for part in parts:
-        if topology.mesh is not None and plan.uses_fsdp:
+        if sharded:
             from meshfit.parallel.fsdp import shard_part
 
             module = shard_part(
@@ -222,6 +258,8 @@ def apply_data_parallel(
                     module, topology.mesh, device, pipeline_stage=part.pipeline_stage
                 )
         modules.append(module)
+    if materialize is not None and sharded:
+        materialize()
     return modules
 
 

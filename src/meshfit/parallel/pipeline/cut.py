@@ -192,6 +192,13 @@ def split_model(
                         shared[0] = count_costs(model, stack, example_inputs)
                 except MeshfitError as refusal:
                     shared[0] = str(refusal)
+                except Exception:  # noqa: BLE001 - see below
+                    if not next(model.parameters()).is_meta:
+                        raise
+                    # A model on meta whose forward reads values (a mask's .item()) cannot
+                    # run there: its stages are balanced by parameter count (the start-up
+                    # line says so), and each stage checks its first forward itself.
+                    shared[0] = parameter_costs(stack, head, tail)
             dist.broadcast_object_list(shared, src=0)
             if isinstance(shared[0], str):
                 raise MeshfitError(shared[0])

@@ -60,10 +60,13 @@ class TiedWeights:
 
     @torch.no_grad()
     def broadcast_values(self) -> None:
-        """Start both copies from the first stage's values."""
+        """Start both copies from the first stage's values (a model on meta gets them
+        alike on every rank when it is materialized)."""
         if self.group is None:
             return
         for tensor in self.held():
+            if tensor.is_meta:
+                continue
             dist.broadcast(_local(tensor), src=self.first_rank, group=self.group)
 
     @torch.no_grad()

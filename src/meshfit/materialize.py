@@ -1,0 +1,609 @@
+"""Models built on `meta`: the forms split the model as it is (it holds no memory), then
+each rank gives storage only to what it keeps and fills it with the values one process
+would give the same model.
+
+A model built under ``with torch.device("meta")`` has shapes and no values. meshfit
+initialises it as its constructors would have, as a list of calls, each one function on
+one module:
+
+- each module's own `reset_parameters()` (what torch's layers run when they are built),
+  children before their parent;
+- then each function of `init`, on every module after its children, as `Module.apply`
+  does; or, for a Hugging Face model, its `_init_weights` as each PreTrainedModel's
+  `post_init` applies it (a sub-model initialised where it is built).
+
+A call may write tensors of the module's descendants (GPT-2's and T5's `_init_weights`
+set their children's weights): which it writes is found once on meta, before any form.
+Every rank then makes every call (also for what another rank keeps, so the random numbers
+are drawn in one order everywhere) on full-size CPU scratch tensors, recording the
+random-number state before each, and materializes what it keeps: for each of its tensors
+it replays, from the recorded states, the calls that write it, and keeps its slice (the
+whole tensor for a replica, its shard under fsdp, its stage's under pp). The extra memory
+is what one module's calls write. The random-number state starts from rank 0's and ends
+where the calls leave it, so the values, and the random numbers drawn after them, do not
+depend on the plan: a model built on meta trains the same run under every plan as in one
+process. They equal a model built on the CPU with the same seed where its constructors
+draw in this order (torch's layers and Hugging Face's models do; tested).
+
+Tied tensors (an LM head sharing the token embedding's weight) are initialised apart, as
+they are before Hugging Face's `tie_weights`, and take the values of their first holder
+(the embedding). A tensor that no call writes (a buffer computed in `__init__`, a
+parameter made with `torch.ones` by a module without `reset_parameters`) cannot be
+rebuilt: it is refused by name, before training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshfit.errors import MeshfitError
+
+InitFn = Callable[[nn.Module], None]
+Call = tuple[str, InitFn, nn.Module]  # (what, function, the module it is called on)
+Slot = tuple[nn.Module, str, str]  # (module, "param" / "buffer", name): where a tensor is held
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether `model` is built on meta (every parameter and buffer); a model with some
+    tensors on meta and others not is refused, naming one of each."""
+    meta, real = None, None
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            meta = meta or name
+        else:
+            real = real or name
+    if meta and real:
+        raise MeshfitError(
+            f"{type(model).__name__} is partly on the meta device ({meta}) and partly not "
+            f"({real}); build all of it under `with torch.device('meta')`, or none of it"
+        )
+    return meta is not None
+
+
+@dataclass
+class Initializer:
+    """How to give a model built on meta its initial values, worked out before the forms
+    change it: the calls in order, the slots each one writes, and the slots that hold
+    each tensor (the first holder's values win)."""
+
+    names: dict[int, str]  # {id of a module: its qualified name}
+    calls: list[Call]
+    writes: list[list[Slot]]  # per call, the slots it writes
+    shapes: dict[tuple[int, str], tuple[torch.Size, torch.dtype, bool]] = field(
+        default_factory=dict
+    )  # {(id of module, name): (shape, dtype, requires_grad)} of every slot
+    groups: list[list[Slot]] = field(default_factory=list)  # the holders of each tensor
+
+    def name_of(self, slot: Slot) -> str:
+        module, _, name = slot
+        where = self.names.get(id(module), "")
+        return f"{where}.{name}" if where else name
+
+
+def plan_initialization(model: nn.Module, init: InitFn | Sequence[InitFn] | None) -> Initializer:
+    """The Initializer of `model` (on meta), before any form changes it. `init`: the
+    functions of the passes after reset_parameters (default: a Hugging Face model's own
+    initialisation, in the order its constructors run it)."""
+    if init is None and _is_hugging_face(model):
+        calls = _hugging_face_calls(model)
+    else:
+        fns = [] if init is None else [init] if callable(init) else list(init)
+        for fn in fns:
+            if not callable(fn):
+                raise MeshfitError(
+                    f"init must be a function of a module (or a list of them), not {fn!r}"
+                )
+        order = _post_order(model)
+        calls = [("reset_parameters", _reset, m) for m in order]
+        calls += [(getattr(fn, "__name__", "init"), fn, m) for fn in fns for m in order]
+    initializer = _tensors_of(model, calls)
+    initializer.writes = _find_writes(model, initializer)
+    return initializer
+
+
+def load_weights(model: nn.Module, weights: WeightFiles) -> None:
+    """Load `weights` into a model that has its values (built on the CPU): every tensor
+    the file holds, checked as for a meta model; unsaved buffers keep theirs."""
+    tensors = _tensors_of(model, [])
+    weights.check(tensors)
+    for holders in tensors.groups:
+        stored = weights.name_in_file(tensors, holders)
+        if stored is not None:
+            module, kind, name = holders[0]
+            weights.read_into(stored, _table(module, kind)[name])
+
+
+def _tensors_of(model: nn.Module, calls: list[Call]) -> Initializer:
+    """An Initializer of `calls` with every tensor of `model`: its holders (the first
+    by registration order first), shape and dtype."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    groups: dict[int, list[Slot]] = {}
+    shapes = {}
+    for module in _post_order(model):
+        for slot, tensor in _own_slots(module):
+            groups.setdefault(id(tensor), []).append(slot)
+            shapes[id(module), slot[2]] = (tensor.shape, tensor.dtype, tensor.requires_grad)
+    order = {id(m): i for i, m in enumerate(model.modules())}  # registration order
+    for holders in groups.values():  # the first holder first
+        holders.sort(key=lambda slot: order[id(slot[0])])
+    return Initializer(names, calls, [], shapes, list(groups.values()))
+
+
+def materialize(
+    initializer: Initializer,
+    model: nn.Module,
+    device: torch.device,
+    weights: WeightFiles | None = None,
+) -> None:
+    """Give `model` (as the forms left it: split, sharded, pruned; still on meta) storage
+    on `device` for what this rank keeps, and the values one process would give it:
+    from `weights` where they hold the tensor (each rank reads only its slice), else
+    from the model's initialisation."""
+    if weights is not None:
+        weights.check(initializer)
+    _same_random_state()
+    starts = _record_random_states(initializer)
+    after = torch.get_rng_state()
+    kept = {id(m) for m in model.modules()}
+    stand_ins = _remove_stand_ins(model)
+    model.to_empty(device=device)
+    _restore_stand_ins(stand_ins, device)
+    _tie_again(initializer, kept)
+    writers: dict[tuple[int, str], list[int]] = {}  # {slot key: indices of calls writing it}
+    for index, slots in enumerate(initializer.writes):
+        for slot in slots:
+            writers.setdefault(_key(slot), []).append(index)
+    for holders in initializer.groups:
+        targets = [
+            current
+            for module, kind, name in holders
+            if id(module) in kept
+            and (current := _current(module, name)) is not None
+            and not _is_stand_in(current)
+        ]
+        if not targets:
+            continue
+        first = holders[0]
+        stored = weights.name_in_file(initializer, holders) if weights is not None else None
+        if stored is not None:
+            for current in {id(t): t for t in targets}.values():
+                weights.read_into(stored, current)
+            continue
+        value = _replayed(initializer, writers.get(_key(first), []), starts, first)
+        if initializer.shapes[_key(first)][1] == torch.bool:
+            # no bool value marks one unwritten: replay from True too, and compare
+            again = _replayed(initializer, writers.get(_key(first), []), starts, first, True)
+            if value is not None and not torch.equal(value, again):
+                value = None
+        if value is None or _unwritten(value):
+            _refuse_unwritten(initializer, first)
+        for current in {id(t): t for t in targets}.values():  # a tie kept as one object
+            _fill(current, value)
+        del value  # before the next group's scratch: one module's tensors at a time
+    torch.set_rng_state(after)
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise MeshfitError(f"meshfit could not give {leftover[0]} storage on {device}")
+
+
+class WeightFiles:
+    """Pretrained weights in safetensors: one file, or a directory holding
+    model.safetensors or Hugging Face's shards with model.safetensors.index.json (what
+    save_pretrained and meshfit export write). Each tensor is read by the slice a rank
+    keeps (safe_open's get_slice), so no rank reads the whole model."""
+
+    INDEX = "model.safetensors.index.json"
+
+    def __init__(self, path: str) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise MeshfitError(
+                "weights= reads safetensors: pip install safetensors (or meshfit[export])"
+            ) from None
+        self.path = path
+        self._open = safe_open
+        if os.path.isdir(path):
+            index = os.path.join(path, self.INDEX)
+            single = os.path.join(path, "model.safetensors")
+            if os.path.isfile(index):
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            elif os.path.isfile(single):
+                self.files = dict.fromkeys(self._keys(single), single)
+            else:
+                raise MeshfitError(
+                    f"weights={path!r} holds neither model.safetensors nor {self.INDEX}; "
+                    f"give a .safetensors file or a directory save_pretrained wrote"
+                )
+        elif path.endswith(".safetensors") and os.path.isfile(path):
+            self.files = dict.fromkeys(self._keys(path), path)
+        else:
+            raise MeshfitError(
+                f"weights={path!r} is not a .safetensors file or a directory of them "
+                f"(model.safetensors, or shards with {self.INDEX})"
+            )
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(self.files.values())):
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
+
+    def _keys(self, file: str) -> list[str]:
+        with self._open(file, framework="pt") as f:
+            return list(f.keys())
+
+    def name_in_file(self, initializer: Initializer, holders: list[Slot]) -> str | None:
+        """The name under which the file holds the tensor of `holders` (a tied weight
+        under any of its names), or None."""
+        return next(
+            (n for slot in holders if (n := initializer.name_of(slot)) in self.shapes), None
+        )
+
+    def check(self, initializer: Initializer) -> None:
+        """Refuse, naming it, a tensor of the model the file lacks (a buffer that is not
+        saved is computed as usual), one the model lacks, or one of another shape."""
+        known = set()
+        for holders in initializer.groups:
+            names = [initializer.name_of(slot) for slot in holders]
+            known.update(names)
+            stored = self.name_in_file(initializer, holders)
+            if stored is None:
+                if any(_persistent(slot) for slot in holders):
+                    raise MeshfitError(
+                        f"weights={self.path!r} has no {names[0]!r}, which the model has; "
+                        f"load weights saved from this model (its state_dict names)"
+                    )
+                continue
+            shape, _, _ = initializer.shapes[_key(holders[0])]
+            if tuple(shape) != self.shapes[stored]:
+                raise MeshfitError(
+                    f"weights={self.path!r} holds {stored!r} of shape {self.shapes[stored]}, "
+                    f"and the model's is {tuple(shape)}; load weights of this model's config"
+                )
+        unexpected = sorted(set(self.shapes) - known)
+        if unexpected:
+            raise MeshfitError(
+                f"weights={self.path!r} holds {unexpected[0]!r}"
+                + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                + ", which the model does not have; load weights saved from this model"
+            )
+
+    def read_into(self, name: str, current: torch.Tensor) -> None:
+        """Copy this rank's part of tensor `name` into `current` (a DTensor: its local
+        shard, read as a slice of the file)."""
+        with self._open(self.files[name], framework="pt") as f, torch.no_grad():
+            if hasattr(current, "device_mesh"):
+                current.to_local().copy_(f.get_slice(name)[_local_window(current)])
+            else:
+                current.copy_(f.get_tensor(name))
+
+
+def _persistent(slot: Slot) -> bool:
+    module, kind, name = slot
+    return kind == "param" or name not in module._non_persistent_buffers_set
+
+
+def _replayed(
+    initializer: Initializer,
+    calls: list[int],
+    starts: list[torch.Tensor],
+    slot: Slot,
+    bool_start: bool = False,
+) -> torch.Tensor | None:
+    """The full value `slot` ends with: its writing `calls` made again, in order, each
+    from its recorded random-number state, on scratch tensors carried between them."""
+    scratch: dict[tuple[int, str], torch.Tensor] = {}
+    for index in calls:
+        torch.set_rng_state(starts[index])
+        _, fn, module = initializer.calls[index]
+        with _swapped(initializer, initializer.writes[index], scratch, bool_start):
+            fn(module)
+    return scratch.get(_key(slot))
+
+
+def _tie_again(initializer: Initializer, kept: set[int]) -> None:
+    """A parameter several modules hold (a tied LM head) is one object again: to_empty
+    gives each module a new Parameter of its own (from meta, torch cannot swap the data
+    in place), which would train the tied copies apart."""
+    for holders in initializer.groups:
+        held = [
+            (module, name)
+            for module, kind, name in holders
+            if kind == "param" and id(module) in kept and name in module._parameters
+        ]
+        if len(held) > 1:
+            first = held[0][0]._parameters[held[0][1]]
+            for module, name in held[1:]:
+                module._parameters[name] = first
+
+
+def _same_random_state() -> None:
+    """Every rank starts the calls from rank 0's random-number state."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    box = [torch.get_rng_state()]
+    dist.broadcast_object_list(box, src=0)
+    torch.set_rng_state(box[0])
+
+
+def _record_random_states(initializer: Initializer) -> list[torch.Tensor]:
+    """Make every call on scratch tensors, recording the random-number state before each:
+    the real run then replays the calls that write a tensor, alone."""
+    starts = []
+    for (_, fn, module), slots in zip(initializer.calls, initializer.writes, strict=True):
+        starts.append(torch.get_rng_state())
+        with _swapped(initializer, slots, {}):
+            fn(module)
+    return starts
+
+
+def _find_writes(model: nn.Module, initializer: Initializer) -> list[list[Slot]]:
+    """Which slots each call writes: its module's own, and any other it writes (found on
+    meta, each slot meanwhile holding a meta tensor of its own, so a write names it)."""
+    every = [slot for module in _post_order(model) for slot, _ in _own_slots(module)]
+    saved = {_key(slot): _table(slot[0], slot[1])[slot[2]] for slot in every}
+    stand_ins = {}
+    for slot in every:
+        module, kind, name = slot
+        original = saved[_key(slot)]
+        tensor = torch.empty_like(original, device="meta")
+        if kind == "param":
+            tensor = nn.Parameter(tensor, requires_grad=original.requires_grad)
+        _table(module, kind)[name] = tensor
+        stand_ins[tensor.untyped_storage()._cdata] = slot
+    writes = []
+    random_state = torch.get_rng_state()  # the calls below must not draw for the real run
+    try:
+        for _, fn, module in initializer.calls:
+            own = [slot for slot, _ in _own_slots(module)]
+            spy = _Writes(stand_ins)
+            with _swapped(initializer, own, {}), spy, torch.no_grad():
+                fn(module)
+            writes.append(own + [s for s in spy.slots if s not in own])
+    finally:
+        for slot in every:
+            _table(slot[0], slot[1])[slot[2]] = saved[_key(slot)]
+        torch.set_rng_state(random_state)
+    return writes
+
+
+class _Writes(TorchDispatchMode):
+    """Records the slots whose meta stand-ins an operation writes (in place)."""
+
+    def __init__(self, stand_ins: dict[int, Slot]) -> None:
+        super().__init__()
+        self.stand_ins = stand_ins
+        self.slots: list[Slot] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            for arg, spec in zip(args, schema.arguments, strict=False):
+                if isinstance(arg, torch.Tensor) and spec.alias_info and spec.alias_info.is_write:
+                    if arg.is_meta:
+                        slot = self.stand_ins.get(arg.untyped_storage()._cdata)
+                        if slot is not None and slot not in self.slots:
+                            self.slots.append(slot)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _swapped(
+    initializer: Initializer,
+    slots: list[Slot],
+    scratch: dict[tuple[int, str], torch.Tensor],
+    bool_start: bool = False,
+) -> Iterator[None]:
+    """The `slots` hold full-size CPU tensors meanwhile: those in `scratch` (carried
+    from call to call), else new ones filled with a value no initialisation writes (NaN;
+    the smallest integer; for a bool, `bool_start`), so one left unwritten shows."""
+    saved = []
+    for slot in slots:
+        module, kind, name = slot
+        key = _key(slot)
+        if key not in scratch:
+            shape, dtype, _ = initializer.shapes[key]
+            value = torch.empty(tuple(shape), dtype=dtype)
+            if dtype == torch.bool:
+                value.fill_(bool_start)
+            else:
+                value.fill_(float("nan") if value.is_floating_point() else _unwritten_int(dtype))
+            scratch[key] = value
+        # where the name is now: a pipeline stage holds a weight another stage trains as
+        # a stand-in buffer (pipeline/cut.py)
+        table = module._parameters if name in module._parameters else module._buffers
+        saved.append((table, name, table[name]))
+        value = scratch[key]
+        requires_grad = initializer.shapes[key][2]
+        as_param = table is module._parameters
+        table[name] = nn.Parameter(value, requires_grad=requires_grad) if as_param else value
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for table, name, tensor in saved:
+            table[name] = tensor
+
+
+def _unwritten_int(dtype: torch.dtype) -> int:
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _unwritten(value: torch.Tensor) -> bool:
+    if value.dtype == torch.bool:
+        return False  # compared between two starts instead (materialize)
+    if value.is_floating_point():
+        return bool(value.isnan().any())
+    return bool((value == _unwritten_int(value.dtype)).any())
+
+
+def _refuse_unwritten(initializer: Initializer, slot: Slot) -> None:
+    module = slot[0]
+    done = ", ".join(dict.fromkeys(what for what, _, m in initializer.calls if m is module))
+    raise MeshfitError(
+        f"{initializer.name_of(slot)} of a model built on meta gets no value from its "
+        f"initialisation ({done or 'nothing is called on its module'}): it is set when the "
+        f"model is built (a buffer computed in __init__, a parameter made with torch.ones), "
+        f"which on meta did not happen; pass init=fn(module) that sets it, or build the "
+        f"model on the CPU"
+    )
+
+
+def _fill(current: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's part of the full `value` into `current` (a DTensor's local
+    shard: a view of `value` at the shard's offsets, copied in place; no communication
+    and no second copy)."""
+    with torch.no_grad():
+        current_local = current
+        if hasattr(current, "device_mesh"):
+            value = value[_local_window(current)]
+            current_local = current.to_local()
+        current_local.copy_(value)
+
+
+def _local_window(current: torch.Tensor) -> tuple[slice, ...]:
+    """The slices of the full tensor that DTensor `current`'s local shard holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        current.shape, current.device_mesh, current.placements
+    )
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _key(slot: Slot) -> tuple[int, str]:
+    return id(slot[0]), slot[2]
+
+
+def _current(module: nn.Module, name: str) -> torch.Tensor | None:
+    """What `module` holds under `name` now (a parameter, or a stand-in buffer)."""
+    found = module._parameters.get(name)
+    return found if found is not None else module._buffers.get(name)
+
+
+def _table(module: nn.Module, kind: str) -> dict[str, Any]:
+    return module._parameters if kind == "param" else module._buffers
+
+
+def _own_slots(module: nn.Module) -> list[tuple[Slot, torch.Tensor]]:
+    found = [((module, "param", n), t) for n, t in module._parameters.items() if t is not None]
+    found += [((module, "buffer", n), t) for n, t in module._buffers.items() if t is not None]
+    return found
+
+
+def _is_stand_in(tensor: torch.Tensor) -> bool:
+    """A pipeline stage's stand-in for a weight another stage trains (pipeline/cut.py):
+    one zero broadcast to the weight's shape."""
+    return tensor.dim() > 0 and tensor.numel() > 1 and all(s == 0 for s in tensor.stride())
+
+
+def _remove_stand_ins(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The stand-ins, taken out while the model gets storage (an expanded tensor would
+    get full-size storage)."""
+    found = []
+    for module in model.modules():
+        for name, tensor in list(module._buffers.items()):
+            if tensor is not None and _is_stand_in(tensor):
+                found.append((module, name, tensor))
+                del module._buffers[name]
+    return found
+
+
+def _restore_stand_ins(
+    found: list[tuple[nn.Module, str, torch.Tensor]], device: torch.device
+) -> None:
+    for module, name, tensor in found:
+        zero = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+        module.register_buffer(name, zero, persistent=False)
+
+
+def _reset(module: nn.Module) -> None:
+    """What a layer's constructor runs: its reset_parameters, or for a library layer
+    that initialises inline, the same draws (_INLINE_INITS)."""
+    inline = _INLINE_INITS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    if inline is not None:
+        inline(module)
+        return
+    reset = getattr(type(module), "reset_parameters", None)
+    if callable(reset):
+        reset(module)
+
+
+def _conv1d_init(module: nn.Module) -> None:
+    nn.init.normal_(module.weight, std=0.02)  # transformers' Conv1D.__init__ (GPT-2)
+    nn.init.zeros_(module.bias)
+
+
+# Library layers whose constructors draw their initial values without reset_parameters.
+_INLINE_INITS: dict[str, InitFn] = {"transformers.pytorch_utils.Conv1D": _conv1d_init}
+
+
+def _post_order(model: nn.Module, skip: set[int] | None = None) -> list[nn.Module]:
+    """Every module once, children before their parent (Module.apply's order), leaving
+    out the subtrees of modules whose ids are in `skip`."""
+    seen: set[int] = set()
+    order: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if skip and id(module) in skip:
+            return
+        for child in module.children():
+            visit(child)
+        if id(module) not in seen:
+            seen.add(id(module))
+            order.append(module)
+
+    visit(model)
+    return order
+
+
+def _is_hugging_face(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _hugging_face_calls(model: nn.Module) -> list[Call]:
+    """A Hugging Face model's initialisation in its constructors' order: building each
+    module runs its reset_parameters; each PreTrainedModel's post_init then runs its
+    `_init_weights` on its modules, children first, except those a sub-model's own
+    post_init initialised already (the `_is_hf_initialized` flag); a sub-model is built
+    (and initialised) where it is registered."""
+    from transformers import PreTrainedModel
+
+    calls: list[Call] = []
+    nested: set[int] = set()
+    built: set[int] = set()  # a module registered twice is built once
+
+    def build(module: nn.Module) -> None:
+        built.add(id(module))
+        if module is not model and isinstance(module, PreTrainedModel):
+            calls.extend(_hugging_face_calls(module))
+            nested.update(id(m) for m in module.modules())
+            return
+        for child in module.children():
+            if id(child) not in built:
+                build(child)
+        calls.append(("reset_parameters", _reset, module))
+
+    build(model)
+
+    def hf_init(module: nn.Module) -> None:
+        model._init_weights(module)
+
+    hf_init.__name__ = f"{type(model).__name__}._init_weights"
+    calls += [(hf_init.__name__, hf_init, m) for m in _post_order(model, skip=nested)]
+    return calls
