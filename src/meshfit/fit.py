@@ -158,7 +158,8 @@ def fit(
 
     Other keywords go to `parallelize` as they are: optimizer, grad_clip, lr_scheduler,
     compile, tp_plan, pp_split, ... (see its docstring). example_inputs defaults to one
-    micro-batch of `dataset` under a pipeline plan. A keyword that neither fit nor
+    micro-batch of `dataset` under a pipeline plan (two samples of it under tensor
+    parallel, to trace the split on). A keyword that neither fit nor
     parallelize takes is refused before anything starts.
     """
     _check_parallelize_options(parallelize_options)
@@ -201,7 +202,7 @@ def fit(
     profile = auto.result.profile if auto is not None else None  # profiled once
     mfu_of = _mfu_meter(model, topology, train_data, reading, loss_fn, profile)  # before any split
     if "example_inputs" not in parallelize_options:
-        parallelize_options["example_inputs"] = _pipeline_example(
+        parallelize_options["example_inputs"] = _split_example(
             topology, train_data, batch_size, reading, model_loss=loss_fn == "model"
         )
     engine = parallelize(model, topology, loss_fn=loss_fn, **parallelize_options)
@@ -941,7 +942,7 @@ def _closed_loop_line(planned: dict[str, Any]) -> str:
     return "the planner's prediction against this run: " + "; ".join(parts)
 
 
-def _pipeline_example(
+def _split_example(
     topology: Topology, data: Dataset, batch_size: int, reading: Reading, *, model_loss: bool
 ) -> Any:
     """One micro-batch of inputs for a pipeline plan to count its blocks' FLOPs on (so
