@@ -3,6 +3,8 @@ cannot split."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import assert_same_run, check_against_one_process, make_spec
@@ -11,6 +13,7 @@ from workers import (
     TINY_GPT,
     balance_run,
     build,
+    dropout_tp_runs,
     engine_run,
     many_engine_runs,
     skewed_sequential,
@@ -108,6 +111,23 @@ def test_pipeline_stages_send_activations_that_are_not_contiguous() -> None:
     notes = " ".join(getattr(caught.value, "__notes__", []))
     assert "comes from meshfit's own code (meshfit/parallel/pipeline/schedule.py:" in notes
     assert "batch" not in str(caught.value)
+
+
+def test_dropout_under_tp_draws_the_same_masks_on_every_tp_rank() -> None:
+    """The tp ranks compute the same replicated activations, so their dropout must draw
+    the same masks: fit seeded each rank apart, and a script seeding by rank did too,
+    and the ranks' copies of every replicated weight drifted apart (pos_emb 19% after 3
+    steps: a different run). Control: each rank its own masks."""
+    specs = [
+        {"plan": "tp=2", "via": "fit"},
+        {"plan": "tp=2", "via": "engine"},
+        {"plan": "tp=2", "via": "fit", "unshared": True},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit_gap, engine_gap, control = mf.launch(dropout_tp_runs, nproc=2, args=(specs,))
+    assert fit_gap == (0.0, None) and engine_gap == (0.0, None)
+    assert control[0] > 1e-3, control
 
 
 def test_balanced_starts_is_optimal_on_known_costs() -> None:

@@ -1252,3 +1252,47 @@ def save_sharded_run(spec: dict, path: str) -> dict:
     engine.step(_meta_batch(spec["model"], 8, 0))
     written = engine.save_model(path, max_shard_size="20KB")
     return {"state": engine.full_state_dict(), "written": written}
+
+
+def dropout_tp_runs(specs: list[dict]) -> list[tuple[float, str | None]]:
+    """A GPT with dropout trained under spec["plan"] a few steps, through fit or the
+    engine (after seeding each process by its rank, as scripts often do); how far apart
+    the ranks' copies of a parameter ended (verify.replica_gap). spec["unshared"]: the
+    negative control, tp ranks drawing their own masks (as before issue 32's fix)."""
+    from unittest import mock
+
+    from meshfit.parallel import tensor
+    from meshfit.topology import Topology
+    from meshfit.verify import replica_gap
+
+    gaps = []
+    for spec in specs:
+        with contextlib.ExitStack() as stack:
+            if spec.get("unshared"):
+                stack.enter_context(
+                    mock.patch.object(tensor, "_share_random_state", lambda m: None)
+                )
+                own = property(lambda self: self.rank)
+                stack.enter_context(mock.patch.object(Topology, "random_stream", own))
+            model, loss_fn = build("gpt4_dropout")
+            if spec["via"] == "fit":
+                history = mf.fit(
+                    model,
+                    dataset("gpt4", 32),
+                    plan=spec["plan"],
+                    loss_fn=loss_fn,
+                    optimizer=optimizer_factory("sgd"),
+                    batch_size=8,
+                    max_steps=3,
+                    progress=False,
+                )
+                engine = history.engine
+            else:
+                torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
+                engine = mf.parallelize(
+                    model, spec["plan"], loss_fn=loss_fn, optimizer=optimizer_factory("sgd")
+                )
+                for step in range(3):
+                    engine.step(make_batch("gpt4", 8, step))
+            gaps.append(replica_gap(engine))
+    return gaps

@@ -679,8 +679,9 @@ def _resume(
 ) -> _Start:
     """Continue the run saved in `checkpoint_dir` if it holds a checkpoint: load the engine,
     restore this rank's RNG and read the history up to that step. Otherwise seed a new
-    run (each rank its own seed, so ranks draw different dropout masks, as separate
-    processes would)."""
+    run: each data shard and pipeline stage its own seed, so they draw different dropout
+    masks, as separate processes would; the ranks of a tensor-parallel group one seed,
+    as they compute the same replicated activations (Topology.random_stream)."""
     if checkpoint_dir and latest_checkpoint(checkpoint_dir):
         wanted = _hyperparameters(engine.optimizer)
         meta = engine.load(checkpoint_dir)
@@ -693,8 +694,9 @@ def _resume(
             changes.append(f"pipeline cut {_cut(meta['pipeline_cut'])} -> {_cut(cut)}")
         _restore_rng(meta.get("rank_state"))
         return _Start(step, history.read(step), meta["path"], changes)
-    torch.manual_seed(config.seed + engine.rank)
-    random.seed(config.seed + engine.rank)
+    stream = engine.topology.random_stream  # shared by a tensor-parallel group
+    torch.manual_seed(config.seed + stream)
+    random.seed(config.seed + stream)
     return _Start()
 
 

@@ -68,6 +68,16 @@ class Topology:
                     topology.batch_groups.append(mesh.get_group(name))
         return topology
 
+    @property
+    def random_stream(self) -> int:
+        """Which stream of random numbers (dropout) this rank draws: one per data shard
+        and pipeline stage. Ranks that differ only in their tensor-parallel place compute
+        the same replicated activations, so they must draw the same masks (with their own
+        masks the tp ranks' copies of every replicated weight drifted apart: a
+        different run)."""
+        pp_rank = self.mesh.get_local_rank("pp") if self.has("pp") else 0
+        return self.dp_rank * self.plan.pp + pp_rank
+
     def has(self, dim: str) -> bool:
         """Whether the mesh has the dimension `dim`."""
         return self.mesh is not None and dim in (self.mesh.mesh_dim_names or ())

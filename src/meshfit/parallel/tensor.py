@@ -998,6 +998,7 @@ def apply_tensor_parallel(
     # DTensor shards each weight from tp rank 0's copy (src_data_rank=0).
     parallelize_module(model, mesh, styles)
     _broadcast_replicated(model, mesh)
+    _share_random_state(mesh)
     if derivation is not None:
         _sum_gradients_over_tp(model, mesh, derivation.summed)
         if reference is not None:
@@ -1590,6 +1591,21 @@ def _broadcast_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
     for tensor in [*model.parameters(), *model.buffers()]:
         if not isinstance(tensor, DTensor):
             dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _share_random_state(mesh: DeviceMesh) -> None:
+    """Give every tp rank tp rank 0's random-number state (CPU, and the GPU's when one is
+    in use): the ranks compute the same replicated activations, so their dropout must
+    draw the same masks, whatever seed each process set (a script seeding by rank made
+    the tp ranks' copies of the replicated weights drift apart). `fit` seeds the same way
+    (Topology.random_stream)."""
+    group = mesh.get_group()
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if on_gpu else None]
+    dist.broadcast_object_list(states, src=dist.get_global_rank(group, 0), group=group)
+    torch.set_rng_state(states[0])
+    if on_gpu and states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
 
 
 def _is_strided(t: object) -> bool:
