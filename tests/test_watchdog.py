@@ -34,6 +34,17 @@ def test_stuck_rank_rules() -> None:
     assert stuck_ranks(waiting, frozen=[], world_size=2) == [0, 1]
     line = describe(waiting, [], 2, "/x")
     assert "every rank waits in training step 3" in line and "\n" not in line
+    # inside the step, one rank's main thread in user code: that rank, with the frame
+    user = {
+        0: _state(0, frame="train (t.py:3)", waits_in="backward (precision.py:64)"),
+        1: _state(1, frame="slow_loss (t.py:9)", in_user_code=True),
+    }
+    assert stuck_ranks(user, frozen=[], world_size=2) == [1]
+    line = describe(user, [], 2, "/x")
+    assert (
+        "rank 1 is in slow_loss (t.py:9), inside training step 3; rank 0 waits for it in "
+        "backward (precision.py:64) (12 s so far)"
+    ) in line
 
 
 def test_an_exited_rank_is_not_frozen() -> None:
@@ -87,6 +98,32 @@ def test_rank_busy_in_the_script_is_named_with_its_stack(tmp_path) -> None:
     stack = (tmp_path / "rank-1.txt").read_text()
     assert "slow_user_code" in stack  # the stuck rank's Python stack, saved
     assert (tmp_path / "rank-0.txt").exists()
+
+
+# (plan, where the rank stops inside step 3, the rank that stops: under pp the first
+# layer is on stage 0 and the loss on stage 1)
+INSIDE_A_STEP = [
+    (plan, where, 0 if (plan, where) == ("pp=2", "forward") else 1)
+    for plan in ("dp=2", "fsdp=2", "tp=2", "pp=2")
+    for where in ("forward", "loss")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan, where, rank", INSIDE_A_STEP)
+def test_a_rank_stuck_in_user_code_inside_a_step_is_named_with_its_frame(
+    tmp_path, plan, where, rank
+) -> None:
+    """Inside a step every rank is marked as waiting: the one whose main thread runs user
+    code (its model's forward, its loss) is named, with the frame, not "a collective does
+    not complete"; the other waits for it."""
+    with pytest.raises(mf.MeshfitError) as caught:
+        mf.launch(hang_run, nproc=2, args=(where, rank, str(tmp_path), 0, plan), hang_timeout=2)
+    line = str(caught.value)
+    assert f"hang detected: rank {rank} is in " in line, line
+    assert "slow_user_code (workers.py:" in line, line  # the innermost frame of user code
+    assert f"rank {1 - rank} waits for it" in line, line
+    assert "a collective does not complete" not in line
 
 
 def test_frozen_rank_is_named_and_killed(tmp_path) -> None:

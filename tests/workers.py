@@ -375,9 +375,12 @@ def _keep_busy() -> None:
     it takes) runs slowed and unevenly, as beside another job."""
     import threading
 
-    def spin() -> None:
+    def spin() -> None:  # in bursts: the rank is slowed and uneven, not stalled
         while True:
-            sum(range(10_000))
+            start = time.perf_counter()
+            while time.perf_counter() - start < 0.003:
+                sum(range(1_000))
+            time.sleep(0.007)
 
     threading.Thread(target=spin, daemon=True).start()
 
@@ -919,20 +922,39 @@ def slow_user_code(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def hang_run(how: str, stall_rank: int, dump_dir: str, collective_timeout_s: float = 0) -> int:
-    """dp=2 steps where `stall_rank` stops after step 2: `sleep` in the script (peers wait
-    in step 3), `stop` (SIGSTOP: frozen), or `both_sleep` (every rank busy in the script,
-    nobody waits: no hang); or `sleep_at_end`: 3 s in its own code after its last step,
-    its peers returned (no hang). Returns the steps taken."""
+def hang_run(
+    how: str, stall_rank: int, dump_dir: str, collective_timeout_s: float = 0, plan: str = "dp=2"
+) -> int:
+    """Steps under `plan` where `stall_rank` stops after step 2: `sleep` in the script
+    (peers wait in step 3), `stop` (SIGSTOP: frozen), or `both_sleep` (every rank busy in
+    the script, nobody waits: no hang); `sleep_at_end`: 3 s in its own code after its last
+    step, its peers returned (no hang); or inside step 3, in the model's forward
+    (`forward`: a hook of its first layer on that rank) or in `loss` (the loss function).
+    Returns the steps taken."""
     os.environ["MESHFIT_HANG_DIR"] = dump_dir
     if collective_timeout_s:
         os.environ["MESHFIT_TIMEOUT_S"] = str(collective_timeout_s)
-    model, loss_fn = build("mlp")
-    engine = mf.parallelize(model, "dp=2", loss_fn=loss_fn, optimizer=optimizer_factory("sgd"))
-    rank = engine.rank
+    model, loss_fn = build("deep_mlp")
+    calls = {"forward": 0, "loss": 0}
+    rank = int(os.environ.get("RANK", "0"))
+
+    def stall_inside(kind: str) -> None:
+        calls[kind] += 1
+        if how == kind and rank == stall_rank and calls[kind] == 3:
+            with open(os.path.join(dump_dir, f"stalled-{rank}"), "w") as f:
+                f.write(repr(time.time()))
+            slow_user_code(60)
+
+    def loss(outputs, targets):
+        stall_inside("loss")
+        return loss_fn(outputs, targets)
+
+    model[0].register_forward_hook(lambda *_: stall_inside("forward"))
+    engine = mf.parallelize(model, plan, loss_fn=loss, optimizer=optimizer_factory("sgd"))
     for step in range(4):
-        engine.step(make_batch("mlp", 8, step))
-        stalls = rank == stall_rank or how == "both_sleep"
+        engine.step(make_batch("deep_mlp", 8, step))
+        in_script = how in ("sleep", "stop", "both_sleep", "sleep_at_end")
+        stalls = in_script and (rank == stall_rank or how == "both_sleep")
         if stalls and step == (3 if how == "sleep_at_end" else 1):
             with open(os.path.join(dump_dir, f"stalled-{rank}"), "w") as f:
                 f.write(repr(time.time()))  # when the stall began, for the test's clock

@@ -164,6 +164,7 @@ def materialize(
     for index, slots in enumerate(initializer.writes):
         for slot in slots:
             writers.setdefault(_key(slot), []).append(index)
+    problem = ""
     for holders in initializer.groups:
         targets = [
             current
@@ -187,14 +188,28 @@ def materialize(
             if value is not None and not torch.equal(value, again):
                 value = None
         if value is None or _unwritten(value):
-            _refuse_unwritten(initializer, first)
+            problem = problem or _unwritten_line(initializer, first)
+            continue
         for current in {id(t): t for t in targets}.values():  # a tie kept as one object
             _fill(current, value)
         del value  # before the next group's scratch: one module's tensors at a time
     torch.set_rng_state(after)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftover:
-        raise MeshfitError(f"meshfit could not give {leftover[0]} storage on {device}")
+    if leftover and not problem:
+        problem = f"meshfit could not give {leftover[0]} storage on {device}"
+    problem = _on_every_rank(problem)
+    if problem:
+        raise MeshfitError(problem)
+
+
+def _on_every_rank(problem: str) -> str:
+    """The first rank's problem on every rank (a rank that keeps the unwritten tensor
+    finds it; the others must refuse too, not wait for it in a collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return problem
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), "")
 
 
 class WeightFiles:
@@ -451,10 +466,10 @@ def _unwritten(value: torch.Tensor) -> bool:
     return bool((value == _unwritten_int(value.dtype)).any())
 
 
-def _refuse_unwritten(initializer: Initializer, slot: Slot) -> None:
+def _unwritten_line(initializer: Initializer, slot: Slot) -> str:
     module = slot[0]
     done = ", ".join(dict.fromkeys(what for what, _, m in initializer.calls if m is module))
-    raise MeshfitError(
+    return (
         f"{initializer.name_of(slot)} of a model built on meta gets no value from its "
         f"initialisation ({done or 'nothing is called on its module'}): it is set when the "
         f"model is built (a buffer computed in __init__, a parameter made with torch.ones), "

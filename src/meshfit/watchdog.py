@@ -12,6 +12,9 @@ stuck:
   driver call) - it is killed if it runs on this host, since it cannot exit by itself;
 - else ranks outside any waiting phase: busy in the training script (its loop, its own
   data loading) while their peers wait for them;
+- else, inside a phase, ranks whose main thread runs user code (the model's forward, the
+  loss, a metric: the innermost frame outside the standard library is neither torch's
+  nor meshfit's) while the others wait in meshfit or torch: named with that frame;
 - else ranks that wait in an earlier step or another phase than the rest;
 - else every rank: all wait in the same phase, so a collective never completes.
 
@@ -93,6 +96,12 @@ class RankState:
     stalled_s: float
     host: str
     pid: int
+    # Where the main thread is: the innermost frame of user code ("loss (train.py:9)"),
+    # and whether that is the innermost frame at all (user code runs, or blocks in a
+    # call of its own) rather than meshfit's or torch's (a collective, a kernel).
+    frame: str = ""
+    in_user_code: bool = False
+    waits_in: str = ""  # the innermost frame of meshfit's, when it is there
 
 
 # `doing` is a noun phrase read after "in": "training step 3", "the training script after
@@ -314,6 +323,7 @@ class _Watchdog(threading.Thread):
     def _own_state(self) -> RankState:
         with _lock:
             current, since = _current, _since
+        frame, in_user_code, waits_in = main_thread_place()
         return RankState(
             rank=self.rank,
             beat=self.beat,
@@ -325,6 +335,9 @@ class _Watchdog(threading.Thread):
             stalled_s=round(time.monotonic() - since, 1),
             host=self.host,
             pid=os.getpid(),
+            frame=frame,
+            in_user_code=in_user_code,
+            waits_in=waits_in,
         )
 
     def _allowed(self, kind: str) -> float:
@@ -418,6 +431,42 @@ def frozen_ranks(
     ]
 
 
+_STDLIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(contextlib.__file__)))
+_MESHFIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def main_thread_place() -> tuple[str, bool, str]:
+    """(innermost frame of user code as "function (file:line)", whether the main thread
+    is in user code right now, meshfit's innermost frame as "function (file:line)").
+    Frames of the standard library (a sleep, a lock) count as their caller's; torch's
+    and meshfit's are not the user's (a collective, the engine)."""
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main) if main is not None else None
+    user, ours, innermost = "", "", None
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        kind = _kind_of(filename)
+        if kind != "stdlib":
+            where = f"{frame.f_code.co_name} ({os.path.basename(filename)}:{frame.f_lineno})"
+            innermost = innermost or kind
+            if kind == "user" and not user:
+                user = where
+            if kind == "meshfit" and not ours:
+                ours = where
+        frame = frame.f_back
+    return user, innermost == "user", ours
+
+
+def _kind_of(filename: str) -> str:
+    if filename.startswith(_MESHFIT_DIR):
+        return "meshfit"
+    if f"{os.sep}torch{os.sep}" in filename or f"{os.sep}site-packages{os.sep}torch" in filename:
+        return "torch"
+    if filename.startswith(_STDLIB_DIR) and "site-packages" not in filename:
+        return "stdlib"
+    return "user"
+
+
 def stuck_ranks(states: dict[int, RankState], frozen: list[int], world_size: int) -> list[int]:
     """Who holds the others up (the rules in the module docstring)."""
     if frozen:
@@ -425,6 +474,11 @@ def stuck_ranks(states: dict[int, RankState], frozen: list[int], world_size: int
     busy = [r for r, s in states.items() if not s.waiting]
     if busy:
         return busy
+    # Inside a step every rank is marked waiting; one running user code (its forward,
+    # its loss, a callback) while the others wait in meshfit or torch holds them up.
+    in_user = [r for r, s in states.items() if s.in_user_code]
+    if in_user and len(in_user) < len(states):
+        return in_user
     waiting = [s for s in states.values() if s.waiting]
     furthest = max((s.step, s.kind) for s in waiting)
     behind = [s.rank for s in waiting if (s.step, s.kind) != furthest]
@@ -453,11 +507,18 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
                 )
             elif s.kind == EXITED:
                 parts.append(f"rank {r} has exited (its script ended)")
+            elif s.in_user_code and s.waiting:  # how long: the waiters say (below)
+                parts.append(f"rank {r} is in {s.frame}, inside {s.doing}")
             else:
-                parts.append(f"rank {r} has been in {s.doing} for {s.stalled_s:.0f} s")
+                inside = f" (in {s.frame})" if s.frame and s.in_user_code else ""
+                parts.append(f"rank {r} has been in {s.doing}{inside} for {s.stalled_s:.0f} s")
         who = "rank" if len(waiters) == 1 else "ranks"
         verb = "waits" if len(waiters) == 1 else "wait"
-        wait = f"; {who} {', '.join(map(str, waiters))} {verb} for it" if waiters else ""
+        place = {states[r].waits_in for r in waiters} if waiters else set()
+        at = f" in {place.pop()}" if len(place) == 1 and "" not in place else ""
+        waited = max((states[r].stalled_s for r in waiters), default=0.0)
+        took = f" ({waited:.0f} s so far)" if any(states[r].in_user_code for r in stuck) else ""
+        wait = f"; {who} {', '.join(map(str, waiters))} {verb} for it{at}{took}" if waiters else ""
         what = "; ".join(parts) + wait
     return (
         f"hang detected: {what}. Python stacks of the live ranks: {where}/rank-*.txt. "
