@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from workers import hang_run
+from workers import hang_fit, hang_run
 
 import meshfit as mf
 from meshfit import watchdog
@@ -65,6 +65,18 @@ def test_an_exited_rank_is_not_frozen() -> None:
     assert dog._gone({"host": here, "pid": int(ended.stdout)})
     assert not dog._gone({"host": here, "pid": os.getppid()})  # alive
     assert not dog._gone({"host": "elsewhere", "pid": int(ended.stdout)})  # cannot tell
+
+
+def test_stale_hang_directories_in_the_temp_directory_are_removed(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(watchdog.tempfile, "tempdir", str(tmp_path))
+    old, fresh, other = (tmp_path / n for n in ("meshfit-hangs-a", "meshfit-hangs-b", "keep-me"))
+    for path in (old, fresh, other):
+        path.mkdir()
+    week_ago = time.time() - watchdog.STALE_HANG_DIR_S - 60
+    os.utime(old, (week_ago, week_ago))
+    os.utime(other, (week_ago, week_ago))
+    assert watchdog.remove_stale_hang_dirs(keep=str(tmp_path / "meshfit-hangs-c")) == [str(old)]
+    assert fresh.exists() and other.exists() and not old.exists()
 
 
 def test_phase_marks_and_margin() -> None:
@@ -124,6 +136,30 @@ def test_a_rank_stuck_in_user_code_inside_a_step_is_named_with_its_frame(
     assert "slow_user_code (workers.py:" in line, line  # the innermost frame of user code
     assert f"rank {1 - rank} waits for it" in line, line
     assert "a collective does not complete" not in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["dp=2", "fsdp=2", "tp=2", "pp=2"])
+def test_a_rank_stuck_between_steps_is_named_with_its_frame(tmp_path, plan) -> None:
+    """In fit, between steps: a rank loading a sample, or in a callback, is named with
+    the frame of its own code while the other waits in the next step."""
+    for how in ("data", "callback"):
+        with pytest.raises(mf.MeshfitError) as caught:
+            mf.launch(hang_fit, nproc=2, args=(how, 1, str(tmp_path / how), plan), hang_timeout=2)
+        line = str(caught.value)
+        assert (
+            "hang detected: rank 1 has been in the training script after training step" in line
+        ), line
+        assert "(in slow_user_code (workers.py:" in line and "rank 0 waits for it" in line, line
+
+
+@pytest.mark.slow
+def test_a_collective_one_rank_calls_alone_is_named_as_a_mismatch(tmp_path) -> None:
+    with pytest.raises(mf.MeshfitError) as caught:
+        mf.launch(hang_run, nproc=2, args=("mismatch", 1, str(tmp_path)), hang_timeout=2)
+    line = str(caught.value)
+    assert "rank 1 waits in all_reduce called by hang_run (workers.py:" in line, line
+    assert "mismatched calls across ranks" in line and "rank 0 waits for it" in line, line
 
 
 def test_frozen_rank_is_named_and_killed(tmp_path) -> None:

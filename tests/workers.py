@@ -951,8 +951,13 @@ def hang_run(
 
     model[0].register_forward_hook(lambda *_: stall_inside("forward"))
     engine = mf.parallelize(model, plan, loss_fn=loss, optimizer=optimizer_factory("sgd"))
+    # a group of its own for the mismatch: on the engine's groups a lone collective
+    # meets the peers' next one of another size (an error, not a hang)
+    extra = torch.distributed.new_group() if how == "mismatch" else None
     for step in range(4):
         engine.step(make_batch("deep_mlp", 8, step))
+        if how == "mismatch" and rank == stall_rank and step == 1:
+            torch.distributed.all_reduce(torch.zeros(1), group=extra)  # its peers skip it
         in_script = how in ("sleep", "stop", "both_sleep", "sleep_at_end")
         stalls = in_script and (rank == stall_rank or how == "both_sleep")
         if stalls and step == (3 if how == "sleep_at_end" else 1):
@@ -963,6 +968,42 @@ def hang_run(
             else:
                 slow_user_code(60 if how == "sleep" else 3)
     return engine.step_count
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    """The deep_mlp's samples; on rank `stall_rank`, sample `at` takes a minute to load."""
+
+    def __init__(self, stall_rank: int, at: int, dump_dir: str) -> None:
+        self.x, self.y = make_batch("deep_mlp", 64, 0)
+        self.stall_rank, self.at, self.dump_dir = stall_rank, at, dump_dir
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        if i == self.at and int(os.environ.get("RANK", "0")) == self.stall_rank:
+            slow_user_code(60)
+        return self.x[i], self.y[i]
+
+
+def hang_fit(how: str, stall_rank: int, dump_dir: str, plan: str) -> int:
+    """mf.fit under `plan` where `stall_rank` stops in its own code between steps: in
+    `data` loading (a sample of step 3) or in a `callback` after step 2."""
+    os.environ["MESHFIT_HANG_DIR"] = dump_dir
+    model, loss_fn = build("deep_mlp")
+    rank = int(os.environ.get("RANK", "0"))
+
+    def callback(step: int, engine) -> None:
+        if how == "callback" and rank == stall_rank and step == 2:
+            slow_user_code(60)
+
+    # sample 44: in step 6's batch (40-47), on rank 1 also when dp splits it (44-47)
+    data = SlowSamples(stall_rank, 44 if how == "data" else -1, dump_dir)
+    history = mf.fit(
+        model, data, plan=plan, loss_fn=loss_fn, batch_size=8, max_steps=6, shuffle=False,
+        progress=False, callbacks=[callback], optimizer=optimizer_factory("sgd"),
+    )  # fmt: skip
+    return len(history)
 
 
 def resume_runs(specs: list[dict], dirs: list[str]) -> list[dict]:

@@ -102,6 +102,7 @@ class RankState:
     frame: str = ""
     in_user_code: bool = False
     waits_in: str = ""  # the innermost frame of meshfit's, when it is there
+    collective: str = ""  # the torch.distributed call the main thread is in, if any
 
 
 # `doing` is a noun phrase read after "in": "training step 3", "the training script after
@@ -175,6 +176,9 @@ def hang_timeout() -> float:
     return value
 
 
+STALE_HANG_DIR_S = 7 * 24 * 3600  # temp hang directories older than this are removed
+
+
 def dump_dir() -> str:
     if _dump_dir:
         return os.path.join(_dump_dir, "hangs")
@@ -182,6 +186,32 @@ def dump_dir() -> str:
         return os.environ[HANG_DIR_ENV]
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     return os.path.join(tempfile.gettempdir(), f"meshfit-hangs-{run}")
+
+
+def remove_stale_hang_dirs(keep: str, now: float | None = None) -> list[str]:
+    """Remove the temp directory's meshfit-hangs-* directories (a run's stacks, when it
+    had no checkpoint directory) older than STALE_HANG_DIR_S, except `keep`: they piled
+    up, one per run that hung. Returns what was removed."""
+    import shutil
+
+    now = time.time() if now is None else now
+    removed = []
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        if not name.startswith("meshfit-hangs-") or os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        try:
+            if now - os.path.getmtime(path) > STALE_HANG_DIR_S:
+                shutil.rmtree(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 def start(rank: int, world_size: int) -> None:
@@ -323,7 +353,7 @@ class _Watchdog(threading.Thread):
     def _own_state(self) -> RankState:
         with _lock:
             current, since = _current, _since
-        frame, in_user_code, waits_in = main_thread_place()
+        frame, in_user_code, waits_in, collective = main_thread_place()
         return RankState(
             rank=self.rank,
             beat=self.beat,
@@ -338,6 +368,7 @@ class _Watchdog(threading.Thread):
             frame=frame,
             in_user_code=in_user_code,
             waits_in=waits_in,
+            collective=collective,
         )
 
     def _allowed(self, kind: str) -> float:
@@ -406,6 +437,8 @@ def write_stack(rank: int) -> str | None:
     """This process's Python stacks (all threads) into the hang directory."""
     where = dump_dir()
     path = os.path.join(where, f"rank-{rank}.txt")
+    if os.path.dirname(os.path.abspath(where)) == os.path.abspath(tempfile.gettempdir()):
+        remove_stale_hang_dirs(keep=where)
     try:
         os.makedirs(where, exist_ok=True)
         with open(path, "w") as f:
@@ -435,26 +468,30 @@ _STDLIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(contextlib.__file_
 _MESHFIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def main_thread_place() -> tuple[str, bool, str]:
+def main_thread_place() -> tuple[str, bool, str, str]:
     """(innermost frame of user code as "function (file:line)", whether the main thread
-    is in user code right now, meshfit's innermost frame as "function (file:line)").
-    Frames of the standard library (a sleep, a lock) count as their caller's; torch's
-    and meshfit's are not the user's (a collective, the engine)."""
+    is in user code right now, meshfit's innermost frame as "function (file:line)", the
+    torch.distributed call it is in when that is the innermost frame). Frames of the
+    standard library (a sleep, a lock) count as their caller's; torch's and meshfit's
+    are not the user's (a collective, the engine)."""
     main = threading.main_thread().ident
     frame = sys._current_frames().get(main) if main is not None else None
-    user, ours, innermost = "", "", None
+    user, ours, innermost, collective = "", "", None, ""
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         kind = _kind_of(filename)
         if kind != "stdlib":
             where = f"{frame.f_code.co_name} ({os.path.basename(filename)}:{frame.f_lineno})"
-            innermost = innermost or kind
+            if innermost is None:
+                innermost = kind
+                if kind == "torch" and f"{os.sep}distributed{os.sep}" in filename:
+                    collective = frame.f_code.co_name
             if kind == "user" and not user:
                 user = where
             if kind == "meshfit" and not ours:
                 ours = where
         frame = frame.f_back
-    return user, innermost == "user", ours
+    return user, innermost == "user", ours, collective
 
 
 def _kind_of(filename: str) -> str:
@@ -509,6 +546,12 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
                 parts.append(f"rank {r} has exited (its script ended)")
             elif s.in_user_code and s.waiting:  # how long: the waiters say (below)
                 parts.append(f"rank {r} is in {s.frame}, inside {s.doing}")
+            elif s.collective and not s.waiting:  # the script's own collective
+                parts.append(
+                    f"rank {r} waits in {s.collective} called by {s.frame or 'its script'} "
+                    f"outside a step, which its peers do not call (mismatched calls across "
+                    f"ranks)"
+                )
             else:
                 inside = f" (in {s.frame})" if s.frame and s.in_user_code else ""
                 parts.append(f"rank {r} has been in {s.doing}{inside} for {s.stalled_s:.0f} s")
