@@ -47,6 +47,50 @@ def test_stuck_rank_rules() -> None:
     ) in line
 
 
+def test_a_rank_frozen_before_its_first_heartbeat_is_named() -> None:
+    # SIGSTOP while a rank still imports torch: it never published a state. Describing
+    # it raised KeyError inside the watchdog thread, which ended detection silently and
+    # left the job hanging (seen in CI's fault campaign: "stop rank 0 at 3.81 s -> HANG").
+    alone = {1: _state(1, kind="setup", doing="setup (process group, model)", stalled_s=61)}
+    assert watchdog.frozen_ranks(alone, alone, world_size=2, me=1) == [0]
+    line = describe(alone, [0], 2, "/x")
+    assert "rank 0 never sent a heartbeat" in line and "rank 1 waits for it" in line, line
+
+
+class _DictStore:
+    """The few TCPStore calls the watchdog makes, on a dict."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.keys[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key].encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.keys for k in keys)
+
+    def compare_set(self, key: str, expected: str, value: str) -> None:
+        if self.keys.get(key, "") == expected:
+            self.keys[key] = value
+
+
+def test_the_watchdog_publishes_a_verdict_on_a_peer_that_never_started(monkeypatch) -> None:
+    # The thread's own path, not only the wording: rank 1 waits in setup for 100 s and
+    # rank 0 never published a heartbeat; the verdict must be published and obeyed.
+    monkeypatch.setattr(watchdog, "_since", time.monotonic() - 100)
+    obeyed = []
+    monkeypatch.setattr(watchdog._Watchdog, "_obey", lambda self, verdict: obeyed.append(verdict))
+    store = _DictStore()
+    dog = watchdog._Watchdog(store, rank=1, world_size=2, timeout=1.0)
+    dog._publish()
+    dog._diagnose()
+    assert obeyed and "rank 0 never sent a heartbeat" in obeyed[0]["line"], obeyed
+    assert obeyed[0]["frozen"] == []  # no pid to kill: the launcher stops it
+
+
 def test_an_exited_rank_is_not_frozen() -> None:
     before = {0: _state(0), 1: _state(1, kind="exited", doing="its exit", waiting=False)}
     after = {0: _state(0, beat=6), 1: before[1]}

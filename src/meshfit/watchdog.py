@@ -394,9 +394,17 @@ class _Watchdog(threading.Thread):
         own = self._own_state()
         if not frozen and not (own.waiting and own.stalled_s > self._allowed(own.kind)):
             return  # progress was made meanwhile
+        try:
+            line = describe(second, frozen, self.world_size, dump_dir())
+        except Exception as exc:  # noqa: BLE001 - a fault in the wording must not end detection
+            line = (
+                f"hang detected: rank {self.rank} has waited {own.stalled_s:.0f} s in "
+                f"{own.doing}; unresponsive ranks: {frozen or 'none'} (meshfit could not "
+                f"describe the ranks' states: {exc!r}). Python stacks: {dump_dir()}/rank-*.txt"
+            )
         verdict = {
             "reporter": self.rank,
-            "line": describe(second, frozen, self.world_size, dump_dir()),
+            "line": line,
             "frozen": [[r, second[r].host, second[r].pid] for r in frozen if r in second],
         }
         # Only the first verdict counts (compare_set sets a missing key when expected is "").
@@ -538,10 +546,16 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
         for r in stuck:
             s = states.get(r)
             if r in frozen:
-                since = f", last seen in {s.doing}" if s else ""
-                parts.append(
-                    f"rank {r} stopped responding (no heartbeat: the process is frozen or stopped{since})"
-                )
+                if s is None:  # frozen (or still importing) before its watchdog started
+                    parts.append(
+                        f"rank {r} never sent a heartbeat (the process is frozen or stopped, "
+                        f"or still starting)"
+                    )
+                else:
+                    parts.append(
+                        f"rank {r} stopped responding (no heartbeat: the process is frozen "
+                        f"or stopped, last seen in {s.doing})"
+                    )
             elif s.kind == EXITED:
                 parts.append(f"rank {r} has exited (its script ended)")
             elif s.in_user_code and s.waiting:  # how long: the waiters say (below)
@@ -560,7 +574,8 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
         place = {states[r].waits_in for r in waiters} if waiters else set()
         at = f" in {place.pop()}" if len(place) == 1 and "" not in place else ""
         waited = max((states[r].stalled_s for r in waiters), default=0.0)
-        took = f" ({waited:.0f} s so far)" if any(states[r].in_user_code for r in stuck) else ""
+        in_user = any(r in states and states[r].in_user_code for r in stuck)
+        took = f" ({waited:.0f} s so far)" if in_user else ""
         wait = f"; {who} {', '.join(map(str, waiters))} {verb} for it{at}{took}" if waiters else ""
         what = "; ".join(parts) + wait
     return (
