@@ -42,7 +42,7 @@ def _local_numel(engine: mf.Engine) -> int:
 def compare(config: GPTConfig, rounds: int, steps: int, batch_size: int) -> dict:
     torch.set_num_threads(1)
     split, batch = warm_gpt_engine(config, "tp=2", batch_size)
-    with mock.patch("meshfit.parallel.tensor.gathered_heads", lambda *a, **k: ({}, {})):
+    with mock.patch("meshfit.parallel.tensor.apply.gathered_heads", lambda *a, **k: ({}, {})):
         whole, _ = warm_gpt_engine(config, "tp=2", batch_size)
     times: dict[str, list[float]] = {"split": [], "whole": []}
     for _ in range(rounds):

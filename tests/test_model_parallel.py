@@ -383,7 +383,7 @@ def test_tp_plan_is_derived_from_the_computation_for_transformer_families() -> N
     pytest.importorskip("transformers")
     from workers import build_lm
 
-    from meshfit.parallel.tensor import _derive
+    from meshfit.parallel.tensor.derive import _derive
 
     gpt2 = build_lm("gpt2")
     plan, share = _derived(gpt2)
@@ -503,7 +503,8 @@ def test_tp_splits_every_experts_mlp_of_a_mixture_of_experts() -> None:
     pytest.importorskip("transformers")
     from zoo import hf_mixtral
 
-    from meshfit.parallel.tensor import _derive, tp_share
+    from meshfit.parallel.tensor import tp_share
+    from meshfit.parallel.tensor.derive import _derive
 
     layer = "model.layers.1.mlp"
     for implementation in ("grouped_mm", "eager"):

@@ -72,6 +72,8 @@ def test_every_product_of_degrees_is_built_and_clashing_options_are_refused() ->
         Plan(tp=2, reshard_after_forward=False),
         Plan(pp=2, schedule="zero-bubble"),
         Plan(dp=1, tp=2, pp=2, schedule="zero-bubble"),
+        Plan(pp=2, microbatches=1, schedule="gpipe"),
+        Plan(pp=2, microbatches=4, schedule="interleaved-1f1b"),
     ):  # dp unresolved: checked later
         plan.validate()
     refused = {
@@ -82,6 +84,11 @@ def test_every_product_of_degrees_is_built_and_clashing_options_are_refused() ->
         Plan(dp=2, tp=2, precision="fp16"): "FSDP2",
         Plan(dp=2, pp=2, schedule="zero-bubble"): "use schedule='interleaved-1f1b'",
         Plan(fsdp=2, pp=2, schedule="zero-bubble"): "partial gradients",
+        # the schedules' micro-batch counts: refused with the plan, before any worker builds
+        Plan(pp=2, microbatches=1): "use microbatches=2 or more, or schedule='gpipe'",
+        Plan(pp=4, microbatches=3, schedule="1f1b"): "at least as many micro-batches",
+        Plan(pp=2, microbatches=3, schedule="interleaved-1f1b"): "use microbatches=2",
+        Plan(pp=2, microbatches=5, schedule="zero-bubble", dp=1): "multiple of pp=2",
     }
     for plan, message in refused.items():
         with pytest.raises(MeshfitError, match=message):

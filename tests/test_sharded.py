@@ -35,6 +35,11 @@ def test_fsdp_matches_one_process_with_a_zero3_share_of_the_state(nproc: int) ->
         ]
     got = mf.launch(fsdp_checks, nproc=nproc, args=(specs, plan))
     check_against_one_process(specs, got["runs"])
+    # gradient accumulation: each FSDP unit reduce-scatters once per step, after the last
+    # micro-batch (FSDPGradientSync defers the others'), not once per micro-batch
+    accumulated = got["runs"][2]
+    assert accumulated["fsdp_units"] >= 3
+    assert accumulated["reduce_scatters_last_step"] == accumulated["fsdp_units"], accumulated
     # params, gradients and AdamW state per rank = the whole / N (ZeRO-3), within 5%
     whole = memory_run("dp=1")
     for kind in ("parameters", "gradients", "optimizer"):

@@ -522,7 +522,7 @@ def balance_run(measured: bool) -> dict:
         example_inputs=x[:64] if measured else None,
     )
     losses = [float(engine.step((x, torch.zeros(256, 64)))) for _ in range(2)]
-    pipe = engine.pipeline
+    pipe = engine.runner
     return {
         "starts": pipe.starts,
         "costs": pipe.costs,
@@ -868,7 +868,7 @@ def lm_run(spec: dict) -> dict:
     if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
         engine.model_loss.sums = False
     if spec.get("tied_unsummed"):  # negative control: tied copies under pp apart
-        engine.pipeline.tied.sum_gradients = lambda: None
+        engine.runner.tied.sum_gradients = lambda: None
     losses = [
         float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
         for step in range(spec.get("steps", 3))
@@ -878,9 +878,7 @@ def lm_run(spec: dict) -> dict:
         engine.save(spec["save"])
     result = {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
     if engine.plan.tp > 1:  # what fit's start-up line says tp split
-        from meshfit.parallel.tensor import describe_tp
-
-        result["tp_split"] = describe_tp(engine.user_model)
+        result["tp_split"] = engine.tp_report and engine.tp_report.describe()
     return result
 
 
@@ -891,12 +889,12 @@ def _tp_gradients_unsummed(check: bool):
     the backward check that refuses such a split."""
     from unittest import mock
 
-    from meshfit.parallel import tensor
+    from meshfit.parallel.tensor import apply, derive
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(tensor, "_partial_gradients", lambda *_: []))
+        stack.enter_context(mock.patch.object(derive, "_partial_gradients", lambda *_: []))
         if not check:
-            stack.enter_context(mock.patch.object(tensor, "_check_gradients", lambda *_: None))
+            stack.enter_context(mock.patch.object(apply, "_check_gradients", lambda *_: None))
         yield
 
 
@@ -1324,7 +1322,7 @@ def dropout_tp_runs(specs: list[dict]) -> list[tuple[float, str | None]]:
     negative control, tp ranks drawing their own masks (as before issue 32's fix)."""
     from unittest import mock
 
-    from meshfit.parallel import tensor
+    from meshfit.parallel.tensor import apply
     from meshfit.topology import Topology
     from meshfit.verify import replica_gap
 
@@ -1332,9 +1330,7 @@ def dropout_tp_runs(specs: list[dict]) -> list[tuple[float, str | None]]:
     for spec in specs:
         with contextlib.ExitStack() as stack:
             if spec.get("unshared"):
-                stack.enter_context(
-                    mock.patch.object(tensor, "_share_random_state", lambda m: None)
-                )
+                stack.enter_context(mock.patch.object(apply, "_share_random_state", lambda m: None))
                 own = property(lambda self: self.rank)
                 stack.enter_context(mock.patch.object(Topology, "random_stream", own))
             model, loss_fn = build("gpt4_dropout")

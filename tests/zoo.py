@@ -311,9 +311,7 @@ def zoo_run(spec: dict) -> dict:
         state = {str(i): v for i, v in enumerate(state.values())}
     result = {"losses": losses, "state": state}
     if engine.plan.tp > 1:  # what fit's start-up line says tp split
-        from meshfit.parallel.tensor import describe_tp
-
-        result["tp_split"] = describe_tp(engine.user_model)
+        result["tp_split"] = engine.tp_report and engine.tp_report.describe()
     return result
 
 
@@ -327,9 +325,9 @@ def _experts_split_as_one_block() -> Iterator[None]:
     split as one block (rank 0 all of gate, rank 1 all of up) instead of per chunk."""
     from unittest import mock
 
-    from meshfit.parallel import tensor
+    from meshfit.parallel.tensor import apply
 
-    derived = tensor._weight_styles
+    derived = apply._weight_styles
 
     def one_block(derivation: Any) -> dict:
         styles = derived(derivation)
@@ -337,7 +335,7 @@ def _experts_split_as_one_block() -> Iterator[None]:
             style.weights = {n: (k, d, 1) for n, (k, d, _) in style.weights.items()}
         return styles
 
-    with mock.patch.object(tensor, "_weight_styles", one_block):
+    with mock.patch.object(apply, "_weight_styles", one_block):
         yield
 
 

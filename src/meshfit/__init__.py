@@ -11,13 +11,14 @@ from meshfit.callbacks import (
     LearningRateMonitor,
     TensorBoardLogger,
 )
-from meshfit.engine import Engine, parallelize
+from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
 from meshfit.fit import History, fit
 from meshfit.inference import predict
 from meshfit.launch import WorkerError, launch
 from meshfit.placement import place
 from meshfit.plan import Plan
+from meshfit.prepare import parallelize
 from meshfit.verify import VerifyReport, verify
 from meshfit.wandb_logger import WandbLogger
 

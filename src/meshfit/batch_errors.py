@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshfit.errors import MeshfitError
+from meshfit.trees import tensors_in
 
 # What a model or loss raises on input it cannot take. Not collectives' errors
 # (DistBackendError, a RuntimeError): those are about peers, not the batch.
@@ -126,3 +128,55 @@ def describe(tree: Any, depth: int = 0) -> str:
         items = [describe(v, depth + 1) for v in tree[:4]]
         return "(" + ", ".join(items) + (", ...)" if len(tree) > 4 else ")")
     return type(tree).__name__
+
+
+def check_gradients_reached_the_optimizer(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, plan: Any, model_class: str, rank: int
+) -> None:
+    """After the first backward, before the first update: the parameters the optimizer
+    steps must be the ones the model computed with. A model whose layers keep their own
+    references to their weights (Keras layers do) computes with the originals after
+    FSDP2 or DTensor replaced them, and its optimizer would step parameters no loss
+    reaches: measured, a Keras model under fsdp=2 trained another run with no error."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    missing = [p for p in params if p.grad is None]
+    if not params or not missing:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    if len(missing) == len(params):
+        optimizer.zero_grad(set_to_none=True)
+        raise MeshfitError(
+            f"the first training step gave none of the {len(params)} parameters under "
+            f"plan {plan} a gradient: {model_class} computes "
+            f"with other tensors than the ones the plan put in its modules (its layers "
+            f"keep their own references to their weights, as Keras layers do, which "
+            f"{'FSDP2' if plan.uses_fsdp else 'the plan'} replaces). Use a plan "
+            f"that keeps the parameters in place (dp), or a model whose layers read "
+            f"their weights from the module"
+        )
+    if rank == 0:
+        listed = ", ".join(names.get(id(p), "?") for p in missing[:5])
+        warnings.warn(
+            f"{len(missing)} of {len(params)} trainable parameters got no gradient in "
+            f"the first training step ({listed}{', ...' if len(missing) > 5 else ''}): "
+            f"unused by this loss, or computed around the plan's parameters. If they get "
+            f"one in a single process, the plan lost them: check with mf.verify",
+            stacklevel=5,
+        )
+
+
+def warn_on_ignored_targets(targets: Any, topology: Any) -> None:
+    """A mean loss over targets with -100 (ignored) entries weighs tokens unequally once
+    the batch is split into ranks or micro-batches: say so once, with the fix."""
+    if topology.batch_parts > 1 and any(
+        not t.is_floating_point() and bool((t == -100).any()) for t in tensors_in(targets)
+    ):
+        warnings.warn(
+            "the targets hold -100 (ignored) entries and the batch is split over "
+            f"{topology.dp_size} rank(s) x {topology.plan.num_microbatches} micro-batch(es): "
+            "a loss_fn that returns a mean weighs the real tokens of each part by that "
+            "part's count, not the global one, so the run differs from one process. "
+            "Return a pair (loss_sum, count) instead, e.g. "
+            "loss_fn=mf.losses.cross_entropy(ignore_index=-100)",
+            stacklevel=5,
+        )

@@ -298,7 +298,7 @@ def _meta(engine: Any, extra_json: Any, files: dict[str, str]) -> dict[str, Any]
         "step": engine.step_count,
         "plan": str(engine.plan),
         # under pp: the first block of every stage (a resume says when its cut differs)
-        "pipeline_cut": list(engine.pipeline.starts) if engine.pipeline is not None else None,
+        "pipeline_cut": engine.runner.pipeline_cut,
         "world_size": engine.world_size,
         "model": engine.fingerprint,
         "model_digest": fingerprint_digest(engine.fingerprint),
@@ -491,3 +491,17 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def gather_full_state(model: nn.Module, distributed: bool, runner: Any) -> dict[str, torch.Tensor]:
+    """The whole model's state under its own names as full CPU tensors, on every rank:
+    each rank's full-tensor state dict (tensor-parallel and FSDP shards gathered by
+    torch's get_model_state_dict), then the pipeline stages merged by the runner."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not distributed:
+        local = model.state_dict()
+    else:
+        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    local = {k: v.detach().cpu().clone() for k, v in local.items()}
+    return runner.gather_state(local)

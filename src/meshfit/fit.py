@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from meshfit import watchdog
 from meshfit.batch_errors import first_batch_explained
+from meshfit.batches import check_batch_divides, split_batch
 from meshfit.callbacks import Callback as CallbackBase
 from meshfit.callbacks import adds_fields, make_loggers, wants_every_step
 from meshfit.checkpoint import (
@@ -33,16 +34,10 @@ from meshfit.checkpoint import (
 from meshfit.data.columns import as_columns
 from meshfit.data.reading import Reading
 from meshfit.data.sampling import GlobalBatchSampler, StreamShare
-from meshfit.engine import (
-    Engine,
-    LossFn,
-    auto_requested,
-    check_batch_divides,
-    create_topology,
-    parallelize,
-    split_batch,
-)
+from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
+from meshfit.options import LossFn
+from meshfit.prepare import auto_requested, create_topology, parallelize
 from meshfit.progress import TrainingDisplay, format_duration, format_rate
 from meshfit.topology import Topology
 
@@ -689,7 +684,7 @@ def _resume(
         changes = _keep_new_hyperparameters(engine, wanted, meta["path"])
         if meta.get("plan") != str(engine.plan):
             changes.append(f"plan {meta.get('plan')} -> {engine.plan} (resharded)")
-        cut = list(engine.pipeline.starts) if engine.pipeline is not None else None
+        cut = engine.runner.pipeline_cut
         if "pipeline_cut" in meta and meta["pipeline_cut"] != cut:  # recorded since issue 32
             changes.append(f"pipeline cut {_cut(meta['pipeline_cut'])} -> {_cut(cut)}")
         _restore_rng(meta.get("rank_state"))
@@ -954,7 +949,7 @@ def _split_example(
     plan = topology.plan
     if plan.pp == 1 and plan.tp == 1:
         return None
-    size = max(1, batch_size // (topology.dp_size * plan.num_microbatches))
+    size = topology.microbatch_size(batch_size)
     if plan.pp == 1:
         size = min(size, 2)
     samples = (
@@ -1180,12 +1175,10 @@ def _announce(
     )
     if engine.planned is not None:
         display.print(f"meshfit: {engine.planned.describe()}")
-    if engine.pipeline is not None:
-        display.print(f"meshfit: {engine.pipeline.describe()}")
-    if engine.plan.tp > 1:
-        from meshfit.parallel.tensor import describe_tp
-
-        split = describe_tp(engine.user_model)
+    if engine.runner.describe():
+        display.print(f"meshfit: {engine.runner.describe()}")
+    if engine.tp_report is not None:
+        split = engine.tp_report.describe()
         if split:
             display.print(f"meshfit: {split}")
     if start.checkpoint:

@@ -91,7 +91,8 @@ def _engine_for(
 ) -> Any:
     """The engine to predict with: the one given, or `model` with the checkpoint's
     weights, parallelized under `plan`."""
-    from meshfit.engine import Engine, parallelize
+    from meshfit.engine import Engine
+    from meshfit.prepare import parallelize
 
     if isinstance(model, Engine):
         if checkpoint is not None or plan is not None or options:
@@ -112,11 +113,11 @@ def _engine_for(
         )
     if checkpoint is not None:
         load_weights(model, checkpoint)
-    from meshfit.engine import create_topology
+    from meshfit.prepare import create_topology
 
     topology = create_topology(plan)
     if topology.plan.pp > 1 and "example_inputs" not in options:  # to balance the stages
-        micro = max(1, batch_size // (topology.dp_size * topology.plan.num_microbatches))
+        micro = topology.microbatch_size(batch_size)
         first = next(_batches(inputs, micro, collate), None)
         options["example_inputs"] = first
     return parallelize(model, topology, loss_fn=_no_loss, **options)

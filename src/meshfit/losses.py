@@ -11,10 +11,13 @@ per-micro-batch means weighs a token of a short micro-batch more.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from meshfit.topology import Topology
 
 LossPair = tuple[torch.Tensor, torch.Tensor]
 
@@ -146,3 +149,44 @@ def takes_num_items(model: Any) -> bool:
         return "self.loss_function(" in inspect.getsource(forward)
     except (OSError, TypeError):
         return False
+
+
+def global_token_mean(
+    loss_sum: torch.Tensor, count: torch.Tensor, topology: Topology
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global sum / global count, global count) of this rank's (sum, count): one
+    all-reduce, in float64 (exact counts); a batch with nothing to count has loss 0."""
+    local = torch.stack([loss_sum.double(), count.double()])
+    total, items = topology.batch_sum(local).unbind()
+    return (total / items.clamp_min(1)).to(loss_sum.dtype), items
+
+
+def normalise_by_count(
+    loss_sum: torch.Tensor,
+    count: torch.Tensor,
+    topology: Topology,
+    model: torch.nn.Module,
+    divisor: int,
+) -> torch.Tensor:
+    """For a (sum, count) loss: the global mean, sum over the global batch / count over
+    the global batch, and `model`'s gradients made those of exactly that.
+
+    The runner backpropagated each micro-batch's sum unscaled; the data-parallel
+    wrappers averaged the gradients over the dp_size ranks and the runner divided them by
+    `divisor` (the pipeline schedule: its micro-batch count). One all-reduce of (sum,
+    count) later, the gradients are scaled by dp_size * divisor / count: the gradient of
+    the global token mean, as in one process, however the tokens fall on ranks and
+    micro-batches. No second forward; float64 keeps counts exact."""
+    from torch.distributed.tensor import DTensor
+
+    mean, items = global_token_mean(loss_sum, count, topology)
+    factor = topology.dp_size * divisor / items.clamp_min(1)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    with torch.no_grad():  # one kernel per device and dtype
+        for (device, dtype), grads in groups.items():
+            torch._foreach_mul_(grads, factor.to(device, dtype))
+    return mean

@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshfit.errors import MeshfitError
 from meshfit.trees import tensors_in
@@ -73,14 +72,12 @@ class MetricTap:
         return torch.stack(kept).sum(0).to(device)
 
 
-def reduce_metrics(
-    tap: MetricTap, calls: int, engine: Any, pipeline: Any = None
-) -> dict[str, torch.Tensor]:
+def reduce_metrics(tap: MetricTap, calls: int, engine: Any) -> dict[str, torch.Tensor]:
     """The global value of each metric for this step: this rank's sums, brought from the
-    last pipeline stage, summed over the data-parallel ranks, divided."""
+    rank that computed the loss (the last pipeline stage), summed over the data-parallel
+    ranks, divided."""
     local = tap.take(calls, engine.device)
-    if pipeline is not None:  # only the last stage computed them
-        dist.broadcast(local, src=pipeline.last_rank, group=pipeline.group)
+    engine.runner.from_loss_rank(local)
     total = engine.topology.batch_sum(local)
     sums, counts = total[0::2], total[1::2]
     means = sums / counts.clamp_min(1)

@@ -22,6 +22,8 @@ from typing import Any
 from meshfit.errors import MeshfitError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+# stages per pipeline rank each schedule runs (the interleaved ones: two, "virtual")
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
 CHECKPOINTING = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -177,6 +179,17 @@ class Plan:
                 f"it computes weight gradients after DDP/FSDP2 have reduced them, so "
                 f"replicas would train on partial gradients; use "
                 f"schedule='interleaved-1f1b' (the next smallest bubble) or '1f1b'"
+            )
+        micro, pp, schedule = self.num_microbatches, self.pp, self.schedule
+        if pp > 1 and schedule == "1f1b" and micro < pp:  # torch raised a ValueError
+            raise MeshfitError(
+                f"schedule '1f1b' needs at least as many micro-batches as stages (pp={pp}), "
+                f"not {micro}; use microbatches={pp} or more, or schedule='gpipe'"
+            )
+        if pp > 1 and VIRTUAL_STAGES[schedule] > 1 and micro % pp:
+            raise MeshfitError(
+                f"schedule {schedule!r} needs microbatches to be a multiple of pp={pp}, "
+                f"not {micro}; use microbatches={max(pp, micro // pp * pp)}"
             )
         if not self.reshard_after_forward and self.dp is not None and not self.uses_fsdp:
             raise MeshfitError(

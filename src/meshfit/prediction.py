@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from meshfit.errors import MeshfitError
-from meshfit.trees import call_model, map_tensors, tensors_in
+from meshfit.trees import map_tensors, tensors_in
 
 
 @torch.no_grad()
@@ -43,10 +43,7 @@ def predict(engine: Any, inputs: Any) -> Any:
     model.eval()
     try:
         with engine.precision.autocast():
-            if engine.pipeline is not None:
-                outputs = engine.pipeline.predict(local)
-            else:
-                outputs = call_model(model, local)
+            outputs = engine.runner.predict(local)
     finally:
         model.train(was_training)
     # torch's pytree keeps the output's own class (a ModelOutput is a dict subclass)

@@ -24,7 +24,7 @@ from torch import nn
 
 from meshfit.losses import split_loss
 from meshfit.precision import Precision
-from meshfit.trees import map_tensors
+from meshfit.trees import call_model, map_tensors
 
 LocalLoss = tuple[torch.Tensor, "torch.Tensor | None"]  # (mean, None) or (sum, count)
 
@@ -34,6 +34,8 @@ class Runner(Protocol):
     # For a (sum, count) loss: what the runner divided the summed gradients by (the
     # pipeline schedule divides by the micro-batch count).
     sum_gradient_divisor: int
+    # under pp, the first block of every stage (recorded in checkpoints); else None
+    pipeline_cut: list[int] | None
 
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
         """Forward and backward over this rank's share; gradients are then ready for
@@ -59,6 +61,38 @@ class Runner(Protocol):
         counts in the gradient norm (a tied weight's second copy under pp)."""
         ...
 
+    def predict(self, inputs: Any) -> Any:
+        """The model's outputs on this rank's share, in the model's own form (eval mode
+        and autocast are the caller's)."""
+        ...
+
+    def from_loss_rank(self, local: torch.Tensor) -> None:
+        """Overwrite `local` (in place) with the value the rank that computed the loss
+        holds: metrics and losses are computed where the loss is (the last stage)."""
+        ...
+
+    def describe(self) -> str | None:
+        """A start-up line on how this runner splits the model (None: nothing to say)."""
+        ...
+
+
+class GradientSync(Protocol):
+    """How the data-parallel form defers its gradient reduction to a step's last
+    micro-batch (Lightning Fabric's _BackwardSyncControl): compose hands the runner the
+    one that goes with the wrapped model (ddp.DDPGradientSync, fsdp.FSDPGradientSync)."""
+
+    def deferred(self) -> contextlib.AbstractContextManager[None]:
+        """Around one micro-batch's forward and backward: its gradients stay local and
+        are reduced with the last micro-batch's."""
+        ...
+
+
+class NoGradientSync:
+    """One replica: no reduction to defer."""
+
+    def deferred(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
 
 class LocalRunner:
     """Forward and backward of the whole model in this process, cut into micro-batches.
@@ -70,6 +104,7 @@ class LocalRunner:
 
     eval_microbatches = 1
     sum_gradient_divisor = 1  # a pair's sums are backpropagated as they are
+    pipeline_cut = None
 
     def __init__(
         self,
@@ -77,8 +112,10 @@ class LocalRunner:
         forward_loss: Callable[[nn.Module, Any, Any], Any],
         precision: Precision,
         microbatches: int,
+        gradient_sync: GradientSync | None = None,
     ) -> None:
         self.model = model
+        self.gradient_sync = gradient_sync or NoGradientSync()
         # what computes a micro-batch's loss: the model's forward and loss_fn together
         # (compiled, when asked)
         self.forward_loss = forward_loss
@@ -92,11 +129,7 @@ class LocalRunner:
                 loss, count = self._loss(inputs, targets)
             self.precision.backward(loss)
             return reported(loss), count
-        try:
-            return self._accumulate(inputs, targets, micro)
-        finally:  # also when a micro-batch raises: the next step must sync again
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(True)
+        return self._accumulate(inputs, targets, micro)
 
     def _accumulate(self, inputs: Any, targets: Any, micro: int) -> LocalLoss:
         chunk = _batch_len(inputs) // micro
@@ -104,11 +137,13 @@ class LocalRunner:
         for i in range(micro):
             x = _slice(inputs, i * chunk, (i + 1) * chunk)
             y = _slice(targets, i * chunk, (i + 1) * chunk)
-            with self._grad_sync(enabled=i == micro - 1), self.precision.autocast():
-                loss, count = self._loss(x, y)
-                if count is None:  # a mean: each micro-batch holds 1/micro of the samples
-                    loss = loss / micro
-            self.precision.backward(loss)
+            last = i == micro - 1
+            with contextlib.nullcontext() if last else self.gradient_sync.deferred():
+                with self.precision.autocast():
+                    loss, count = self._loss(x, y)
+                    if count is None:  # a mean: each micro-batch holds 1/micro of the samples
+                        loss = loss / micro
+                self.precision.backward(loss)
             total = reported(loss) if total is None else total + reported(loss)
             if count is not None:
                 counted = count if counted is None else counted + count
@@ -128,18 +163,17 @@ class LocalRunner:
     def counted_elsewhere(self) -> set[int]:
         return set()
 
+    def predict(self, inputs: Any) -> Any:
+        return call_model(self.model, inputs)
+
+    def from_loss_rank(self, local: torch.Tensor) -> None:
+        return None  # every rank computed its own loss
+
+    def describe(self) -> str | None:
+        return None
+
     def _loss(self, inputs: Any, targets: Any) -> LocalLoss:
         return split_loss(self.forward_loss(self.model, inputs, targets))
-
-    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce / reduce-scatter on all but the last micro-batch
-        (gradient accumulation): DDP's no_sync, FSDP2's set_requires_gradient_sync."""
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(enabled)
-            return contextlib.nullcontext()
-        if enabled or not hasattr(self.model, "no_sync"):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
 
 
 def reported(loss: torch.Tensor) -> torch.Tensor:

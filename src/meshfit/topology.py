@@ -78,6 +78,16 @@ class Topology:
         pp_rank = self.mesh.get_local_rank("pp") if self.has("pp") else 0
         return self.dp_rank * self.plan.pp + pp_rank
 
+    @property
+    def batch_parts(self) -> int:
+        """How many parts a step's global batch is cut into: one per data-parallel rank
+        (dp x fsdp), each cut again into the plan's micro-batches."""
+        return self.dp_size * self.plan.num_microbatches
+
+    def microbatch_size(self, global_batch: int) -> int:
+        """Samples in one micro-batch of a `global_batch`-sample step (at least 1)."""
+        return max(1, global_batch // self.batch_parts)
+
     def has(self, dim: str) -> bool:
         """Whether the mesh has the dimension `dim`."""
         return self.mesh is not None and dim in (self.mesh.mesh_dim_names or ())

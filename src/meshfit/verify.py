@@ -29,9 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfit.engine import LossFn, OptimizerFactory, as_plan, parallelize
 from meshfit.errors import MeshfitError
+from meshfit.options import LossFn, OptimizerFactory
 from meshfit.plan import Plan
+from meshfit.prepare import as_plan, parallelize
 from meshfit.trees import map_tensors
 
 DEFAULT_STEPS = 3

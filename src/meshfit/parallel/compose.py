@@ -17,19 +17,20 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
 from meshfit.placement import is_placed
 from meshfit.precision import Precision
-from meshfit.runners import LocalRunner, Runner
+from meshfit.runners import GradientSync, LocalRunner, NoGradientSync, Runner
 from meshfit.topology import Topology
-from meshfit.trees import map_tensors
+from meshfit.trees import call_model, map_tensors
 
 if TYPE_CHECKING:
-    from meshfit.parallel.tensor import TPPlan
+    from meshfit.parallel.tensor import TPPlan, TPReport
 
 LossFn = Callable[[Any, Any], Any]
 
@@ -47,30 +48,43 @@ class ModelPart:
     pipeline_stage: bool = False
 
 
+class Parallelized(NamedTuple):
+    """What apply_plan made: what runs forward, its runner, and what tp split."""
+
+    model: nn.Module
+    runner: Runner
+    tp_report: TPReport | None = None
+
+
 def apply_plan(
     model: nn.Module,
     topology: Topology,
     precision: Precision,
     *,
     loss_fn: LossFn,
-    forward_loss: Callable[[nn.Module, Any, Any], Any],
     tp_plan: TPPlan | None = None,
     pp_split: list[int] | None = None,
     example_inputs: Any = None,
     sync_batchnorm: bool = True,
-    compile_blocks: bool = False,
+    compile: bool = False,
     init: Any = None,
     weights: str | None = None,
-) -> tuple[nn.Module, Runner]:
+) -> Parallelized:
     """Parallelize `model` as `topology.plan` says; return what runs forward (the model,
     wrapped for data parallel, or this rank's pruned model under pp) and its runner.
-    `compile_blocks`: under pp, compile each of this rank's blocks (compiled.py; without
-    pp the caller compiles `forward_loss` whole). A model on meta is split as it is and
+    `loss_fn(outputs, targets)` is what the runner computes each micro-batch's loss with.
+    `compile`: torch.compile over forward and loss together, so the loss (often a large
+    cross-entropy over the vocabulary) fuses with the last layers; under pp each of this
+    rank's blocks compiles on its own instead (parallel/compiled.py says why). A model on meta is split as it is and
     each rank materializes only what it keeps (materialize.py; `init` as there), from
     the safetensors at `weights` where given (each rank reads only its slices)."""
     from meshfit.materialize import WeightFiles, load_weights, on_meta
 
     plan, mesh, device = topology.plan, topology.mesh, topology.device
+    if compile and plan.tp > 1:
+        from meshfit.parallel.compiled import graphs_per_rank
+
+        graphs_per_rank()
     meta = on_meta(model)
     if meta and plan.tp > 1:
         raise MeshfitError(
@@ -101,7 +115,7 @@ def apply_plan(
         )
 
         refuse_microbatches(model, plan.num_microbatches)
-        refuse_unsynchronisable(model, topology.dp_size * plan.num_microbatches)
+        refuse_unsynchronisable(model, topology.batch_parts)
         model = synchronise_batchnorm(model, topology.batch_groups, device)
     if plan.precision == "fp8":  # before every parallel form, as torchtitan converts
         from meshfit.fp8 import convert
@@ -118,29 +132,41 @@ def apply_plan(
 
         initializer = plan_initialization(model, init)
         materialize = lambda: fill(initializer, model, device, files)  # noqa: E731
+    tp_report = None
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 
-        model = apply_tensor_parallel(model, topology.submesh("tp"), tp_plan, example_inputs)
+        tp_report = apply_tensor_parallel(model, topology.submesh("tp"), tp_plan, example_inputs)
     if plan.checkpointing != "none":
         from meshfit.parallel.recompute import apply_recomputation
 
         model = apply_recomputation(model, plan.checkpointing)
     if plan.pp > 1:
-        return _apply_pipeline(
+        model, runner = _apply_pipeline(
             model,
             topology,
             precision,
             loss_fn=loss_fn,
             pp_split=pp_split,
             example_inputs=example_inputs,
-            compile_blocks=compile_blocks,
+            compile_blocks=compile,
             materialize=materialize,
         )
+        return Parallelized(model, runner, tp_report)
     part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
     [wrapped] = apply_data_parallel([part], topology, precision, materialize)
-    runner = LocalRunner(wrapped, forward_loss, precision, plan.num_microbatches)
-    return wrapped, runner
+
+    def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
+        return loss_fn(call_model(module, inputs), targets)
+
+    runner = LocalRunner(
+        wrapped,
+        torch.compile(forward_loss) if compile else forward_loss,
+        precision,
+        plan.num_microbatches,
+        _gradient_sync(wrapped, topology),
+    )
+    return Parallelized(wrapped, runner, tp_report)
 
 
 def _apply_pipeline(
@@ -255,12 +281,25 @@ def apply_data_parallel(
                 from meshfit.parallel.ddp import replicate
 
                 module = replicate(
-                    module, topology.mesh, device, pipeline_stage=part.pipeline_stage
+                    module, topology.group("dp"), device, pipeline_stage=part.pipeline_stage
                 )
         modules.append(module)
     if materialize is not None and sharded:
         materialize()
     return modules
+
+
+def _gradient_sync(module: nn.Module, topology: Topology) -> GradientSync:
+    """The way `module`, as apply_data_parallel wrapped it, defers gradient reduction."""
+    if topology.mesh is not None and topology.plan.uses_fsdp:
+        from meshfit.parallel.fsdp import FSDPGradientSync
+
+        return FSDPGradientSync(module)
+    if topology.mesh is not None and topology.plan.dp > 1:
+        from meshfit.parallel.ddp import DDPGradientSync
+
+        return DDPGradientSync(module)
+    return NoGradientSync()
 
 
 def _blocks_or_none(model: nn.Module) -> list[nn.Module]:

@@ -1,19 +1,25 @@
-"""Replicated data parallel: PyTorch's DistributedDataParallel over the "dp" group."""
+"""Replicated data parallel: PyTorch's DistributedDataParallel over the replicas' group."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 
 def replicate(
-    module: nn.Module, mesh: DeviceMesh, device: torch.device, *, pipeline_stage: bool = False
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    pipeline_stage: bool = False,
 ) -> nn.Module:
-    """Wrap `module` in DDP over `mesh`'s "dp" group. DDP broadcasts rank 0's parameters
+    """Wrap `module` in DDP over `group` (the data-parallel replicas, Topology's "dp"). DDP broadcasts rank 0's parameters
     and buffers at construction, so every replica starts identical whatever each
     process's own initialisation was.
 
@@ -33,9 +39,18 @@ def replicate(
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         options[name] = False
-    ddp = DistributedDataParallel(
-        module, device_ids=device_ids, process_group=mesh.get_group("dp"), **options
-    )
+    ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group, **options)
     if pipeline_stage:
         ddp.require_backward_grad_sync = False
     return ddp
+
+
+@dataclass
+class DDPGradientSync:
+    """Gradient accumulation under DDP: a deferred micro-batch runs under `no_sync`
+    (runners.GradientSync)."""
+
+    model: DistributedDataParallel
+
+    def deferred(self) -> contextlib.AbstractContextManager[None]:
+        return self.model.no_sync()

@@ -15,13 +15,15 @@ over "fsdp" (HSDP), with "fsdp" of size 1 for plain replicas.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from meshfit.plan import Plan
 from meshfit.precision import Precision
@@ -97,3 +99,20 @@ def _offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
         )
         return OffloadPolicy()
     return CPUOffloadPolicy()
+
+
+@dataclass
+class FSDPGradientSync:
+    """Gradient accumulation under FSDP2: a deferred micro-batch's backward skips the
+    reduce-scatter (`set_requires_gradient_sync(False)`), switched back on after it,
+    also when it raises (runners.GradientSync)."""
+
+    module: FSDPModule
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)

@@ -172,7 +172,7 @@ def estimate_profile(
 def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], bool, bool]]:
     """Per pipeline rank: (its block indices, holds the head, holds the tail). The cut
     balances FLOPs, as meshfit's own cut does (pipeline/costs.py)."""
-    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+    from meshfit.plan import VIRTUAL_STAGES
 
     n = len(profile.blocks)
     if plan.pp == 1:
@@ -253,7 +253,7 @@ def _activation_scale(plan: Plan) -> float:
 
 def in_flight(plan: Plan, rank: int) -> float:
     """Micro-batches whose activations pipeline rank `rank` holds at its peak."""
-    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+    from meshfit.plan import VIRTUAL_STAGES
 
     m = plan.num_microbatches
     if plan.pp == 1:
@@ -375,7 +375,7 @@ def _add_time(
     state_bytes: float,
     compiled: bool,
 ) -> None:
-    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+    from meshfit.plan import VIRTUAL_STAGES
 
     m = plan.num_microbatches
     rate = hw.flops(plan.precision, compiled)

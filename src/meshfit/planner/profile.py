@@ -424,7 +424,7 @@ def _tensor_parallel_costs(
     model: nn.Module, stack: Any, example_inputs: Any, profile: ModelProfile
 ) -> None:
     """The share of each block tp splits and its all-reduces, from the plan meshfit
-    would derive (parallel/tensor.py), or why it cannot split the model."""
+    would derive (parallel/tensor/), or why it cannot split the model."""
     from meshfit.parallel import tensor
 
     on_meta = _device_of(model).type == "meta"
@@ -459,7 +459,13 @@ def _tensor_parallel_costs(
 
 def _largest_tp(model: nn.Module, plan: dict[str, str]) -> int:
     """The greatest common divisor of what tp must divide: split widths and head counts."""
-    from meshfit.parallel.tensor import HEAD_ATTRS, KV_HEAD_ATTRS, _dims, _is_projection
+    from meshfit.parallel.tensor.split import (
+        HEAD_ATTRS,
+        KV_HEAD_ATTRS,
+        Split,
+        _dims,
+        _is_projection,
+    )
 
     sizes = []
     modules = dict(model.named_modules())
@@ -467,9 +473,10 @@ def _largest_tp(model: nn.Module, plan: dict[str, str]) -> int:
         module = modules.get(name)
         if module is None or not _is_projection(module):
             continue
-        chunks = int(style.split(":")[1]) if ":" in style else 1
+        split = Split.parse(style)
+        chunks = split.chunks
         in_dim, out_dim = _dims(module)
-        sizes.append((out_dim // chunks) if style.startswith("colwise") else in_dim)
+        sizes.append((out_dim // chunks) if split.column else in_dim)
     config = getattr(model, "config", None)
     for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):
         value = getattr(config, attr, None) if config is not None else None

@@ -191,7 +191,7 @@ def _variants(base: Plan, offload: bool, limits: ModelLimits):
 
 
 def _refusal_of_variant(plan: Plan, batch_size: int, num_blocks: int) -> str:
-    from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES
+    from meshfit.plan import VIRTUAL_STAGES
 
     unit = plan.data_parallel_size * plan.num_microbatches
     if batch_size % unit:

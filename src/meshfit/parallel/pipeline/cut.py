@@ -30,12 +30,12 @@ from meshfit.parallel.pipeline.costs import (
     parameter_costs,
 )
 from meshfit.parallel.pipeline.tied import TiedWeights, check_placements, find_tied, tie_stages
+from meshfit.plan import VIRTUAL_STAGES
 
 T = TypeVar("T")
 
 # Stages per rank of each schedule: the interleaved ones loop over virtual stages
 # (Narayanan et al. 2021 use 2+; more shrinks the bubble further but adds messages).
-VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
 
 
 def _head_tail_parameters(

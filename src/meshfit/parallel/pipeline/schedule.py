@@ -23,12 +23,12 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_map_only
 
-from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
 from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
-from meshfit.parallel.pipeline.cut import VIRTUAL_STAGES, PipelineSplit
+from meshfit.parallel.pipeline.cut import PipelineSplit
 from meshfit.parallel.pipeline.stage import OutputForm
 from meshfit.parallel.pipeline.tied import TiedWeights
+from meshfit.plan import VIRTUAL_STAGES
 from meshfit.runners import LocalLoss
 from meshfit.trees import tensors_in
 
@@ -71,6 +71,13 @@ class PipelineRunner:
     def eval_microbatches(self) -> int:
         """Evaluation runs the schedule too, so its batch splits like a training one."""
         return self.microbatches
+
+    @property
+    def pipeline_cut(self) -> list[int]:
+        return list(self.starts)
+
+    def from_loss_rank(self, local: torch.Tensor) -> None:
+        dist.broadcast(local, src=self.last_rank, group=self.group)
 
     @property
     def last_rank(self) -> int:
@@ -190,21 +197,12 @@ def build_pipeline(
     ]
     forms = [_unwrapped(m).output_form for m in stage_modules]
     checked_loss = _StageLoss(loss_fn, forms)
-    schedule, pp = split.schedule, split.pp
+    schedule = split.schedule
+    # the micro-batch counts each schedule needs are Plan.validate's rules
     if VIRTUAL_STAGES[schedule] == 1:
-        if schedule == "1f1b" and microbatches < pp:  # torch raised a ValueError
-            raise MeshfitError(
-                f"schedule '1f1b' needs at least as many micro-batches as stages (pp={pp}), "
-                f"not {microbatches}; use microbatches={pp} or more, or schedule='gpipe'"
-            )
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = cls(stages[0], microbatches, loss_fn=checked_loss)
     else:
-        if microbatches % pp:
-            raise MeshfitError(
-                f"schedule {schedule!r} needs microbatches to be a multiple of pp={pp}, "
-                f"not {microbatches}; use microbatches={max(pp, microbatches // pp * pp)}"
-            )
         interleaved = schedule == "interleaved-1f1b"
         cls = ScheduleInterleaved1F1B if interleaved else ScheduleInterleavedZeroBubble
         sched = cls(stages, microbatches, loss_fn=checked_loss)

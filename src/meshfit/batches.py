@@ -1,0 +1,102 @@
+"""The global batch and this rank's share of it: what a batch is (a pair, or with
+loss_fn="model" the model's mapping), that it splits evenly over the data-parallel ranks
+and micro-batches, and the contiguous slice a rank keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from meshfit.errors import MeshfitError
+from meshfit.topology import Topology
+from meshfit.trees import map_tensors, tensors_in
+
+
+def check_batch_divides(batch_size: int, dp_size: int, microbatches: int) -> None:
+    """Refuse a global batch that does not split evenly over ranks and micro-batches."""
+    unit = dp_size * microbatches
+    if batch_size < 1 or batch_size % unit:
+        lower = (batch_size // unit) * unit
+        options = [str(n) for n in (lower, lower + unit) if n > 0]
+        raise MeshfitError(
+            f"a global batch of {batch_size} samples does not split over {dp_size} "
+            f"data-parallel rank(s) x {microbatches} micro-batch(es) (needs a multiple of "
+            f"{unit}); use a batch size of {' or '.join(options)}"
+        )
+
+
+def check_microbatches(size: int, microbatches: int, dp_size: int) -> None:
+    """Refuse a rank's share of `size` samples that does not split into `microbatches`."""
+    if size % microbatches:
+        raise MeshfitError(
+            f"this rank's {size} samples do not split into {microbatches} micro-batches; "
+            f"make the global batch a multiple of {microbatches * dp_size}"
+        )
+
+
+def split_batch(batch: Any, model_loss: bool = False) -> tuple[Any, Any]:
+    """(inputs, targets) of a batch: a pair as it is; for loss_fn="model" the mapping the
+    model takes (inputs) and its labels (targets, for counting)."""
+    if model_loss:
+        if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
+            raise MeshfitError(
+                f"with loss_fn='model' a batch is the mapping the model takes, labels "
+                f"included (e.g. a data collator's dict with input_ids, attention_mask and "
+                f"labels), not {type(batch).__name__}"
+                + ("" if not isinstance(batch, Mapping) else " without 'labels'")
+            )
+        return batch, batch["labels"]
+    return unpack_batch(batch)
+
+
+def unpack_batch(batch: Any) -> tuple[Any, Any]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise MeshfitError(
+            f"a batch must be a pair (inputs, targets), not {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+    return batch[0], batch[1]
+
+
+def batch_size(tree: Any, what: str) -> int:
+    tensors = tensors_in(tree)
+    if not tensors or tensors[0].ndim == 0:
+        raise MeshfitError(
+            f"{what} must be a tensor (or tuple/dict of tensors) whose first dimension is the batch"
+        )
+    size = tensors[0].shape[0]
+    for t in tensors[1:]:
+        if t.ndim == 0 or t.shape[0] != size:
+            raise MeshfitError(f"the tensors in {what} disagree on the batch size (dim 0)")
+    return size
+
+
+def slice_batch(tree: Any, start: int, stop: int) -> Any:
+    return map_tensors(tree, lambda t: t[start:stop])
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    return map_tensors(tree, lambda t: t.to(device, non_blocking=True))
+
+
+def local_share(
+    inputs: Any, targets: Any, topology: Topology, microbatches: int
+) -> tuple[Any, Any]:
+    """This rank's contiguous share of a global batch, after checking it divides over
+    the data-parallel ranks and `microbatches`."""
+    size = batch_size(inputs, "inputs")
+    target_size = batch_size(targets, "targets")
+    if target_size != size:
+        raise MeshfitError(
+            f"inputs hold {size} samples but targets hold {target_size}; "
+            f"give one target per input sample"
+        )
+    check_batch_divides(size, topology.dp_size, microbatches)
+    if topology.dp_size == 1:
+        return inputs, targets
+    share = size // topology.dp_size
+    start = topology.dp_rank * share
+    return slice_batch(inputs, start, start + share), slice_batch(targets, start, start + share)

@@ -1,0 +1,118 @@
+"""EngineOptions: everything `parallelize` takes besides the model and the plan, checked
+once, where they are made.
+
+`parallelize` lists the options in its signature (its docstring says what each does);
+`fit`, `predict` and `verify` pass their extra keywords through to it. An option of the
+wrong kind is refused here, in one line naming the fix, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from meshfit.errors import MeshfitError
+from meshfit.metrics import check_metrics
+
+if TYPE_CHECKING:
+    from meshfit.parallel.tensor import TPPlan
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+LossFn = Callable[[Any, Any], torch.Tensor]
+InitFn = Callable[[nn.Module], None] | Sequence[Callable[[nn.Module], None]]
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW(lr=3e-4): what meshfit uses when no optimizer is given; the fused CUDA
+    kernel when every parameter is on a GPU (one launch per step instead of several per
+    tensor)."""
+    params = list(params)
+    on_gpu = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=3e-4, fused=on_gpu or None)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """`parallelize`'s options, checked (see its docstring for each). `optimizer=None`
+    becomes `default_optimizer`, `weights=None` `meshfit run --weights`'s path."""
+
+    loss_fn: LossFn | str | None  # a function, or "model" for the model's own loss
+    optimizer: OptimizerFactory | None = None
+    grad_clip: float | None = None
+    lr_scheduler: SchedulerFactory | None = None
+    compile: bool = False
+    tp_plan: TPPlan | None = None
+    pp_split: list[int] | None = None
+    example_inputs: Any = None
+    sync_batchnorm: bool = True
+    blocks: str | None = None
+    metrics: dict[str, Any] | None = None
+    init: InitFn | None = None  # for a model on meta: materialize.py's init passes
+    weights: str | os.PathLike | None = None  # pretrained safetensors (materialize.WeightFiles)
+
+    def __post_init__(self) -> None:
+        _check_loss(self.loss_fn)
+        _check_optimizer(self.optimizer)
+        if self.grad_clip is not None and not (
+            isinstance(self.grad_clip, numbers.Real)
+            and not isinstance(self.grad_clip, bool)
+            and self.grad_clip > 0
+        ):
+            raise MeshfitError(f"grad_clip must be a positive number, not {self.grad_clip!r}")
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            raise MeshfitError(
+                f"lr_scheduler must be a function of the optimizer, e.g. lambda optimizer: "
+                f"torch.optim.lr_scheduler.StepLR(optimizer, 100), not {self.lr_scheduler!r}"
+            )
+        for name in ("compile", "sync_batchnorm"):
+            if not isinstance(getattr(self, name), bool):
+                raise MeshfitError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if self.blocks is not None and not isinstance(self.blocks, str):
+            raise MeshfitError(
+                f"blocks must be the name of the container of the model's blocks, e.g. "
+                f"'model.layers', not {self.blocks!r}"
+            )
+        # frozen: the normalised values are set once, here
+        object.__setattr__(self, "optimizer", self.optimizer or default_optimizer)
+        object.__setattr__(self, "metrics", check_metrics(self.metrics))
+        object.__setattr__(self, "weights", _weights_path(self.weights))
+
+
+def _check_loss(loss_fn: Any) -> None:
+    if loss_fn is None:
+        raise MeshfitError(
+            "parallelize needs a loss function: pass loss_fn=..., e.g. "
+            "loss_fn=torch.nn.functional.cross_entropy"
+        )
+    if not callable(loss_fn) and loss_fn != "model":
+        raise MeshfitError(
+            f"loss_fn must be callable, or 'model' for the model's own loss, not "
+            f"{type(loss_fn).__name__}"
+        )
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise MeshfitError(
+            "pass the optimizer as a function of the parameters, e.g. "
+            "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4): parallel forms "
+            "may replace the model's parameters, so meshfit builds the optimizer itself"
+        )
+    if optimizer is not None and not callable(optimizer):
+        raise MeshfitError(f"optimizer must be a function of the parameters, not {optimizer!r}")
+
+
+def _weights_path(weights: Any) -> str | None:
+    """The weights to load: `weights`, else `meshfit run --weights` (MESHFIT_WEIGHTS)."""
+    if weights is None:
+        return os.environ.get("MESHFIT_WEIGHTS")
+    if not isinstance(weights, (str, os.PathLike)):
+        raise MeshfitError(f"weights must be a path to safetensors, not {weights!r}")
+    return os.fspath(weights)

@@ -1,0 +1,367 @@
+"""Checks of a split: sizes tp must divide (before anything is split), and the split
+model's outputs and gradients against tp rank 0's unsplit model on the traced input
+(after), so a derived plan that changes the run is refused, never trained.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+)
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.tensor.derive import _Derivation
+from meshfit.parallel.tensor.split import (
+    HEAD_ATTRS,
+    KV_HEAD_ATTRS,
+    QKV_NAMES,
+    Split,
+    _dims,
+    _is_projection,
+)
+from meshfit.parallel.tensor.styles import _LocalShard
+from meshfit.parallel.tensor.trace import _block_units, _first_line
+from meshfit.trees import call_model, tensors_in
+
+
+def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """Refuse up front a plan that tp does not divide: sharded Linear dimensions, and
+    the head count of any attention module whose projections are split. Pattern keys
+    ("blocks.*.mlp.fc1", as torch's parallelize_module takes them) are checked for every
+    module they match."""
+    modules = dict(model.named_modules())
+    plan = {
+        name: _split_of(style) for key, style in plan.items() for name in _matching(modules, key)
+    }
+    for name, split in plan.items():
+        module = modules.get(name)
+        if isinstance(module, nn.Embedding) and split == Split("colwise"):
+            if module.embedding_dim % tp:
+                raise MeshfitError(
+                    f"tp={tp} does not divide {name}'s {module.embedding_dim} columns (a "
+                    f"per-head table, split with the heads); use a tp that divides them"
+                )
+            continue
+        if module is None or not _is_projection(module) or split is None:
+            continue
+        fan_in, fan_out = _dims(module)
+        chunks = split.chunks
+        size, what = (fan_out, "output") if split.column else (fan_in, "input")
+        if size % (tp * chunks):
+            each = f" in each of its {chunks} fused parts" if chunks > 1 else ""
+            raise MeshfitError(
+                f"tp={tp} does not divide {name}'s {what} size {size // chunks}{each} "
+                f"({split.kind}-parallel splits it); use a tp that divides {size // chunks}"
+            )
+    config = getattr(model, "config", None)
+    attention = {}  # in plan order, so the first offender is named
+    for n, s in plan.items():
+        if s is None or not s.column or "." not in n:
+            continue
+        owner, leaf = n.rsplit(".", 1)
+        # a q/k/v name may keep its head count on the config; any other owner counts
+        # only with a head count of its own (an MLP has none)
+        attention.setdefault(owner, leaf in QKV_NAMES)
+    for name, use_config in attention.items():
+        owner = modules.get(name)
+        if owner is None:
+            continue
+        for attrs in (HEAD_ATTRS, KV_HEAD_ATTRS):
+            heads = _first_attr(owner, attrs)
+            if heads is None and use_config:
+                heads = _first_attr(config, attrs)
+            if isinstance(heads, int) and heads % tp:
+                raise MeshfitError(
+                    f"tp={tp} does not divide the {heads} attention heads of {name} (each "
+                    f"rank must hold whole heads); use a tp that divides {heads}"
+                )
+
+
+def _matching(modules: dict[str, nn.Module], key: str) -> list[str]:
+    """Module names `key` names: itself, or every match of a pattern whose dot-separated
+    parts are matched one by one (fnmatch), as parallelize_module matches them."""
+    if key in modules or "*" not in key and "?" not in key and "[" not in key:
+        return [key]
+    parts = key.split(".")
+    return [
+        name
+        for name in modules
+        if len(name.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(a, p) for a, p in zip(name.split("."), parts, strict=True))
+    ]
+
+
+def _first_attr(obj: object, names: tuple[str, ...]) -> object:
+    for attr in names:
+        value = getattr(obj, attr, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _check_weight_sizes(model: nn.Module, derivation: _Derivation, tp: int) -> None:
+    params = dict(model.named_parameters())
+    for name, how in derivation.weights.items():
+        split = Split.parse(derivation.plan[name])
+        kind, parts = split.kind, split.chunks
+        dim = how.out_dim if split.column else how.in_dim
+        size = params[name].shape[dim] // parts
+        if size % tp:
+            each = f" in each of its {parts} fused parts" if parts > 1 else ""
+            raise MeshfitError(
+                f"tp={tp} does not divide {name}'s dimension {dim} of size {size}{each} "
+                f"({kind.removesuffix('wise')}-parallel splits it); use a tp that divides {size}"
+            )
+
+
+def _check_local_sizes(derivation: _Derivation, tp: int) -> None:
+    for owner, attrs in derivation.local_attrs.items():
+        for attr, value in attrs.items():
+            if value % tp:
+                raise MeshfitError(
+                    f"tp={tp} does not divide {owner}.{attr} = {value}, which its forward "
+                    f"reshapes with (each rank keeps {attr} / tp); use a tp that divides {value}"
+                )
+
+
+# What the column-parallel weights are multiplied by while the split is checked: at
+# initialisation q.k scores are near zero, attention is near uniform, and a wrong
+# grouping of heads then moves the output by 1e-7 only (measured: meshfit's GPT with its
+# head count wrongly localised passed a 1e-3 check and trained 4e-7 off). Sharper scores
+# make any wrong grouping show; a power of two scales and unscales exactly.
+CHECK_SCALE = 16.0
+
+
+def _column_weights(model: nn.Module, plan: dict[str, str]) -> list[nn.Parameter]:
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    return [
+        modules[name].weight if name in modules else params[name]
+        for name, style in plan.items()
+        if Split.parse(style).column
+        and (name in modules and _is_projection(modules[name]) or name in params)
+    ]
+
+
+@torch.no_grad()
+def _outputs(
+    model: nn.Module, inputs: Any, scaled: list[nn.Parameter] | None = None
+) -> list[torch.Tensor]:
+    """The model's floating-point outputs on `inputs` in eval mode, with the `scaled`
+    weights multiplied by CHECK_SCALE meanwhile (a sharded one on its local shard)."""
+    training = model.training
+    model.eval()
+    locals_ = [w.to_local() if isinstance(w, DTensor) else w.data for w in scaled or []]
+    for w in locals_:
+        w.mul_(CHECK_SCALE)
+    try:
+        out = call_model(model, inputs)
+    finally:
+        for w in locals_:
+            w.div_(CHECK_SCALE)
+        model.train(training)
+    found = []
+    for t in tensors_in(out):
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        if t.is_floating_point():
+            found.append(t.detach().clone())
+    return found
+
+
+def _settle_local_sizes(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    derivation: _Derivation,
+    reference: list[torch.Tensor],
+    scaled: list[nn.Parameter],
+) -> None:
+    """Which stored sizes each rank must see as its local value, tried on the traced input:
+    GPT-2 splits its fused output with `split_size` (local: the q width per rank), while
+    meshfit's GPT divides the full width by `n_head` (global). Each choice of the
+    candidate attribute names, most localised first, is run; the first whose output
+    matches tp rank 0's unsplit model is kept. None matching (a reshape the split cannot
+    reach, a fused layout read another way) is refused on every tp rank alike."""
+    modules = dict(model.named_modules())
+    names = sorted({attr for attrs in derivation.local_attrs.values() for attr in attrs})
+    # every subset when there are few candidates (one forward each on a tiny input);
+    # with many, all of them or none
+    sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
+    choices = [set(chosen) for k in sizes for chosen in itertools.combinations(names, k)]
+    tp = mesh.size()
+    problem = ""
+    for chosen in choices:
+        for owner, attrs in derivation.local_attrs.items():
+            for attr, value in attrs.items():
+                setattr(modules[owner], attr, value // tp if attr in chosen else value)
+        problem = _compare(model, mesh, derivation.inputs, reference, scaled)
+        if not problem:
+            return
+    raise MeshfitError(
+        f"tensor parallel split {type(model).__name__} as derived "
+        f"({_plan_summary(derivation.plan)}) and {problem}; pass a tp_plan, or use dp, "
+        f"fsdp or pp"
+    )
+
+
+def _compare(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    inputs: Any,
+    reference: list[torch.Tensor],
+    scaled: list[nn.Parameter],
+) -> str:
+    """ "" when the split model reproduces tp rank 0's `reference` outputs on `inputs`,
+    else what differs (the same answer on every tp rank)."""
+    problem = ""
+    try:
+        got = _outputs(model, inputs, scaled)
+    except Exception as error:  # the same code on every rank: all fail alike
+        problem = f"its forward failed: {type(error).__name__}: {_first_line(error)}"
+    else:
+        if mesh.get_local_rank() == 0:
+            if len(got) != len(reference):
+                problem = f"it returned {len(got)} float tensors instead of {len(reference)}"
+            for a, b in zip(got, reference, strict=False):
+                if problem:
+                    break
+                if a.shape != b.shape:
+                    problem = f"an output's shape changed from {tuple(b.shape)} to {tuple(a.shape)}"
+                    break
+                scale = b.abs().max().item() + 1e-12
+                # a wrong split moves outputs by their own size (with CHECK_SCALE);
+                # rounding (the all-reduce sums in another order) by far less
+                rtol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(b.dtype, 3e-2)
+                if (a - b).abs().max().item() > rtol * scale:
+                    problem = (
+                        f"its output moved by {(a - b).abs().max().item():.3g} "
+                        f"(of {scale:.3g}) on the traced input"
+                    )
+                    break
+    box = [problem]
+    group = mesh.get_group()
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _checked_gradients(model: nn.Module, derivation: _Derivation) -> list[str]:
+    """The parameters whose gradients the backward check compares: every one inside the
+    blocks that the plan leaves whole (small: norms, biases, routers), where a gradient
+    that is only this rank's part would go unnoticed by the forward check, and all of the
+    first block's, split ones included (one block's worth of memory)."""
+    units = _block_units(model, find_blocks(model))
+    split = set(derivation.plan)
+    names = []
+    for i, (unit, block) in enumerate(units):
+        for name, _ in block.named_parameters():
+            full = f"{unit}.{name}"
+            if i == 0 or (full not in split and full.rsplit(".", 1)[0] not in split):
+                names.append(full)
+    return names
+
+
+def _gradients(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, torch.Tensor | None]:
+    """{name: gradient (whole)} of the named parameters for one backward on `inputs` (eval
+    mode) of a fixed random projection of the model's floating-point outputs, the same
+    on every rank. Parameters' .grad are left as they were."""
+    params = dict(model.named_parameters())
+    chosen = [n for n in names if params[n].requires_grad]
+    if not chosen:
+        return {}
+    training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            outputs = [
+                t.full_tensor() if isinstance(t, DTensor) else t
+                for t in tensors_in(call_model(model, inputs))
+                if t.is_floating_point() and t.requires_grad
+            ]
+            if not outputs:
+                return {}
+            g = torch.Generator().manual_seed(0)
+            total = sum(
+                (t * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t)).sum()
+                for t in outputs
+            )
+            grads = torch.autograd.grad(total, [params[n] for n in chosen], allow_unused=True)
+    finally:
+        model.train(training)
+    return {
+        n: None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).detach()
+        for n, g in zip(chosen, grads, strict=True)
+    }
+
+
+def _check_gradients(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    derivation: _Derivation,
+    reference: dict[str, torch.Tensor | None],
+) -> None:
+    """The backward check beside the forward one: on the traced input, the split model's
+    gradients (whole parameters on every rank, split ones gathered) must be one process's.
+    It catches what the plan's rules miss, such as a parameter whose gradient is only this
+    rank's part (the forward is right, the ranks' copies drift apart as they train)."""
+    got = _gradients(model, derivation.inputs, list(reference))
+    # A gradient that is zero in exact arithmetic (a key bias: softmax ignores it) holds
+    # rounding noise only, which the split sums in another order: each gradient is
+    # measured against at least a thousandth of the largest one.
+    largest = max((g.abs().max().item() for g in reference.values() if g is not None), default=0)
+    problem = ""
+    for name, want in reference.items():
+        have = got.get(name)
+        if (want is None) != (have is None):
+            problem = f"{name} gets a gradient in {'one' if have is None else 'neither'} run"
+        elif want is not None and have is not None:
+            rtol = {torch.float64: 1e-6, torch.float32: 1e-3}.get(want.dtype, 5e-2)
+            scale = max(want.abs().max().item(), 1e-3 * largest)
+            if have.shape != want.shape:
+                problem = (
+                    f"{name}'s gradient has shape {tuple(have.shape)}, not {tuple(want.shape)}"
+                )
+            elif (off := (have - want).abs().max().item()) > rtol * scale:
+                problem = f"{name}'s gradient is {off:.3g} off one process's (of {scale:.3g})"
+        if problem:
+            break
+    problems = [""] * mesh.size()
+    dist.all_gather_object(problems, problem, group=mesh.get_group())
+    problem = next((p for p in problems if p), "")
+    if problem:
+        raise MeshfitError(
+            f"tensor parallel split {type(model).__name__} as derived "
+            f"({_plan_summary(derivation.plan)}) and on the traced input {problem}; pass a "
+            f"tp_plan, or use dp, fsdp or pp"
+        )
+
+
+def _plan_summary(plan: dict[str, str]) -> str:
+    leaves: dict[str, str] = {}
+    for name, style in plan.items():
+        leaves.setdefault(name.rsplit(".", 1)[-1], style)
+    return ", ".join(f"{leaf}: {style}" for leaf, style in leaves.items())
+
+
+def _split_of(style: object) -> Split | None:
+    """The Split a plan entry names, given as text or as torch's ParallelStyle (None: a
+    style of some other kind, which the checks leave alone)."""
+    if isinstance(style, str):
+        return Split.parse(style)
+    if isinstance(style, _LocalShard):
+        return Split(style.style, style.chunks)
+    if isinstance(style, ColwiseParallel):
+        return Split("colwise")
+    if isinstance(style, RowwiseParallel):
+        return Split("rowwise")
+    return None

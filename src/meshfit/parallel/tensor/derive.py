@@ -1,0 +1,344 @@
+"""The plan from the trace: Megatron's column/row pairs per block (_classify), the fused
+projections' chunks, the experts' weight parameters, the integer sizes each rank must
+see as its local value, and the replicated parameters whose gradients are summed over
+the tp ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.tensor.split import (
+    ELEMENTWISE,
+    HEAD_ATTRS,
+    KV_HEAD_ATTRS,
+    Split,
+    _dims,
+    _is_projection,
+)
+from meshfit.parallel.tensor.trace import (
+    TABLE,
+    _block_units,
+    _BlockTrace,
+    _Call,
+    _own_weights,
+    _trace_blocks,
+    _Weight,
+)
+
+
+def derive_tp_plan(model: nn.Module, example_inputs: Any = None) -> dict[str, str]:
+    """{qualified projection name: "colwise" | "colwise:N" | "rowwise"} for `model`,
+    found by running it once (see the module doc); "colwise:N" is a fused projection
+    whose output is cut into N equal chunks (q|k|v) that are split one by one."""
+    return _derive(model, example_inputs).plan
+
+
+@dataclass
+class _Derivation:
+    plan: dict[str, str]
+    inputs: Any = None  # what the model was traced on (None: a Sequential, not traced)
+    # {attention-like module name: {int attribute its forward reads: global value}}
+    local_attrs: dict[str, dict[str, int]] = field(default_factory=dict)
+    # weight parameters in the plan (experts'), by qualified name: how they are multiplied
+    weights: dict[str, _Weight] = field(default_factory=dict)
+    # {module holding split weights: positions of its floating-point outputs to sum}
+    owners: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # {module (named inside its block): why its weights stay whole}
+    whole: dict[str, str] = field(default_factory=dict)
+    # replicated parameters inside the blocks that act on column-parallel values (Qwen3's
+    # per-head q_norm): each rank's gradient is its heads' part, summed over the tp ranks
+    summed: list[str] = field(default_factory=list)
+
+
+def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
+    """The plan (a Sequential's pairs, else from one traced forward), with what the split
+    model is checked against."""
+    if type(model) is nn.Sequential:
+        plan = _sequential_pairs(model, prefix="")
+        if plan:
+            return _Derivation(plan)
+    try:
+        stack = find_blocks(model)
+    except MeshfitError:
+        raise _nothing_to_split(model, "it has no stack of repeated blocks") from None
+    plan: dict[str, str] = {}
+    if all(type(b) is nn.Sequential for b in stack.blocks):
+        for key, block in zip(stack.keys, stack.blocks, strict=True):
+            plan.update(_sequential_pairs(block, prefix=f"{stack.qualified(key)}."))
+        if set(plan.values()) == {"colwise", "rowwise"}:
+            return _Derivation(plan)
+    if not any(_is_projection(m) or _own_weights(m) for b in stack.blocks for m in b.modules()):
+        kinds = sorted(
+            {type(m).__name__ for b in stack.blocks for m in b.modules()} - {"Sequential"}
+        )
+        raise _nothing_to_split(
+            model, f"its blocks hold no matrix-product layer (Linear), only {', '.join(kinds)}"
+        )
+    inputs = example_inputs if example_inputs is not None else _dummy_inputs(model)
+    units = _block_units(model, stack)
+    traces = _trace_blocks(model, units, inputs)
+    modules = dict(model.named_modules())
+    local_attrs: dict[str, dict[str, int]] = {}
+    split = _Derivation(plan)
+    for name, _ in units:
+        trace = traces.get(name)
+        if trace is None:
+            continue
+        whole: dict[str, str] = {}
+        block_plan = _classify(trace, whole)
+        plan.update(block_plan)
+        split.summed += _partial_gradients(trace, block_plan)
+        local_attrs.update(_stored_sizes(modules, block_plan))
+        _note_weights(split, trace, block_plan, whole, prefix=f"{name}.")
+    if "rowwise" not in plan.values():
+        kept = "".join(f"; {owner} kept whole: {why}" for owner, why in split.whole.items())
+        raise _nothing_to_split(
+            model,
+            f"no matrix product in its blocks ({stack.name or 'the model'!r}) reads the block's "
+            f"input and feeds, through per-element or per-head steps only, one that writes back "
+            f"to the block's output{kept}",
+        )
+    split.inputs, split.local_attrs = inputs, local_attrs
+    return split
+
+
+def _note_weights(
+    split: _Derivation, trace: _BlockTrace, plan: dict[str, str], whole: dict[str, str], prefix: str
+) -> None:
+    """Record in `split` the weight parameters one block's plan splits, the outputs of
+    the modules holding them that their all-reduce sums, and why others stay whole."""
+    for name in plan:
+        if name in trace.weights:
+            split.weights[name] = trace.weights[name]
+            owner = name.rsplit(".", 1)[0]
+            rows = {n for n in plan if n.startswith(f"{owner}.") and plan[n] == "rowwise"}
+            labels = trace.owner_outputs.get(owner, [])
+            split.owners[owner] = tuple(i for i, label in enumerate(labels) if label & rows)
+    for owner, why in whole.items():
+        split.whole.setdefault(owner.removeprefix(prefix), why)
+
+
+def _nothing_to_split(model: nn.Module, reason: str) -> MeshfitError:
+    return MeshfitError(
+        f"tensor parallel finds nothing to split in {type(model).__name__}: {reason}; use dp, "
+        f"fsdp or pp (or pass parallelize(..., tp_plan={{'module.name': 'colwise', ...}}))"
+    )
+
+
+def _dummy_inputs(model: nn.Module) -> Any:
+    """A tiny input to trace `model` on: Hugging Face's own `dummy_inputs`, else token ids
+    for a model whose first layer is an Embedding, else features for a first Linear."""
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, Mapping) and dummy:
+        device = next(model.parameters()).device
+        return {k: v.to(device) for k, v in dummy.items()}
+    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
+    if first is None:
+        raise _nothing_to_split(model, "meshfit cannot make an input to trace it with")
+    g = torch.Generator().manual_seed(0)
+    device = first.weight.device
+    if isinstance(first, nn.Embedding):
+        return torch.randint(0, first.num_embeddings, (2, 4), generator=g).to(device)
+    x = torch.randn(2, first.in_features, generator=g, dtype=torch.float64)
+    return x.to(device=device, dtype=first.weight.dtype)
+
+
+def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[str, str]:
+    """Megatron's pairs in one block's trace. A projection whose inputs are all replicated
+    (the block input, a row-parallel output, an unsplit projection of those) is column-
+    parallel; one whose inputs all come from column-parallel projections is row-parallel
+    (its all-reduce makes its output replicated again). A column-parallel output that
+    reaches anything else (the block output, an unsplit projection, a mix with the
+    residual stream, a norm over its whole width) cannot be split: it is demoted and the
+    trace classified again.
+    An Embedding inside the block whose output mixes into a row-parallel input (T5's
+    per-head position bias, (buckets, heads)) is split with the heads: column-parallel.
+    Weight parameters of other modules (experts) pair only within the module holding
+    them (see _owner_problems); why a module's weights stay whole goes into `whole`."""
+    demoted: set[str] = set(trace.across_width) | set(trace.misused)
+    whole = {} if whole is None else whole
+    while True:
+        state: dict[str, str] = {}
+        bad: set[str] = set()
+        for call in trace.calls:
+            if call.name in state:  # called twice in one block: leave it whole
+                bad.add(call.name)
+                continue
+            tables = {s for s in call.sources if s.startswith(TABLE)}
+            srcs = call.sources - tables
+            replicated = {s for s in srcs if s == "H" or state.get(s) in ("row", "whole")}
+            sharded = {s for s in srcs if state.get(s) == "col"}
+            # integer operands (which rows an expert takes) must be alike on every rank
+            uneven = {s for s in call.side if state.get(s) == "col"}
+            if uneven:
+                state[call.name] = "whole"
+                bad |= uneven
+            elif (
+                call.name not in demoted
+                and srcs
+                and replicated == srcs
+                and "H" in _roots(call, trace)
+            ):
+                state[call.name] = "col"
+            elif srcs and sharded == srcs:
+                state[call.name] = "row"
+                for table in tables:
+                    state.setdefault(table.removeprefix(TABLE), "table")
+            else:
+                state[call.name] = "whole"
+                bad |= sharded
+        bad |= {s for s in trace.reaches_output if state.get(s) == "col"}
+        read_by_row = {s for c in trace.calls if state.get(c.name) == "row" for s in c.sources}
+        bad |= {n for n, s in state.items() if s == "col" and n not in read_by_row}
+        bad |= _owner_problems(trace, state, whole)
+        if not bad:
+            break
+        demoted |= bad
+    for name, why in trace.misused.items():  # a module without a reason of its own above
+        whole.setdefault(name.rsplit(".", 1)[0], f"{name.rsplit('.', 1)[-1]}: {why}")
+    plan: dict[str, str] = {n: "colwise" for n, s in state.items() if s == "table"}
+    for call in trace.calls:
+        if state.get(call.name) == "col":
+            plan[call.name] = str(Split("colwise", call.chunks))
+        elif state.get(call.name) == "row":
+            plan[call.name] = "rowwise"
+    return plan
+
+
+def _partial_gradients(trace: _BlockTrace, plan: dict[str, str]) -> list[str]:
+    """The parameters that `plan` leaves whole but that act on column-parallel values
+    (per-head norms applied to each rank's own heads): each rank's gradient is the part
+    of its heads, so the parts must be summed over the tp ranks (Megatron does the same
+    for its q/k layer norms). The column-parallel values are the split projections'
+    outputs and split position tables'."""
+    sharded = {n for n, style in plan.items() if Split.parse(style).column}
+    sharded |= {TABLE + n for n in sharded}
+    return [
+        name
+        for name, partners in trace.partners.items()
+        if name not in plan and name.rsplit(".", 1)[0] not in plan and partners & sharded
+    ]
+
+
+def _owner_problems(trace: _BlockTrace, state: dict[str, str], whole: dict[str, str]) -> set[str]:
+    """The column-parallel weights of modules whose weights cannot be split as a unit.
+    Such a module (a mixture of experts) runs on its local shards with one all-reduce at
+    its output, after every expert: that sums each rank's partial products only when
+    its weights pair among themselves, it holds no other parameter (a bias would be
+    added once per rank) and its input does not reach its output beside them."""
+    by_owner: dict[str, list[str]] = {}
+    for name in trace.weights:
+        if state.get(name) in ("col", "row"):
+            by_owner.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    bad: set[str] = set()
+    for owner, names in by_owner.items():
+        why = _owner_problem(trace, state, owner, names)
+        if why:
+            whole.setdefault(owner, why)
+            bad |= {n for n in names if state[n] == "col"}
+    return bad
+
+
+def _owner_problem(trace: _BlockTrace, state: dict[str, str], owner: str, names: list[str]) -> str:
+    """Why `owner`'s split weights `names` cannot be split as a unit ("" when they can)."""
+    leaf = owner.rsplit(".", 1)[-1]
+    module = trace.modules.get(owner)
+    held = dict(module.named_parameters(recurse=False)) if module is not None else {}
+    others = sorted(n for n in held if f"{owner}.{n}" not in names)
+    if others:
+        return f"{leaf} also holds {', '.join(others)}, which would stay whole"
+    rows = {n for n in names if state[n] == "row"}
+    for call in trace.calls:
+        outside = call.name not in names
+        if outside and any(s in names and state[s] == "col" for s in call.sources):
+            return f"{leaf}'s column-parallel products are read outside it ({call.name})"
+        if not outside and state[call.name] == "row":
+            if any(state.get(s) == "col" and s not in names for s in call.sources):
+                return f"{leaf}'s row-parallel products read products outside it"
+    outputs = trace.owner_outputs.get(owner, [])
+    if not any(label & rows for label in outputs):
+        return f"{leaf}'s output holds none of its row-parallel products"
+    if any(label & rows and "H" in label for label in outputs):
+        return f"{leaf} adds its input to its products, which tp would sum once per rank"
+    return ""
+
+
+def _roots(call: _Call, trace: _BlockTrace) -> set[str]:
+    """The block-input roots behind `call` (through row-parallel and whole projections)."""
+    by_name = {c.name: c for c in trace.calls}
+    seen, todo, roots = set(), list(call.sources), set()
+    while todo:
+        s = todo.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        if s == "H":
+            roots.add(s)
+        elif s in by_name:
+            todo.extend(by_name[s].sources)
+    return roots
+
+
+def _stored_sizes(modules: dict[str, nn.Module], plan: dict[str, str]) -> dict[str, dict[str, int]]:
+    """{module holding a column/row pair: {int attribute its forward reads: value}} for
+    the attributes that hold a head count or a split width, which each tp rank must see
+    as its local value (GPT-2's `split_size`, T5's `n_heads`): candidates, which
+    `_settle_local_sizes` tries on the split model."""
+    widths = set()
+    for name, style in plan.items():
+        split = Split.parse(style)
+        if name in modules and split.column and _is_projection(modules[name]):
+            widths.add(_dims(modules[name])[1] // split.chunks)
+    owners = {name.rsplit(".", 1)[0] for name in plan if "." in name}
+    found: dict[str, dict[str, int]] = {}
+    for owner in owners:
+        module = modules.get(owner)
+        if module is None:
+            continue
+        read = _attributes_read(type(module))
+        attrs = {}
+        for attr in read:
+            value = getattr(module, attr, None)
+            if type(value) is not int or attr.endswith(("head_dim", "head_size")):
+                continue
+            if attr in HEAD_ATTRS or attr in KV_HEAD_ATTRS or value in widths:
+                attrs[attr] = value
+        if attrs:
+            found[owner] = attrs
+    return found
+
+
+def _attributes_read(cls: type) -> set[str]:
+    """`self.<name>` reads in `cls.forward`'s source (empty when it has none to read)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(r"\bself\.([A-Za-z_]\w*)\b(?!\s*\()", source))
+
+
+def _sequential_pairs(seq: nn.Sequential, prefix: str) -> dict[str, str]:
+    """Pair Linears in a Sequential that only element-wise layers separate."""
+    plan: dict[str, str] = {}
+    pending: str | None = None  # a Linear waiting for its row-parallel partner
+    for key, child in seq._modules.items():
+        if isinstance(child, nn.Linear):
+            if pending is None:
+                pending = key
+            else:
+                plan[prefix + pending] = "colwise"
+                plan[prefix + key] = "rowwise"
+                pending = None
+        elif not isinstance(child, ELEMENTWISE):
+            pending = None
+    return plan

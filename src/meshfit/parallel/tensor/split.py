@@ -1,0 +1,78 @@
+"""What a split is and which layers take one: the plan's styles, the projection layers
+(nn.Linear, Hugging Face's Conv1D) and the attribute names that hold head counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
+
+TPPlan = dict[str, "str | ParallelStyle"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """One plan entry, parsed: "colwise", "rowwise", or "colwise:N" (a fused projection
+    whose output is N equal chunks, q|k|v, each split over the ranks on its own; "rowwise:N"
+    the same on the input side). Plans
+    keep the text (users write it, fit prints it); code reads it through `parse` only."""
+
+    kind: str  # "colwise" | "rowwise"
+    chunks: int = 1
+
+    @classmethod
+    def parse(cls, style: str) -> Split | None:
+        """The Split `style` names; None for text that names none."""
+        kind, sep, chunks = style.partition(":")
+        if kind not in STYLES or (sep and not chunks.isdigit()):
+            return None
+        return cls(kind, int(chunks) if sep else 1)
+
+    @property
+    def column(self) -> bool:
+        return self.kind == "colwise"
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.chunks}" if self.chunks > 1 else self.kind
+
+
+# q/k/v layers as the common families name them: only to find the head count on the
+# model's config when a hand-written plan splits them (check_tp_plan).
+QKV_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv"}
+
+HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
+
+KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+
+
+# Layers that act on each element (or each position) alone: a column-parallel output
+# can pass through them to a row-parallel Linear unchanged.
+ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+               nn.Mish, nn.Identity, nn.Dropout)  # fmt: skip
+
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def _is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's GPT-2 style Conv1D (weight (in, out), y = x @ W + b), by class name so
+    transformers is not imported for models that do not use it."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+
+
+def _dims(module: nn.Module) -> tuple[int, int]:
+    """(input features, output features) of a projection."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    rows, cols = module.weight.shape  # Conv1D: (in, out)
+    return rows, cols

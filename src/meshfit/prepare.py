@@ -1,0 +1,226 @@
+"""The way in: `mf.parallelize` checks its options (options.py), resolves the plan on
+this job (`prepare`: the planner for "auto", the process group, the Topology) and builds
+the Engine. `fit`, `predict` and `verify` come in through the same `prepare`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from meshfit import watchdog
+from meshfit.engine import Engine
+from meshfit.errors import MeshfitError
+from meshfit.options import EngineOptions, LossFn, OptimizerFactory, SchedulerFactory
+from meshfit.plan import Plan, is_auto
+from meshfit.topology import Topology
+from meshfit.trees import tensors_in
+
+if TYPE_CHECKING:
+    from meshfit.parallel.tensor import TPPlan
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan | str | Topology | None = None,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    grad_clip: float | None = None,
+    lr_scheduler: SchedulerFactory | None = None,
+    compile: bool = False,
+    tp_plan: TPPlan | None = None,
+    pp_split: list[int] | None = None,
+    example_inputs: Any = None,
+    sync_batchnorm: bool = True,
+    blocks: str | None = None,
+    metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
+    init: Callable[[nn.Module], None] | Sequence[Callable[[nn.Module], None]] | None = None,
+    weights: str | os.PathLike | None = None,
+) -> Engine:
+    """Split `model` over this job's processes as `plan` says and return an Engine.
+
+    plan: a Plan, its text form ("dp=4"), or None for data parallel over every process
+        (or a Topology built from one: `fit` builds it first to size its example batch).
+        "auto": the planner chooses (mf.plan_search on this job's processes, for a global
+        batch of example_inputs' size); "auto,precision=bf16" keeps the fields given.
+    optimizer: a function from parameters to an optimizer, e.g.
+        ``lambda params: torch.optim.AdamW(params, lr=3e-4)`` (default: AdamW, lr 3e-4).
+        A function, not an optimizer, because parallel forms may replace the parameters.
+    loss_fn: ``loss_fn(outputs, targets)``, where outputs is whatever the model returns
+        (called as ``model(**inputs)`` for a mapping, else ``model(inputs)``); it returns
+        the mean loss over the batch, or a pair ``(loss_sum, count)`` that meshfit
+        normalises by the global count (exact for masked tokens under any plan; e.g.
+        ``mf.losses.cross_entropy(ignore_index=-100)``). ``"model"``: the model's own
+        loss (``outputs.loss``); a batch is then the mapping the model takes, labels
+        included (see `mf.losses.ModelOwnLoss`).
+    grad_clip: clip the global gradient norm to this value.
+    lr_scheduler: a function from the optimizer to a torch LR scheduler, stepped once per
+        training step.
+    compile: run forward and loss through ``torch.compile`` (off by default: the first
+        steps then take longer while it compiles; on a GPU the rest are faster). Under
+        pp each of the rank's blocks compiles on its own and the rest of the stage runs
+        eagerly (parallel/compiled.py).
+    tp_plan: for tp > 1, ``{module name or pattern: "colwise" | "colwise:N" | "rowwise"}``
+        instead of the plan meshfit derives by tracing the blocks' computation.
+    pp_split: for pp > 1, the block indices where stages 2, 3, ... begin, instead of
+        the balanced cut meshfit chooses.
+    example_inputs: one micro-batch of inputs; with pp > 1 meshfit counts each block's
+        forward FLOPs on it and balances the stages by them (else by parameter count), and
+        checks the cut on it on every rank before training; with tp > 1 it traces the
+        blocks on it (else on an input it makes up).
+    sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global
+        batch, over the data-parallel ranks, as in one process (default). A BatchNorm
+        model is then refused with more than one micro-batch, which BatchNorm would
+        normalise one by one. False: each rank and micro-batch uses its own statistics
+        (no communication; not the one-process run).
+    blocks: the qualified name of the container (nn.ModuleList / Sequential /
+        ModuleDict) that holds the model's repeated blocks, e.g. "model.layers", where
+        meshfit's guess (the largest container of same-type modules) is not the one
+        to split. tp, pp, recomputation and fsdp all use it.
+    metrics: {name: fn(outputs, targets)} computed beside the loss on every batch, over
+        the global batch (a mean per micro-batch, or a (sum, count) pair; e.g.
+        ``{"acc": mf.metrics.accuracy}``); engine.last_metrics holds the values of the
+        last step or evaluation, and fit records them.
+    init: for a model built on meta (``with torch.device("meta")``), which every form
+        splits as it is and each rank materializes only its part of: a function of a
+        module (or a list of them, one pass each) that sets its initial values, called
+        on every module after its children and after the module's own
+        reset_parameters, as ``Module.apply`` would (default: a Hugging Face model's own
+        _init_weights). The values equal one process's under every plan
+        (materialize.py says how, and what it refuses).
+    weights: pretrained weights to start from: a .safetensors file, or a directory with
+        model.safetensors or Hugging Face's shards and model.safetensors.index.json
+        (save_pretrained's, `engine.save_model`'s). Names are the model's state_dict
+        names (a tied weight under either); a tensor the file lacks, one it holds that
+        the model lacks, or one of another shape is refused by name before training.
+        With a model built on meta each rank reads only the slices it keeps.
+    """
+    if not isinstance(model, nn.Module):
+        raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
+    options = EngineOptions(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        grad_clip=grad_clip,
+        lr_scheduler=lr_scheduler,
+        compile=compile,
+        tp_plan=tp_plan,
+        pp_split=pp_split,
+        example_inputs=example_inputs,
+        sync_batchnorm=sync_batchnorm,
+        blocks=blocks,
+        metrics=metrics,
+        init=init,
+        weights=weights,
+    )
+    topology, auto = prepare(model, plan, options)
+    engine = Engine(model, topology, options)
+    if auto is not None:
+        engine.planned = auto
+        if engine.rank == 0:
+            print(f"meshfit: {auto.describe()}", flush=True)
+    watchdog.mark("script", "the training script before step 1", waiting=False)
+    return engine
+
+
+def prepare(
+    model: nn.Module, plan: Plan | str | Topology | None, options: EngineOptions
+) -> tuple[Topology, Any]:
+    """(the Topology `plan` resolves to on this job, the planner's choice for an "auto"
+    plan or None): the blocks named, the auto plan chosen, the process group started,
+    and the options that depend on the plan checked against it."""
+    if options.blocks is not None:
+        from meshfit.parallel.blocks import use_blocks
+
+        use_blocks(model, options.blocks)
+    auto = None
+    if auto_requested(plan):
+        auto = _choose_auto(model, auto_requested(plan), options)
+        plan = auto.plan
+    topology = plan if isinstance(plan, Topology) else create_topology(plan)
+    options_fit(options, topology.plan)
+    return topology, auto
+
+
+def options_fit(options: EngineOptions, plan: Plan) -> None:
+    """Refuse options the plan would ignore or cannot run."""
+    for option, value, form in (
+        ("tp_plan", options.tp_plan, "tp"),
+        ("pp_split", options.pp_split, "pp"),
+    ):
+        if value is not None and getattr(plan, form) == 1:  # it would be ignored: say so
+            raise MeshfitError(
+                f"{option} is for {form} > 1, and plan {plan} has {form}=1; add "
+                f"{form}=N to the plan (e.g. '{form}=2'), or drop {option}"
+            )
+    if options.compile and plan.pp > 1 and plan.schedule == "zero-bubble":
+        # measured: torch's zero-bubble runs backward twice over each stage (input
+        # gradients, then weight gradients, retain_graph=True), and a compiled block's
+        # backward is one fused function that refuses a second pass
+        raise MeshfitError(
+            "compile=True does not combine with schedule='zero-bubble': it splits each "
+            "block's backward into input and weight gradients, which a compiled block "
+            "computes in one piece; use schedule='interleaved-1f1b' with compile=True, "
+            "or compile=False"
+        )
+
+
+def auto_requested(plan: Any) -> str | None:
+    """The "auto..." text when `plan` (or, for plan=None, `meshfit run --plan`) asks the
+    planner to choose; None otherwise."""
+    if plan is None:
+        plan = os.environ.get("MESHFIT_PLAN")
+    return plan if is_auto(plan) else None
+
+
+def _choose_auto(model: nn.Module, plan: str, options: EngineOptions) -> Any:
+    from meshfit.planner.auto import choose_plan
+
+    example_inputs = options.example_inputs
+    found = tensors_in(example_inputs) if example_inputs is not None else []
+    if not found:
+        raise MeshfitError(
+            "parallelize(model, 'auto') needs example_inputs=: one global batch of the "
+            "model's inputs (its size is the batch the planner plans for); or use "
+            "mf.fit(..., plan='auto'), which takes them from the dataset"
+        )
+    return choose_plan(
+        model,
+        plan,
+        batch_size=found[0].shape[0],
+        example_inputs=example_inputs,
+        loss_fn=options.loss_fn,
+        optimizer=options.optimizer,
+        compiled=options.compile,
+    )
+
+
+def create_topology(plan: Plan | str | None) -> Topology:
+    """Check `plan`, start the process group and build the Topology of this job."""
+    plan = as_plan(plan)
+    plan.validate()
+    return Topology.create(plan)
+
+
+def as_plan(plan: Plan | str | None) -> Plan:
+    """The Plan of `plan`; None is `meshfit run --plan`'s (MESHFIT_PLAN), else dp over
+    every process. A plan given in code that differs from --plan's is refused."""
+    given = os.environ.get("MESHFIT_PLAN")
+    if auto_requested(given):  # the planner chose `plan` for --plan auto
+        given = None
+    from_command = Plan.parse(given) if given else None
+    if plan is None:
+        return from_command or Plan()
+    if isinstance(plan, str):
+        plan = Plan.parse(plan)
+    if not isinstance(plan, Plan):
+        raise MeshfitError(f"plan must be a Plan or text such as 'dp=2', not {type(plan).__name__}")
+    if from_command is not None and from_command != plan:
+        raise MeshfitError(
+            f"the script asks for plan {plan} and meshfit run --plan for {from_command}; "
+            f"drop one (plan=None in the script takes the command line's)"
+        )
+    return plan
