@@ -4,6 +4,7 @@ any plan) and from a checkpoint alone (`meshfit export`), loadable with
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -43,6 +44,24 @@ def test_a_pipeline_trained_model_exports_whole_and_loads_anywhere(tmp_path) -> 
     exported = safetensors.load_file(str(out))
     assert exported.keys() == state.keys()
     assert all(torch.equal(exported[k], state[k]) for k in state)
+    # into Hugging Face-style shards, streamed: one file's tensors read, written, freed
+    from meshfit.export import export_checkpoint
+    from meshfit.memory_probe import measure_peak
+
+    shards = tmp_path / "shards"
+    peak = measure_peak(
+        lambda: export_checkpoint(str(tmp_path / "checkpoint"), str(shards), "20KB")
+    )
+    index = json.loads((shards / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 4, files
+    parts = {}
+    for name in files:
+        parts.update(safetensors.load_file(str(shards / name)))
+    assert parts.keys() == state.keys()
+    assert all(torch.equal(parts[k], state[k]) for k in state)
+    whole = sum(t.numel() * t.element_size() for t in state.values())
+    assert peak.total < whole / 2, (peak.total, whole)  # never the whole model at once
 
 
 @pytest.mark.slow

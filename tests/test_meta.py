@@ -9,7 +9,14 @@ import warnings
 import pytest
 import torch
 from helpers import assert_same_run, tolerance
-from workers import lm_loss, many_meta_runs, meta_model, meta_run, save_sharded_run
+from workers import (
+    checkpoint_weights_run,
+    lm_loss,
+    many_meta_runs,
+    meta_model,
+    meta_run,
+    save_sharded_run,
+)
 
 import meshfit as mf
 
@@ -177,6 +184,27 @@ def test_pretrained_weights_load_into_shards_and_stages(tmp_path) -> None:
         for name, value in saved[spec["model"]].items():
             assert torch.equal(got["initial"][name], value.double()), (spec, name)
         assert_same_run(got, meta_run({**spec, "plan": None}), _rtol(spec["model"]))
+
+
+@pytest.mark.slow
+def test_a_meshfit_checkpoint_as_weights_loads_its_model_values_under_another_plan(
+    tmp_path,
+) -> None:
+    """weights= with a checkpoint fsdp=2 saved: a meta-built model under pp=2 (GPT-2's
+    tied head on both stages) and dp=2 starts from exactly the saved values, with no
+    step (the optimizer and the step stay with resume); another model is refused."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = mf.launch(checkpoint_weights_run, nproc=2, args=(str(tmp_path / "ckpt"),))
+    for plan in ("pp=2", "dp=2"):
+        state = got[plan]["state"]
+        assert state.keys() == got["saved"].keys(), plan
+        assert all(torch.equal(state[k], got["saved"][k]) for k in state), plan
+        assert got[plan]["steps"] == 0
+    assert got["refused"].startswith(
+        f"weights={str(tmp_path / 'ckpt')!r} is a checkpoint of a different model"
+    ), got["refused"]
+    assert "\n" not in got["refused"]
 
 
 SCRIPT = """

@@ -219,6 +219,25 @@ def test_search_never_ranks_a_plan_that_does_not_fit():
     assert all(e.plan.fsdp * e.plan.tp * e.plan.pp > 2 or e.plan.offload for e in result.ranked)
 
 
+def test_a_plan_whose_build_would_not_fit_is_marked_and_meta_lifts_it():
+    """A model built on the device is whole on every rank before the plan splits it: a
+    plan whose steady state fits but whose build does not is no plan; built on meta, a
+    rank holds its share and one parameter beside it (materialize.py)."""
+    profile = hand_profile(params=20000)  # 640 KB of fp32 parameters
+    profile.largest_param = 20000
+    hw = dataclasses.replace(fast_net_slow_chips(), device_memory=0.65e6)
+    plan = Plan(dp=1, fsdp=8)
+    built = estimate(profile, plan, batch_size=8, hardware=hw)
+    assert built.memory.total <= 0.92 * 0.65e6 < built.build == 640000
+    assert built.fits is False and "the build does not fit" in built.notes[0]
+    result = search_profile(profile, 8, batch_size=8, hardware=hw)
+    assert any(d.reason.startswith("its build does not fit") for d in result.dropped)
+    profile.built_on_meta = True
+    on_meta = estimate(profile, plan, batch_size=8, hardware=hw)
+    assert on_meta.build == pytest.approx(built.memory.parameters + 20000 * 4)
+    assert on_meta.fits is True
+
+
 def test_search_picks_the_known_best_on_a_hand_made_cost_table():
     """With free communication, every plan computes the same FLOPs over the same
     devices; the pipeline's bubble and recomputation only add time. The best is

@@ -60,7 +60,7 @@ def test_disk_full_during_a_save_stops_fit_and_keeps_the_previous_checkpoint(
         elif where == "latest":
             patch.setattr(ckpt, "point_latest", no_space)
         else:
-            from meshfit.fit import _HistoryFile
+            from meshfit.training.history import HistoryFile as _HistoryFile
 
             patch.setattr(_HistoryFile, "append_new", no_space)
         with pytest.raises(mf.MeshfitError) as caught:

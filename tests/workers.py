@@ -1355,3 +1355,90 @@ def dropout_tp_runs(specs: list[dict]) -> list[tuple[float, str | None]]:
                     engine.step(make_batch("gpt4", 8, step))
             gaps.append(replica_gap(engine))
     return gaps
+
+
+# ---- workers capped below the model's size (issue 30) -------------------------------
+CAPPED_LLAMA = dict(
+    vocab_size=1024,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    max_position_embeddings=LM_LEN,
+)
+
+
+def capped_llama_build(directory: str, plan: str | None, cgroup: str | None, on_meta: bool) -> dict:
+    """A user's fine-tuning start: the 150M-parameter Llama saved in `directory`, built on
+    meta (or, the negative control, on the CPU), its weights read with weights= under
+    `plan`. With `cgroup`, this process first joins the memory cgroup `<cgroup>-<rank>`
+    (made by the test, capped below the model's fp32 size): what it allocates from then
+    on counts against the cap; the interpreter, torch and the libraries it loads before
+    do not. Returns {parameter: float64 sum of its whole value} for the parameters this
+    rank's stages hold (one tensor gathered at a time), and the cgroup's peak usage."""
+    import safetensors.torch  # noqa: F401 - code loaded before the cap, not the model's memory
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+
+    import meshfit.materialize  # noqa: F401
+    import meshfit.parallel.pipeline  # noqa: F401
+
+    rank = int(os.environ.get("RANK", "0"))
+    where = f"/sys/fs/cgroup/memory/{cgroup}-{rank}" if cgroup else None
+    if where:
+        with open(os.path.join(where, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = LlamaForCausalLM(llama_config(**CAPPED_LLAMA))
+    options = {}
+    if "pp=" in (plan or ""):
+        options["example_inputs"] = _example_inputs(sft_batch("llama", 8, 0))
+    engine = mf.parallelize(
+        model, plan, loss_fn=lm_loss("llama"), optimizer=optimizer_factory("sgd"),
+        weights=directory, **options,
+    )  # fmt: skip
+    sums = {}
+    for name, param in engine.user_model.named_parameters():
+        whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        sums[name] = float(whole.double().sum())
+        del whole
+    peak = None
+    if where:
+        with open(os.path.join(where, "memory.max_usage_in_bytes")) as f:
+            peak = int(f.read())
+    everyone: dict = {}
+    for part in _on_every_rank(sums):
+        everyone.update(part)
+    return {"sums": everyone, "peak": _on_every_rank(peak)}
+
+
+def checkpoint_weights_run(path: str) -> dict:
+    """A GPT-2 (tied LM head) trained two steps under fsdp=2 and saved with engine.save
+    to `path`; then the same model built on meta under pp=2 and dp=2 with
+    weights=<that checkpoint>: the state it starts from and its step count; and a Llama
+    given the GPT-2's checkpoint (refused)."""
+    model, loss_fn, _ = meta_model("gpt2", on_meta=False)
+    sgd = optimizer_factory("sgd")
+    engine = mf.parallelize(model, "fsdp=2", loss_fn=loss_fn, optimizer=sgd)
+    for step in range(2):
+        engine.step(_meta_batch("gpt2", 8, step))
+    engine.save(path)
+    out: dict = {"saved": engine.full_state_dict()}
+    for plan in ("pp=2", "dp=2"):
+        model, loss_fn, init = meta_model("gpt2")
+        options = {"init": init, "weights": path}
+        if "pp=" in plan:
+            options["example_inputs"] = _example_inputs(_meta_batch("gpt2", 8, 0))
+        started = mf.parallelize(model, plan, loss_fn=loss_fn, optimizer=sgd, **options)
+        out[plan] = {"state": started.full_state_dict(), "steps": started.step_count}
+    other, other_loss, _ = meta_model("llama")
+    try:
+        mf.parallelize(other, "fsdp=2", loss_fn=other_loss, weights=path)
+        out["refused"] = None
+    except mf.MeshfitError as error:
+        out["refused"] = str(error)
+    return out

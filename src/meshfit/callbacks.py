@@ -16,9 +16,12 @@ from __future__ import annotations
 import csv
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshfit.errors import MeshfitError
+
+if TYPE_CHECKING:
+    from meshfit.engine import Engine
 
 
 class Callback:
@@ -32,25 +35,25 @@ class Callback:
     # whether it acts on each evaluation during training (one at the end is too late)
     needs_evaluations_during_training: bool = False
 
-    def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:
+    def on_train_begin(self, engine: Engine, checkpoint_dir: str | None) -> None:
         """Before the first step (after a resume, at the resumed step)."""
 
-    def on_step_begin(self, step: int, engine: Any) -> dict[str, float] | None:
+    def on_step_begin(self, step: int, engine: Engine) -> dict[str, float] | None:
         """Before training step `step` (numbered from 1): fields to add to that step's
         record, e.g. the settings it trains with. Read host-side values here (no device
         sync): the record itself is made at the next log."""
         return None
 
-    def on_step_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_step_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         """After every step, with its record (one device sync per step: see the module
         doc; `on_log` costs nothing extra)."""
         return None
 
-    def on_log(self, record: dict[str, Any], engine: Any) -> None:
+    def on_log(self, record: dict[str, Any], engine: Engine) -> None:
         """For each record as fit reads it from the device: every `log_every` steps,
         the records of the steps since the last."""
 
-    def on_eval_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_eval_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         """After each evaluation, with the record of its step (holding eval_loss)."""
         return None
 
@@ -116,10 +119,10 @@ class EarlyStopping(Callback):
 
     needs_evaluations_during_training = True  # to stop a run early
 
-    def on_step_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_step_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         return self._check(record) if self._watch.monitor != "eval_loss" else None
 
-    def on_eval_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_eval_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         return self._check(record) if self._watch.monitor == "eval_loss" else None
 
     def _check(self, record: dict[str, Any]) -> bool | None:
@@ -148,7 +151,7 @@ class BestCheckpoint(Callback):
         self.monitor = monitor
         self.path = path
 
-    def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:
+    def on_train_begin(self, engine: Engine, checkpoint_dir: str | None) -> None:
         if self.path is None:
             if checkpoint_dir is None:
                 raise MeshfitError(
@@ -157,17 +160,17 @@ class BestCheckpoint(Callback):
                 )
             self.path = os.path.join(checkpoint_dir, "best")
 
-    def on_step_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_step_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         if self._watch.monitor != "eval_loss":
             self._keep(record, engine)
         return None
 
-    def on_eval_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_eval_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         if self._watch.monitor == "eval_loss":
             self._keep(record, engine)
         return None
 
-    def _keep(self, record: dict[str, Any], engine: Any) -> None:
+    def _keep(self, record: dict[str, Any], engine: Engine) -> None:
         if self._watch.improved(record):  # the same on every rank: a collective save
             engine.save(
                 self.path,
@@ -187,7 +190,7 @@ class LearningRateMonitor(Callback):
     def __init__(self, momentum: bool = False, weight_decay: bool = False) -> None:
         self.momentum, self.weight_decay = bool(momentum), bool(weight_decay)
 
-    def on_step_begin(self, step: int, engine: Any) -> dict[str, float] | None:
+    def on_step_begin(self, step: int, engine: Engine) -> dict[str, float] | None:
         groups = engine.optimizer.param_groups
         names = _group_names(groups)
         fields: dict[str, float] = {}
@@ -233,16 +236,16 @@ class CSVLogger(Callback):
     def __init__(self, log_dir: str) -> None:
         self.path = os.path.join(log_dir, "metrics.csv")
         self.rows: dict[int, dict[str, Any]] = {}
-        self.engine: Any = None
+        self.engine: Engine = None
 
-    def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:
+    def on_train_begin(self, engine: Engine, checkpoint_dir: str | None) -> None:
         self.engine = engine
 
-    def on_log(self, record: dict[str, Any], engine: Any) -> None:
+    def on_log(self, record: dict[str, Any], engine: Engine) -> None:
         self.rows[record["step"]] = _flat(record)
         self._write()
 
-    def on_eval_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_eval_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         self.on_log(record, engine)
         return None
 
@@ -272,7 +275,7 @@ class TensorBoardLogger(Callback):
         self.writer: Any = None
         self.written: set[tuple[int, str]] = set()
 
-    def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:
+    def on_train_begin(self, engine: Engine, checkpoint_dir: str | None) -> None:
         if engine.rank != 0:
             return
         try:
@@ -284,10 +287,10 @@ class TensorBoardLogger(Callback):
             ) from None
         self.writer = SummaryWriter(self.log_dir)
 
-    def on_log(self, record: dict[str, Any], engine: Any) -> None:
+    def on_log(self, record: dict[str, Any], engine: Engine) -> None:
         self._write(record)
 
-    def on_eval_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_eval_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         self._write(record)
         return None
 

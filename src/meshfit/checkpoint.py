@@ -29,6 +29,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -195,15 +196,32 @@ def _is_rank0() -> bool:
     return not is_distributed() or dist.get_rank() == 0
 
 
+@dataclass
+class TrainingState:
+    """The parts of a run a checkpoint saves and restores, handed over as they are (as
+    torchtitan hands its checkpointer Stateful objects), not the engine that holds them."""
+
+    model: nn.Module  # what runs forward: wrapped, sharded, this rank's stages
+    optimizer: torch.optim.Optimizer
+    scaler: Any  # torch.amp.GradScaler, or None
+    lr_scheduler: Any  # a torch LR scheduler, or None
+    runner: Any  # runners.Runner: which state is this rank's to save, the pipeline cut
+    fingerprint: dict[str, Any]  # the model's global shapes under its own names
+    plan: Any  # the Plan it trained under
+    step: int
+    rank: int
+    world_size: int
+
+
 def save_checkpoint(
-    engine: Any,
+    state: TrainingState,
     path: str,
     *,
     extra: dict[str, Any] | None = None,
     rank_state: dict[str, Any] | None = None,
     latest_root: str | None = None,
 ) -> str:
-    """Write `engine`'s model, optimizer and progress to the directory `path`.
+    """Write the run's model, optimizer and progress (`state`) to the directory `path`.
 
     extra: JSON-able values stored once (e.g. fit's data position).
     rank_state: tensors/plain values stored per rank (e.g. RNG state).
@@ -239,14 +257,12 @@ def save_checkpoint(
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         options = _state_dict_options(OPTIMIZER_LAYOUT)
-        model_sd, optim_sd = get_state_dict(
-            engine.parallel_model, engine.optimizer, options=options
-        )
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
         # each key from the rank that owns it: DCP would keep any one rank's copy of a
         # replicated key, and a later stage's copy of a BatchNorm before the blocks holds
         # statistics of stand-in weights (loading still fills every rank's copy)
-        model_sd = engine.runner.owned_state(model_sd)
-        if engine.plan.tp > 1:  # fused q|k|v split per chunk: saved whole
+        model_sd = state.runner.owned_state(model_sd)
+        if state.plan.tp > 1:  # fused q|k|v split per chunk: saved whole
             from meshfit.parallel.tensor import strided_as_replicated
 
             model_sd, optim_sd = strided_as_replicated([model_sd, optim_sd])
@@ -258,7 +274,7 @@ def save_checkpoint(
             )
         if rank_state is not None:
             os.makedirs(os.path.join(partial, "ranks"), exist_ok=True)
-            torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{engine.rank:05d}.pt"))
+            torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{state.rank:05d}.pt"))
 
     def hash_my_share() -> dict[str, str]:
         from meshfit.integrity import checkpoint_files, share_digests
@@ -268,7 +284,7 @@ def save_checkpoint(
     def commit(files: dict[str, str]) -> None:
         if not _is_rank0():
             return
-        _write_json_atomic(os.path.join(partial, META_FILE), _meta(engine, extra_json, files))
+        _write_json_atomic(os.path.join(partial, META_FILE), _meta(state, extra_json, files))
         _commit(partial, path)
         if latest_root is not None:
             try:
@@ -291,22 +307,22 @@ def save_checkpoint(
     return path
 
 
-def _meta(engine: Any, extra_json: Any, files: dict[str, str]) -> dict[str, Any]:
+def _meta(state: TrainingState, extra_json: Any, files: dict[str, str]) -> dict[str, Any]:
     """What meshfit.json records of a checkpoint."""
     return {
         "format": FORMAT,
-        "step": engine.step_count,
-        "plan": str(engine.plan),
+        "step": state.step,
+        "plan": str(state.plan),
         # under pp: the first block of every stage (a resume says when its cut differs)
-        "pipeline_cut": engine.runner.pipeline_cut,
-        "world_size": engine.world_size,
-        "model": engine.fingerprint,
-        "model_digest": fingerprint_digest(engine.fingerprint),
-        "optimizer": type(engine.optimizer).__name__,
+        "pipeline_cut": state.runner.pipeline_cut,
+        "world_size": state.world_size,
+        "model": state.fingerprint,
+        "model_digest": fingerprint_digest(state.fingerprint),
+        "optimizer": type(state.optimizer).__name__,
         "optimizer_layout": OPTIMIZER_LAYOUT,
-        "scaler": engine.scaler.state_dict() if engine.scaler else None,
+        "scaler": state.scaler.state_dict() if state.scaler else None,
         "lr_scheduler": _json_or_error(
-            engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            state.lr_scheduler.state_dict() if state.lr_scheduler else None,
             "lr_scheduler state",
         ),
         "extra": extra_json,
@@ -371,30 +387,31 @@ def read_meta(checkpoint: str) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
-    """Load the checkpoint at `path` (or the newest under it) into `engine`.
+def load_checkpoint(state: TrainingState, path: str) -> dict[str, Any]:
+    """Load the checkpoint at `path` (or the newest under it) into the run's parts
+    (`state`; its step is the caller's to take from the metadata's "step").
 
     Works under any plan of the same model (DCP reshards). Refuses, before touching the
-    engine, a checkpoint of another model or one saved with another optimizer type.
+    run, a checkpoint of another model or one saved with another optimizer type.
     Returns the checkpoint's metadata, plus "path" and, where this rank saved one,
     "rank_state".
     """
     checkpoint = resolve_checkpoint(path)
     meta = read_meta(checkpoint)
-    mismatch = explain_mismatch(meta["model"], engine.fingerprint)
+    mismatch = explain_mismatch(meta["model"], state.fingerprint)
     if mismatch:
         raise MeshfitError(
             f"checkpoint {checkpoint!r} was saved from a different model: {mismatch}. Load "
             f"it into the model it was saved from, or use a new checkpoint directory"
         )
-    here = type(engine.optimizer).__name__
+    here = type(state.optimizer).__name__
     if meta["optimizer"] != here:
         raise MeshfitError(
             f"checkpoint {checkpoint!r} holds {meta['optimizer']} state but this engine "
             f"uses {here}; use the same optimizer to resume, or a new checkpoint directory"
         )
     saved_scheduler = meta.get("lr_scheduler") is not None
-    if saved_scheduler != (engine.lr_scheduler is not None):  # DCP failed on initial_lr
+    if saved_scheduler != (state.lr_scheduler is not None):  # DCP failed on initial_lr
         raise MeshfitError(
             f"checkpoint {checkpoint!r} was saved {'with' if saved_scheduler else 'without'} "
             f"an lr_scheduler and this engine has {'none' if saved_scheduler else 'one'}; "
@@ -410,16 +427,16 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
     SafeFileSystemReader(checkpoint).read_metadata()
     # Checkpoints before the flat layout keep the nested one (they load as before).
     options = _state_dict_options(meta.get("optimizer_layout", "nested"))
-    model_sd, optim_sd = get_state_dict(engine.parallel_model, engine.optimizer, options=options)
-    state = {"model": model_sd, "optim": optim_sd}
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
+    loaded = {"model": model_sd, "optim": optim_sd}
     strided: list = []
-    if engine.plan.tp > 1:  # fused q|k|v split per chunk: saved whole, loaded whole
+    if state.plan.tp > 1:  # fused q|k|v split per chunk: saved whole, loaded whole
         from meshfit.parallel.tensor import strided_as_replicated
 
-        state = strided_as_replicated(state, strided)
+        loaded = strided_as_replicated(loaded, strided)
     with _single_process_quiet():
         dcp.load(
-            state,
+            loaded,
             storage_reader=SafeFileSystemReader(checkpoint),
             planner=SafeLoadPlanner(),
             no_dist=not is_distributed(),
@@ -428,23 +445,22 @@ def load_checkpoint(engine: Any, path: str) -> dict[str, Any]:
         from meshfit.parallel.tensor import copy_back_strided
 
         copy_back_strided(strided)
-        state = {"model": model_sd, "optim": optim_sd}
+        loaded = {"model": model_sd, "optim": optim_sd}
     set_state_dict(
-        engine.parallel_model,
-        engine.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
+        state.model,
+        state.optimizer,
+        model_state_dict=loaded["model"],
+        optim_state_dict=loaded["optim"],
         options=options,
     )
-    if engine.scaler is not None and meta["scaler"]:  # fp32/bf16 -> fp16 starts it fresh
-        engine.scaler.load_state_dict(meta["scaler"])
-    if engine.lr_scheduler is not None and meta["lr_scheduler"]:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    engine.step_count = int(meta["step"])
+    if state.scaler is not None and meta["scaler"]:  # fp32/bf16 -> fp16 starts it fresh
+        state.scaler.load_state_dict(meta["scaler"])
+    if state.lr_scheduler is not None and meta["lr_scheduler"]:
+        state.lr_scheduler.load_state_dict(meta["lr_scheduler"])
 
     meta["path"] = checkpoint
-    rank_file = os.path.join(checkpoint, "ranks", f"rank-{engine.rank:05d}.pt")
-    if meta["world_size"] == engine.world_size and os.path.isfile(rank_file):
+    rank_file = os.path.join(checkpoint, "ranks", f"rank-{state.rank:05d}.pt")
+    if meta["world_size"] == state.world_size and os.path.isfile(rank_file):
         meta["rank_state"] = torch.load(rank_file, weights_only=True)
     return meta
 
@@ -505,3 +521,51 @@ def gather_full_state(model: nn.Module, distributed: bool, runner: Any) -> dict[
         local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     local = {k: v.detach().cpu().clone() for k, v in local.items()}
     return runner.gather_state(local)
+
+
+def holds_checkpoint(path: str) -> bool:
+    """Whether `path` is a meshfit checkpoint, or a root (fit's checkpoint_dir) with one."""
+    return os.path.isdir(path) and (is_checkpoint(path) or latest_checkpoint(path) is not None)
+
+
+def load_model_weights(
+    model: nn.Module, path: str, fingerprint: dict[str, list], strided: bool
+) -> str:
+    """weights= from a meshfit checkpoint: the model's values only (no optimizer state,
+    no step: resuming is `load`'s), read by DCP, which reads each rank only the pieces of
+    the tensors it holds (its shards, its stages), whatever plan saved them. `model` is
+    the split model; `fingerprint` the user's model as built (model_fingerprint).
+    `strided`: tensor parallel split fused projections chunk by chunk (state.py).
+    Returns the checkpoint directory read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    checkpoint = resolve_checkpoint(path)  # checksums verified
+    meta = read_meta(checkpoint)
+    mismatch = explain_mismatch(meta["model"], fingerprint)
+    if mismatch:
+        raise MeshfitError(
+            f"weights={path!r} is a checkpoint of a different model: {mismatch}; give the "
+            f"weights of this model (a checkpoint it saved, or its safetensors)"
+        )
+    SafeFileSystemReader(checkpoint).read_metadata()  # refuses a file that would run code
+    model_sd = get_model_state_dict(model)
+    loaded: Any = {"model": model_sd}
+    pairs: list = []
+    if strided:  # saved whole (state.py): read whole, then each rank keeps its chunks
+        from meshfit.parallel.tensor import copy_back_strided, strided_as_replicated
+
+        loaded = strided_as_replicated(loaded, pairs)
+    with _single_process_quiet():
+        dcp.load(
+            loaded,
+            storage_reader=SafeFileSystemReader(checkpoint),
+            planner=SafeLoadPlanner(),
+            no_dist=not is_distributed(),
+        )
+    if pairs:
+        copy_back_strided(pairs)
+    set_model_state_dict(model, model_sd)
+    return checkpoint

@@ -418,11 +418,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a checkpoint's model weights as safetensors (no model code needed)",
         description="Write the model weights of CHECKPOINT (a step directory, or a checkpoint "
         "root for its newest intact step) to OUT: a .safetensors file, or a directory that "
-        "gets model.safetensors. The file loads with safetensors.torch.load_file and "
-        "model.load_state_dict, whatever plan trained it.",
+        "gets model.safetensors, or Hugging Face-style shards of at most --max-shard-size "
+        "with model.safetensors.index.json. It is read and written one file at a time, so "
+        "the process holds at most one file's worth of the model. The files load with "
+        "safetensors.torch.load_file and model.load_state_dict, with weights=, or (beside "
+        "the model's config.json) with from_pretrained, whatever plan trained it.",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT")
     export.add_argument("out", metavar="OUT")
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="the largest weights file in a directory OUT (bytes, or '500MB', '5GB'; default 5GB)",
+    )
     export.set_defaults(handler=_export)
 
     plot = commands.add_parser(
@@ -450,7 +458,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from meshfit.export import export_checkpoint
 
-    export_checkpoint(args.checkpoint, args.out)
+    export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
     return 0
 
 

@@ -26,13 +26,20 @@ from meshfit.batch_errors import (
     warn_on_ignored_targets,
 )
 from meshfit.batches import batch_size, check_microbatches, local_share, split_batch, to_device
-from meshfit.checkpoint import gather_full_state, model_fingerprint
+from meshfit.checkpoint import (
+    TrainingState,
+    gather_full_state,
+    load_checkpoint,
+    model_fingerprint,
+    save_checkpoint,
+)
 from meshfit.errors import MeshfitError
 from meshfit.losses import ModelOwnLoss, global_token_mean, normalise_by_count
 from meshfit.metrics import MetricTap, reduce_metrics
 from meshfit.options import EngineOptions, OptimizerFactory, SchedulerFactory
 from meshfit.parallel.compose import apply_plan
 from meshfit.precision import Precision
+from meshfit.prediction import predict_global_batch
 from meshfit.topology import Topology
 
 if TYPE_CHECKING:
@@ -215,7 +222,6 @@ class Engine:
         mean, self.last_eval_count = global_token_mean(loss, count, self.topology)
         return mean
 
-    # ---- batch handling ----------------------------------------------------------
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """(inputs, targets) of a batch as this engine's loss takes it: a pair, or with
         loss_fn="model" the model's mapping (plus what meshfit passes to its loss) and
@@ -233,19 +239,15 @@ class Engine:
         """The model's outputs on the GLOBAL batch `inputs` (a tensor, or a mapping the
         model takes as keywords), gathered whole on every rank as CPU tensors, in the
         model's own form; no gradients, evaluation mode. Every rank calls it."""
-        from meshfit.prediction import predict
-
         with watchdog.phase("evaluate", f"prediction after step {self.step_count}"):
-            return predict(self, inputs)
+            return predict_global_batch(self, inputs)
 
     # ---- checkpoints -------------------------------------------------------------
     def save(self, path: str, *, extra: dict[str, Any] | None = None) -> str:
         """Save model, optimizer and progress to the directory `path` (DCP, written
         aside then committed, so a crash never leaves a half checkpoint there)."""
-        from meshfit.checkpoint import save_checkpoint
-
         with watchdog.phase("save", f"the save of {path}"):
-            return save_checkpoint(self, path, extra=extra)
+            return save_checkpoint(self.training_state(), path, extra=extra)
 
     def save_model(self, path: str, max_shard_size: int | str = "5GB") -> str | None:
         """Write the whole model (from any plan) as safetensors to `path`: a directory
@@ -261,10 +263,17 @@ class Engine:
     def load(self, path: str) -> dict[str, Any]:
         """Load a checkpoint saved by `save` (or the newest one under a checkpoint root
         written by `fit`); works across plans of the same model. Returns its metadata."""
-        from meshfit.checkpoint import load_checkpoint
-
         with watchdog.phase("load", f"the load of {path}"):
-            return load_checkpoint(self, path)
+            meta = load_checkpoint(self.training_state(), path)
+        self.step_count = int(meta["step"])
+        return meta
+
+    def training_state(self) -> TrainingState:
+        """The parts of this run a checkpoint saves and restores."""
+        return TrainingState(
+            self.parallel_model, self.optimizer, self.scaler, self.lr_scheduler, self.runner,
+            self.fingerprint, self.plan, self.step_count, self.rank, self.world_size,
+        )  # fmt: skip
 
     def memory_report(self) -> dict[str, int | None]:
         """This rank's memory, in bytes: its share of the parameters, of the gradients
@@ -272,13 +281,11 @@ class Engine:
         call), of the optimizer state, and the device's peak allocation on a GPU (None
         on the CPU, where the first three are the model state)."""
         self._measure_gradients = True
-        return {
-            **model_state_bytes(self.parallel_model, self.optimizer),
-            "gradients": self._gradient_bytes,
-            "peak_device": torch.cuda.max_memory_allocated(self.device)
-            if self.device.type == "cuda"
-            else None,
-        }
+        cuda = self.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        params, optim = model_state_bytes(self.parallel_model, self.optimizer)
+        return {"parameters": params, "gradients": self._gradient_bytes, "optimizer": optim,
+                "peak_device": peak}  # fmt: skip
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state under its own names, as full CPU tensors, on every
@@ -327,18 +334,17 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """{"parameters", "optimizer"}: bytes this rank holds of each (optimizer state
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(parameters, optimizer state): bytes this rank holds of each (optimizer state
     without scalar entries such as Adam's step counter)."""
-    return {
-        "parameters": sum(_local_bytes(p) for p in model.parameters()),
-        "optimizer": sum(
-            _local_bytes(v)
-            for state in optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.ndim > 0
-        ),
-    }
+    params = sum(_local_bytes(p) for p in model.parameters())
+    optim = sum(
+        _local_bytes(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    )
+    return params, optim
 
 
 def clip_gradients(

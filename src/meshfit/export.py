@@ -22,16 +22,20 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
+
+if TYPE_CHECKING:
+    from meshfit.engine import Engine
 
 WEIGHTS_FILE = "model.safetensors"  # the name from_pretrained looks for
 
 
-def save_model(engine: Any, path: str, max_shard_size: int | str = "5GB") -> str | None:
+def save_model(engine: Engine, path: str, max_shard_size: int | str = "5GB") -> str | None:
     """Write `engine`'s whole model to `path`: a directory that gets model.safetensors, or
     shards of at most `max_shard_size` (bytes, or "500MB", "5GB") with their index, and
     for a Hugging Face model config.json; or one .safetensors file (rank 0 then holds the
@@ -49,16 +53,7 @@ def save_model(engine: Any, path: str, max_shard_size: int | str = "5GB") -> str
     directory = None if single else path
     if rank == 0:
         os.makedirs(directory or os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    names = (
-        [path]
-        if single
-        else [os.path.join(path, WEIGHTS_FILE)]
-        if len(shards) == 1
-        else [
-            os.path.join(path, f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-            for i in range(len(shards))
-        ]
-    )
+    names = _file_names(path, len(shards), single)
     weight_map: dict[str, str] = {}
     for file, shard in zip(names, shards, strict=True):
         tensors = {}
@@ -76,11 +71,7 @@ def save_model(engine: Any, path: str, max_shard_size: int | str = "5GB") -> str
         config.to_json_file(os.path.join(directory, "config.json"))
     if len(names) == 1:
         return names[0]
-    index = os.path.join(path, "model.safetensors.index.json")
-    total = sum(e.nbytes for e in entries)
-    with open(index, "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return index
+    return _write_index(path, entries, weight_map)
 
 
 @dataclass(frozen=True)
@@ -98,7 +89,7 @@ class _Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _sharded_state(engine: Any) -> dict[str, torch.Tensor]:
+def _sharded_state(engine: Engine) -> dict[str, torch.Tensor]:
     """This rank's state as it holds it (DTensors for shards), under the model's own
     names, less what another pipeline stage owns."""
     if engine.mesh is None:
@@ -148,7 +139,7 @@ def _gathered(
     value = None
     if entry.key in local:
         value = local[entry.key]
-        if hasattr(value, "full_tensor"):
+        if isinstance(value, DTensor):
             value = value.full_tensor()  # collective over the ranks that hold its shards
         value = value.detach()
     if 0 in entry.holders:
@@ -186,26 +177,88 @@ def _write_file(tensors: dict[str, torch.Tensor], file: str) -> None:
     save_file(_separate(tensors), file, metadata={"format": "pt"})
 
 
-def export_checkpoint(checkpoint_path: str, out: str) -> str:
+def export_checkpoint(checkpoint_path: str, out: str, max_shard_size: int | str = "5GB") -> str:
     """Write the model weights of a meshfit checkpoint (a step directory, or a checkpoint
-    root for its newest intact step) to `out` as safetensors. Needs no model code."""
+    root for its newest intact step) to `out` as safetensors; needs no model code. `out`
+    is a directory (model.safetensors, or Hugging Face-style shards of at most
+    `max_shard_size` with their index) or one .safetensors file. Streamed: the tensors of
+    one file at a time are read from the checkpoint (DCP reads only those), written and
+    freed, so the process never holds more than one file's worth of the model (a single
+    .safetensors file holds all of it). Returns the weights file (the index, for shards)."""
     from meshfit.checkpoint import read_meta, resolve_checkpoint
 
+    limit = _size(max_shard_size)
     checkpoint = resolve_checkpoint(checkpoint_path)  # checksums verified
     meta = read_meta(checkpoint)
-    state = _read_model_state(checkpoint)
-    written = write_safetensors(state, out)
+    entries = _checkpoint_entries(checkpoint)
+    single = out.endswith(".safetensors")
+    shards = [entries] if single else _shards(entries, limit)
+    names = _file_names(out, len(shards), single)
+    os.makedirs(os.path.dirname(os.path.abspath(names[0])), exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for file, shard in zip(names, shards, strict=True):
+        tensors = _read_model_tensors(checkpoint, shard)
+        _write_file(tensors, file)
+        weight_map.update(dict.fromkeys(tensors, os.path.basename(file)))
+        del tensors
+    written = names[0] if len(names) == 1 else _write_index(out, entries, weight_map)
     print(f"meshfit: exported the step-{meta['step']} model of {checkpoint} to {written}")
     return written
 
 
-def write_safetensors(state: dict[str, torch.Tensor], path: str) -> str:
-    """`state` as safetensors at `path` (a file ending in .safetensors, or a directory
-    that gets model.safetensors)."""
-    file = path if path.endswith(".safetensors") else os.path.join(path, WEIGHTS_FILE)
-    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-    _write_file(state, file)
-    return file
+def _file_names(path: str, count: int, single: bool) -> list[str]:
+    """The weights files of a model cut into `count` files, Hugging Face's names."""
+    if single:
+        return [path]
+    if count == 1:
+        return [os.path.join(path, WEIGHTS_FILE)]
+    return [
+        os.path.join(path, f"model-{i + 1:05d}-of-{count:05d}.safetensors") for i in range(count)
+    ]
+
+
+def _write_index(directory: str, entries: list[_Entry], weight_map: dict[str, str]) -> str:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    total = sum(e.nbytes for e in entries)
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return index
+
+
+def _checkpoint_entries(checkpoint: str) -> list[_Entry]:
+    """The model's tensors a checkpoint holds (names, full shapes, dtypes), from DCP's
+    metadata alone, in the order they were saved."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from meshfit._safe_dcp import SafeFileSystemReader
+
+    metadata = SafeFileSystemReader(checkpoint).read_metadata()
+    prefix = "model."
+    entries = [
+        _Entry(key[len(prefix) :], tuple(item.size), item.properties.dtype, ())
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    ]
+    if not entries:
+        raise MeshfitError(f"{checkpoint!r} holds no model weights under 'model'")
+    return entries
+
+
+def _read_model_tensors(checkpoint: str, entries: list[_Entry]) -> dict[str, torch.Tensor]:
+    """The full tensors of `entries`, read from the checkpoint (only those)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    model = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
+    # DCP's loader filling this dict in place (dcp.load fills a copy), with the safe reader
+    _load_state_dict(
+        {"model": model},
+        storage_reader=SafeFileSystemReader(checkpoint),
+        planner=SafeLoadPlanner(),
+        no_dist=True,
+    )
+    return model
 
 
 def _separate(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

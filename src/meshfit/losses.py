@@ -172,7 +172,8 @@ def normalise_by_count(
     the global batch, and `model`'s gradients made those of exactly that.
 
     The runner backpropagated each micro-batch's sum unscaled; the data-parallel
-    wrappers averaged the gradients over the dp_size ranks and the runner divided them by
+    wrappers averaged the gradients over Topology.grad_average_size ranks and the runner
+    divided them by
     `divisor` (the pipeline schedule: its micro-batch count). One all-reduce of (sum,
     count) later, the gradients are scaled by dp_size * divisor / count: the gradient of
     the global token mean, as in one process, however the tokens fall on ranks and
@@ -180,7 +181,7 @@ def normalise_by_count(
     from torch.distributed.tensor import DTensor
 
     mean, items = global_token_mean(loss_sum, count, topology)
-    factor = topology.dp_size * divisor / items.clamp_min(1)
+    factor = topology.grad_average_size * divisor / items.clamp_min(1)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:

@@ -1,7 +1,7 @@
 """The peak of live tensor bytes on this rank during one call (a training step), split
 into parameters, gradients, optimizer state and the rest, at the moment of the peak.
 
-This is the measuring side of the planner (issue 12): what `mf.estimate` predicts per
+This is the measuring side of the planner: what `mf.estimate` predicts per
 rank is checked against `measure_peak(lambda: engine.step(batch), engine=engine)`.
 
     peak = measure_peak(lambda: engine.step(batch), engine=engine)
@@ -165,7 +165,7 @@ def _device_of(modules: list[nn.Module]) -> torch.device:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; any other tensor itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # type: ignore[attr-defined]
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:

@@ -13,12 +13,15 @@ last step or evaluation; `fit` puts them in its records ("acc", "eval_acc").
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshfit.errors import MeshfitError
 from meshfit.trees import tensors_in
+
+if TYPE_CHECKING:
+    from meshfit.engine import Engine
 
 Metric = Callable[[Any, Any], Any]
 
@@ -72,7 +75,7 @@ class MetricTap:
         return torch.stack(kept).sum(0).to(device)
 
 
-def reduce_metrics(tap: MetricTap, calls: int, engine: Any) -> dict[str, torch.Tensor]:
+def reduce_metrics(tap: MetricTap, calls: int, engine: Engine) -> dict[str, torch.Tensor]:
     """The global value of each metric for this step: this rank's sums, brought from the
     rank that computed the loss (the last pipeline stage), summed over the data-parallel
     ranks, divided."""

@@ -9,7 +9,7 @@ result holds CPU tensors, so it suits checking and small-scale inference, not se
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,12 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from meshfit.errors import MeshfitError
 from meshfit.trees import map_tensors, tensors_in
 
+if TYPE_CHECKING:
+    from meshfit.engine import Engine
+
 
 @torch.no_grad()
-def predict(engine: Any, inputs: Any) -> Any:
+def predict_global_batch(engine: Engine, inputs: Any) -> Any:
     """`engine`'s model on the global batch `inputs` (as the model takes them: a
     tensor, or a mapping for model(**inputs)); the outputs, on every rank."""
     found = tensors_in(inputs)
@@ -51,7 +54,7 @@ def predict(engine: Any, inputs: Any) -> Any:
     return _gather_in_batch_order(engine, outputs)
 
 
-def _gather_in_batch_order(engine: Any, outputs: Any) -> Any:
+def _gather_in_batch_order(engine: Engine, outputs: Any) -> Any:
     """Every data-parallel share's outputs, concatenated in the batch's order."""
     if engine.world_size == 1 or engine.dp_size == 1:
         return outputs

@@ -97,7 +97,9 @@ def parallelize(
         (save_pretrained's, `engine.save_model`'s). Names are the model's state_dict
         names (a tied weight under either); a tensor the file lacks, one it holds that
         the model lacks, or one of another shape is refused by name before training.
-        With a model built on meta each rank reads only the slices it keeps.
+        With a model built on meta each rank reads only the slices it keeps. Or a meshfit
+        checkpoint (a step directory, or a checkpoint_dir for its newest step): its model
+        values only, read by DCP into the split model (each rank its pieces).
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")

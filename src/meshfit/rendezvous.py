@@ -2,7 +2,7 @@
 
 torch's c10d rendezvous keeps its state as a pickle in a TCPStore that has no
 authentication, and `_BackendRendezvousStateHolder.sync` unpickles whatever it reads
-there: a host that can reach the store can run code in the elastic agent (issue 22).
+there: a host that can reach the store can run code in the elastic agent.
 meshfit keeps torch's DynamicRendezvousHandler, its state holder and the elastic agent,
 and supplies the backend, registered as "meshfit" in torch's handler registry:
 

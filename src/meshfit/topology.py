@@ -79,6 +79,13 @@ class Topology:
         return self.dp_rank * self.plan.pp + pp_rank
 
     @property
+    def grad_average_size(self) -> int:
+        """Over how many ranks the data-parallel wrappers average gradients (DDP and
+        FSDP2 divide by their group's size): what a (sum, count) loss's gradients are
+        scaled back up by (losses.normalise_by_count)."""
+        return self.dp_size
+
+    @property
     def batch_parts(self) -> int:
         """How many parts a step's global batch is cut into: one per data-parallel rank
         (dp x fsdp), each cut again into the plan's micro-batches."""
@@ -109,6 +116,20 @@ class Topology:
         """Groups whose ranks hold disjoint parameters of the model: their gradient norms
         add up (the pipeline stages)."""
         return [self.group("pp")] if self.has("pp") else []
+
+    def pipeline_ends_group(self) -> dist.ProcessGroup | None:
+        """The group of each pipeline's first and last rank (a weight tied across the
+        blocks, as an embedding and its head, lives on both): the pp group itself for
+        pp=2. Collective for pp > 2 (it makes the groups): every rank calls it. None on
+        a rank that is neither."""
+        pp = self.plan.pp
+        if pp == 2:
+            return self.group("pp")
+        dims = list(self.mesh.mesh_dim_names)
+        ranks = self.mesh.mesh.movedim(dims.index("pp"), -1).reshape(-1, pp)
+        pairs = [[int(row[0]), int(row[-1])] for row in ranks]
+        group, _ = dist.new_subgroups_by_enumeration(pairs)
+        return group
 
     @property
     def gradients_split(self) -> bool:

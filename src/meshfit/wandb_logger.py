@@ -11,11 +11,14 @@ from __future__ import annotations
 import importlib.util
 import netrc
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from meshfit.callbacks import Callback, _flat
 from meshfit.errors import MeshfitError
+
+if TYPE_CHECKING:
+    from meshfit.engine import Engine
 
 MISSING = (
     "loggers=['wandb'] needs the wandb package: pip install meshfit[wandb] (or pip install wandb)"
@@ -47,7 +50,7 @@ class WandbLogger(Callback):
         self.init_options = init_options
         self.run: Any = None
 
-    def on_train_begin(self, engine: Any, checkpoint_dir: str | None) -> None:
+    def on_train_begin(self, engine: Engine, checkpoint_dir: str | None) -> None:
         if engine.rank != 0:
             return
         try:
@@ -74,10 +77,10 @@ class WandbLogger(Callback):
             **self.init_options,
         )
 
-    def on_log(self, record: dict[str, Any], engine: Any) -> None:
+    def on_log(self, record: dict[str, Any], engine: Engine) -> None:
         self._write(record)
 
-    def on_eval_end(self, record: dict[str, Any], engine: Any) -> bool | None:
+    def on_eval_end(self, record: dict[str, Any], engine: Engine) -> bool | None:
         # the step's record again, now with eval_loss: W&B merges it into that step
         self._write(record)
         return None

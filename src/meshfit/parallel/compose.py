@@ -102,7 +102,13 @@ def apply_plan(
         from meshfit.fp8 import refuse_if_nothing_converts
 
         refuse_if_nothing_converts(model)
-    files = WeightFiles(weights) if weights is not None else None
+    from meshfit.checkpoint import holds_checkpoint, model_fingerprint
+
+    # a meshfit checkpoint is read by DCP once the model is split (load_model_weights);
+    # safetensors slice by slice as each rank materializes, or whole here
+    checkpoint = weights if weights is not None and holds_checkpoint(weights) else None
+    fingerprint = model_fingerprint(model) if checkpoint is not None else None
+    files = WeightFiles(weights) if weights is not None and checkpoint is None else None
     if files is not None and not meta:  # a model with values: whole here anyway
         load_weights(model, files)
     if not is_placed(model) and not meta:
@@ -152,21 +158,27 @@ def apply_plan(
             compile_blocks=compile,
             materialize=materialize,
         )
-        return Parallelized(model, runner, tp_report)
-    part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
-    [wrapped] = apply_data_parallel([part], topology, precision, materialize)
+        made = Parallelized(model, runner, tp_report)
+    else:
+        part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
+        [wrapped] = apply_data_parallel([part], topology, precision, materialize)
 
-    def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
-        return loss_fn(call_model(module, inputs), targets)
+        def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
+            return loss_fn(call_model(module, inputs), targets)
 
-    runner = LocalRunner(
-        wrapped,
-        torch.compile(forward_loss) if compile else forward_loss,
-        precision,
-        plan.num_microbatches,
-        _gradient_sync(wrapped, topology),
-    )
-    return Parallelized(wrapped, runner, tp_report)
+        runner = LocalRunner(
+            wrapped,
+            torch.compile(forward_loss) if compile else forward_loss,
+            precision,
+            plan.num_microbatches,
+            _gradient_sync(wrapped, topology),
+        )
+        made = Parallelized(wrapped, runner, tp_report)
+    if checkpoint is not None:
+        from meshfit.checkpoint import load_model_weights
+
+        load_model_weights(made.model, checkpoint, fingerprint, strided=plan.tp > 1)
+    return made
 
 
 def _apply_pipeline(
@@ -194,7 +206,7 @@ def _apply_pipeline(
         schedule=plan.schedule,
         split=pp_split,
         example_inputs=example,
-        root_mesh=topology.mesh,
+        ends_group=topology.pipeline_ends_group,
     )
     if plan.uses_fsdp:
         _refuse_enclosing_owners(model, split)

@@ -19,9 +19,9 @@ def replicate(
     *,
     pipeline_stage: bool = False,
 ) -> nn.Module:
-    """Wrap `module` in DDP over `group` (the data-parallel replicas, Topology's "dp"). DDP broadcasts rank 0's parameters
-    and buffers at construction, so every replica starts identical whatever each
-    process's own initialisation was.
+    """Wrap `module` in DDP over `group` (the data-parallel replicas: Topology's "dp"
+    group). DDP broadcasts rank 0's parameters and buffers at construction, so every
+    replica starts identical whatever each process's own initialisation was.
 
     For a pipeline stage (`pipeline_stage=True`), forwards never arm DDP's gradient
     reduction: torch.distributed.pipelining prepares it itself before the last

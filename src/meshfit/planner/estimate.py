@@ -125,6 +125,9 @@ class Estimate:
     mfu: float | None = None  # model FLOPs (3 x forward) / (time x devices x peak)
     fits: bool | None = None
     device_memory: float | None = None
+    # bytes the fullest rank holds while the engine is built: its parameter share and
+    # the largest parameter (built on meta), or the whole model (built on the device)
+    build: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -162,11 +165,28 @@ def estimate_profile(
     ]
     fullest = max(ranks, key=lambda e: e.total)
     result = Estimate(plan=plan, batch_size=batch_size, memory=fullest, ranks=ranks)
+    result.build = build_bytes(profile, ranks)
     if hardware is not None:
         result.device_memory = hardware.device_memory
-        result.fits = fullest.total <= hardware.device_memory * USABLE_MEMORY
+        usable = hardware.device_memory * USABLE_MEMORY
+        result.fits = fullest.total <= usable and result.build <= usable
+        if fullest.total <= usable < result.build:
+            result.notes.append(
+                f"the build does not fit: each rank holds the whole model "
+                f"({_gib(result.build)}) before the plan splits it; build it on meta"
+            )
         _add_time(result, profile, plan, layout, mb, hardware, state_bytes, compiled)
     return result
+
+
+def build_bytes(profile: ModelProfile, ranks: list[MemoryEstimate]) -> float:
+    """Peak bytes of one rank while the engine is built. On meta a rank materializes
+    only its part, one parameter at a time beside it (materialize.py); a model built on
+    the device is whole on every rank first."""
+    if profile.built_on_meta:
+        share = max(r.parameters + r.host for r in ranks)
+        return share + profile.largest_param * profile.param_bytes
+    return float(profile.total_params * profile.param_bytes)
 
 
 def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], bool, bool]]:

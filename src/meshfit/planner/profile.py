@@ -86,6 +86,10 @@ class ModelProfile:
     has_batchnorm: bool = False  # micro-batches would each be normalised alone
     max_tp: int = 1 << 30  # head counts and widths tp must divide
     block_kind: str = ""
+    # how the user built it: on meta each rank builds only its part; else every rank
+    # holds the whole model before the forms split it
+    built_on_meta: bool = False
+    largest_param: int = 0  # elements of the largest parameter (materialize's scratch)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -122,6 +126,8 @@ def profile_model(
         profile.notes.append(f"profiled on {_device_of(model)}: its forward cannot run on meta")
     stack = _blocks_or_none(model)
     profile.has_batchnorm = any(isinstance(m, _BatchNorm) for m in model.modules())
+    profile.built_on_meta = _device_of(model).type == "meta"
+    profile.largest_param = max((p.numel() for p in model.parameters()), default=0)
     if stack is None:
         profile.tp_error = profile.pp_error = (
             f"{type(model).__name__} has no stack of repeated blocks to split or cut"

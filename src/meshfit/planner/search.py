@@ -241,11 +241,9 @@ def search_profile(
         if e.fits:
             fitting.append(e)
         else:
-            dropped.append(
-                Dropped(
-                    plan, f"does not fit: {_gib(e.memory.total)} > {_gib(hardware.device_memory)}"
-                )
-            )
+            need = max(e.memory.total, e.build)
+            what = "does not fit" if need == e.memory.total else "its build does not fit"
+            dropped.append(Dropped(plan, f"{what}: {_gib(need)} > {_gib(hardware.device_memory)}"))
     # Fastest first; among equals the one with less memory, then the simpler plan.
     fitting.sort(key=lambda e: (-e.samples_per_s, e.memory.total, _complexity(e.plan)))
     return SearchResult(fitting, dropped, hardware, profile)

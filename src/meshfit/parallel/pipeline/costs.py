@@ -5,7 +5,7 @@ and attention, counted by torch's FlopCounterMode: rank 0 counts them and tells 
 others) or, without one, parameter counts. Both are properties of the model and the
 batch's shape, never of the machine's load: a cut on measured time moved with timing
 noise, and with it the random numbers each stage's dropout draws, so the same script
-and seed trained another run on a busy machine (issue 32). A block without FLOPs
+and seed trained another run on a busy machine. A block without FLOPs
 counts its parameters, as the planner's cut does. `balanced_starts` picks the
 contiguous cut that makes the costliest stage as cheap as possible.
 """

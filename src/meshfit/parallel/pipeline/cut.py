@@ -12,6 +12,7 @@ keeps a frozen, non-persistent placeholder of the same shape instead (see
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack, find_blocks
@@ -149,13 +151,15 @@ def split_model(
     schedule: str,
     split: list[int] | None = None,
     example_inputs: Any = None,
-    root_mesh: DeviceMesh | None = None,
+    ends_group: Callable[[], dist.ProcessGroup | None] | None = None,
 ) -> PipelineSplit:
     """Choose the cut points over `mesh` (a 1-D pp mesh) and prune `model` in place to
     this rank's stages (blocks kept under their original names; head/tail parameters
     that another rank trains become frozen, non-persistent buffers; a weight tied
     across the blocks is kept by the first and the last stage, see `tied`).
-    `root_mesh` is the whole job's mesh (only needed for tied weights with pp > 2)."""
+    `ends_group` makes the group of each pipeline's first and last rank, where a tied
+    weight's two copies live (Topology.pipeline_ends_group; default: the pp group,
+    which is that group for pp=2)."""
     pp = mesh.size()
     rank = mesh.get_local_rank()
     virtual = VIRTUAL_STAGES[schedule]
@@ -236,7 +240,8 @@ def split_model(
                     module.register_buffer(leaf, _placeholder(param), persistent=False)
     if tied:
         check_placements(tied)
-        result.tied = tie_stages(tied, root_mesh or mesh, mesh, mine)
+        group = ends_group() if ends_group is not None else mesh.get_group()
+        result.tied = tie_stages(tied, mesh, mine, group)
         result.tied.broadcast_values()
     model.register_forward_pre_hook(_refuse_direct_call)
     for s in mine:
@@ -291,7 +296,7 @@ def _placeholder(param: nn.Parameter) -> torch.Tensor:
     epilogue never runs), so one zero broadcast to the shape does: an embedding of
     50k x 1024 fp32 costs 4 bytes instead of 206 MB. A DTensor (from a user's tp plan)
     stays a detached copy, as its module's hooks expect one."""
-    if hasattr(param, "device_mesh"):
+    if isinstance(param, DTensor):
         return param.detach()
     return torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
 

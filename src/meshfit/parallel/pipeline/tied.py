@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
 
@@ -104,25 +105,18 @@ def find_tied(
 
 
 def tie_stages(
-    weights: list[TiedWeight], root_mesh: DeviceMesh, pp_mesh: DeviceMesh, mine: list[int]
+    weights: list[TiedWeight],
+    pp_mesh: DeviceMesh,
+    mine: list[int],
+    ends_group: dist.ProcessGroup | None,
 ) -> TiedWeights:
-    """This rank's TiedWeights; every rank calls it (a new group is a collective).
-
-    With pp=2 the pipeline's own group is the pair; with more stages one group per
-    pipeline joins its first and last rank (the middle ranks hold no copy)."""
-    pp = pp_mesh.size()
-    num_stages = len(mine) * pp
+    """This rank's TiedWeights. `ends_group` joins this pipeline's first and last rank
+    (Topology.pipeline_ends_group: the pp group itself for pp=2); the middle ranks hold
+    no copy."""
+    num_stages = len(mine) * pp_mesh.size()
     has_first, has_last = 0 in mine, num_stages - 1 in mine
-    pp_group = pp_mesh.get_group()
-    first_rank = dist.get_global_rank(pp_group, 0)
-    if pp == 2:
-        group = pp_group
-    else:
-        dims = list(root_mesh.mesh_dim_names)
-        ranks = root_mesh.mesh.movedim(dims.index("pp"), -1).reshape(-1, pp)
-        pairs = [[int(row[0]), int(row[-1])] for row in ranks]
-        mine_group, _ = dist.new_subgroups_by_enumeration(pairs)
-        group = mine_group if (has_first or has_last) else None
+    first_rank = dist.get_global_rank(pp_mesh.get_group(), 0)
+    group = ends_group if (has_first or has_last) else None
     return TiedWeights(weights, group, first_rank, has_first, has_last)
 
 
@@ -141,7 +135,7 @@ def check_placements(weights: list[TiedWeight]) -> None:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _qualified(names: dict[int, str], module: nn.Module, leaf: str) -> str:

@@ -1,0 +1,172 @@
+"""The watchdog's verdict on a hang: which ranks are stuck (frozen, busy in the script, in
+user code inside a step, behind, or all in one collective) and the one line that says
+so, from each rank's published state (watchdog.py publishes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+EXITED = "exited"  # the kind a rank publishes when its script has ended
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank's heartbeat record in the store."""
+
+    rank: int
+    beat: int
+    seq: int
+    step: int
+    kind: str
+    doing: str
+    waiting: bool
+    stalled_s: float
+    host: str
+    pid: int
+    # Where the main thread is: the innermost frame of user code ("loss (train.py:9)"),
+    # and whether that is the innermost frame at all (user code runs, or blocks in a
+    # call of its own) rather than meshfit's or torch's (a collective, a kernel).
+    frame: str = ""
+    in_user_code: bool = False
+    waits_in: str = ""  # the innermost frame of meshfit's, when it is there
+    collective: str = ""  # the torch.distributed call the main thread is in, if any
+
+
+def frozen_ranks(
+    first: dict[int, RankState], second: dict[int, RankState], world_size: int, me: int
+) -> list[int]:
+    """The ranks besides `me` whose heartbeat did not move between two reads of the
+    store some beats apart, or that vanished from it; not those that exited."""
+    return [
+        r
+        for r in range(world_size)
+        if r != me
+        and (r not in second or (r in first and first[r].beat == second[r].beat))
+        and not (r in second and second[r].kind == EXITED)
+    ]
+
+
+_STDLIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(contextlib.__file__)))
+
+
+_MESHFIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def main_thread_place() -> tuple[str, bool, str, str]:
+    """(innermost frame of user code as "function (file:line)", whether the main thread
+    is in user code right now, meshfit's innermost frame as "function (file:line)", the
+    torch.distributed call it is in when that is the innermost frame). Frames of the
+    standard library (a sleep, a lock) count as their caller's; torch's and meshfit's
+    are not the user's (a collective, the engine)."""
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main) if main is not None else None
+    user, ours, innermost, collective = "", "", None, ""
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        kind = _kind_of(filename)
+        if kind != "stdlib":
+            where = f"{frame.f_code.co_name} ({os.path.basename(filename)}:{frame.f_lineno})"
+            if innermost is None:
+                innermost = kind
+                if kind == "torch" and f"{os.sep}distributed{os.sep}" in filename:
+                    collective = frame.f_code.co_name
+            if kind == "user" and not user:
+                user = where
+            if kind == "meshfit" and not ours:
+                ours = where
+        frame = frame.f_back
+    return user, innermost == "user", ours, collective
+
+
+def _kind_of(filename: str) -> str:
+    if filename.startswith(_MESHFIT_DIR):
+        return "meshfit"
+    if f"{os.sep}torch{os.sep}" in filename or f"{os.sep}site-packages{os.sep}torch" in filename:
+        return "torch"
+    if filename.startswith(_STDLIB_DIR) and "site-packages" not in filename:
+        return "stdlib"
+    return "user"
+
+
+def stuck_ranks(states: dict[int, RankState], frozen: list[int], world_size: int) -> list[int]:
+    """Who holds the others up (the rules in the module docstring)."""
+    if frozen:
+        return frozen
+    busy = [r for r, s in states.items() if not s.waiting]
+    if busy:
+        return busy
+    # Inside a step every rank is marked waiting; one running user code (its forward,
+    # its loss, a callback) while the others wait in meshfit or torch holds them up.
+    in_user = [r for r, s in states.items() if s.in_user_code]
+    if in_user and len(in_user) < len(states):
+        return in_user
+    waiting = [s for s in states.values() if s.waiting]
+    furthest = max((s.step, s.kind) for s in waiting)
+    behind = [s.rank for s in waiting if (s.step, s.kind) != furthest]
+    return behind or list(range(world_size))
+
+
+def describe(states: dict[int, RankState], frozen: list[int], world_size: int, where: str) -> str:
+    """The one line a hang is reported with."""
+    stuck = stuck_ranks(states, frozen, world_size)
+    waiters = sorted(r for r, s in states.items() if s.waiting and r not in stuck)
+    if len(stuck) == world_size and not frozen:
+        s = states[stuck[0]]
+        what = (
+            f"every rank waits in {s.doing} and none has progressed for "
+            f"{s.stalled_s:.0f} s: a collective does not complete (mismatched calls across "
+            f"ranks, or a network fault)"
+        )
+    else:
+        parts = []
+        for r in stuck:
+            s = states.get(r)
+            if r in frozen:
+                if s is None:  # frozen (or still importing) before its watchdog started
+                    parts.append(
+                        f"rank {r} never sent a heartbeat (the process is frozen or stopped, "
+                        f"or still starting)"
+                    )
+                else:
+                    parts.append(
+                        f"rank {r} stopped responding (no heartbeat: the process is frozen "
+                        f"or stopped, last seen in {s.doing})"
+                    )
+            elif s.kind == EXITED:
+                parts.append(f"rank {r} has exited (its script ended)")
+            elif s.in_user_code and s.waiting:  # how long: the waiters say (below)
+                parts.append(f"rank {r} is in {s.frame}, inside {s.doing}")
+            elif s.collective and not s.waiting:  # the script's own collective
+                parts.append(
+                    f"rank {r} waits in {s.collective} called by {s.frame or 'its script'} "
+                    f"outside a step, which its peers do not call (mismatched calls across "
+                    f"ranks)"
+                )
+            else:
+                inside = f" (in {s.frame})" if s.frame and s.in_user_code else ""
+                parts.append(f"rank {r} has been in {s.doing}{inside} for {s.stalled_s:.0f} s")
+        who = "rank" if len(waiters) == 1 else "ranks"
+        verb = "waits" if len(waiters) == 1 else "wait"
+        place = {states[r].waits_in for r in waiters} if waiters else set()
+        at = f" in {place.pop()}" if len(place) == 1 and "" not in place else ""
+        waited = max((states[r].stalled_s for r in waiters), default=0.0)
+        in_user = any(r in states and states[r].in_user_code for r in stuck)
+        took = f" ({waited:.0f} s so far)" if in_user else ""
+        wait = f"; {who} {', '.join(map(str, waiters))} {verb} for it{at}{took}" if waiters else ""
+        what = "; ".join(parts) + wait
+    return (
+        f"hang detected: {what}. Python stacks of the live ranks: {where}/rank-*.txt. "
+        f"With --max-restarts the job restarts from the last checkpoint; if the phase is "
+        f"just slow, raise --hang-timeout (now {_timeout():.0f} s; 0 turns it off)"
+    )
+
+
+def _timeout() -> float:
+    from meshfit.watchdog import hang_timeout  # the watchdog imports this module
+
+    return hang_timeout()

@@ -1,0 +1,150 @@
+"""A run's plan and speed: the planner's choice for plan="auto" and how the run measured
+against it, the MFU meter, and the start-up lines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from meshfit.batches import split_batch
+from meshfit.data.reading import Reading
+from meshfit.engine import Engine
+from meshfit.errors import MeshfitError
+from meshfit.progress import TrainingDisplay
+from meshfit.topology import Topology
+from meshfit.training.resume import Start
+
+
+def mfu_meter(
+    model: nn.Module,
+    topology: Topology,
+    data: Dataset,
+    reading: Reading,
+    loss_fn: Any,
+    profile: Any = None,
+) -> Callable[[float], float] | None:
+    """samples/s -> MFU over every device of the job, where their peak is known."""
+    from meshfit.planner.mfu import peak_flops, training_flops_per_sample
+
+    peak = peak_flops(topology.device, topology.plan.precision)
+    if peak is None:
+        return None
+    samples = (
+        list(itertools.islice(iter(data), 1)) if isinstance(data, IterableDataset) else [data[0]]
+    )
+    inputs, targets = split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
+    flops = training_flops_per_sample(model, inputs, loss_fn, targets, profile)
+    if flops is None:
+        return None
+    world = topology.plan.world_size or 1
+    return lambda samples_per_s: flops * samples_per_s / (world * peak)
+
+
+def choose_auto_plan(
+    model: nn.Module,
+    plan: str,
+    data: Dataset,
+    batch_size: int,
+    reading: Reading,
+    loss_fn: Any,
+    options: dict[str, Any],
+) -> Any:
+    """plan="auto": the planner's choice for this job, profiled on two samples."""
+    from meshfit.planner.auto import choose_plan
+
+    samples = (
+        list(itertools.islice(iter(data), 2))
+        if isinstance(data, IterableDataset)
+        else [data[i] for i in range(min(len(data), 2))]
+    )
+    if not samples:
+        raise MeshfitError("plan='auto' needs at least one sample in the dataset to plan on")
+    inputs, targets = split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
+    return choose_plan(
+        model,
+        plan,
+        batch_size=batch_size,
+        example_inputs=options.get("example_inputs", inputs),
+        example_targets=targets,
+        loss_fn=loss_fn,
+        optimizer=options.get("optimizer"),
+        compiled=bool(options.get("compile", False)),
+    )
+
+
+def measured_against_plan(
+    auto: Any, records: list[dict[str, Any]], batch_size: int, engine: Engine
+) -> dict[str, Any]:
+    """The run's measured step time (median over the logged rates after the first, which
+    holds start-up) and, on a GPU, peak memory, beside what the planner predicted."""
+    rates = [r["samples_per_s"] for r in records if r.get("samples_per_s")]
+    measured: dict[str, Any] = {}
+    if rates:
+        rates = rates[1:] or rates
+        measured["measured_step_time_s"] = batch_size / statistics.median(rates)
+    if engine.device.type == "cuda":
+        measured["measured_memory_bytes"] = torch.cuda.max_memory_allocated(engine.device)
+    return measured
+
+
+def closed_loop_line(planned: dict[str, Any]) -> str:
+    parts = []
+    if "step_time_s" in planned and "measured_step_time_s" in planned:
+        predicted, measured = planned["step_time_s"], planned["measured_step_time_s"]
+        parts.append(
+            f"step time predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+            f"(x{measured / predicted:.2f})"
+        )
+    if "measured_memory_bytes" in planned:
+        predicted, measured = planned["memory_bytes"], planned["measured_memory_bytes"]
+        parts.append(
+            f"memory per rank predicted {predicted / 2**30:.2f} GiB, peak "
+            f"{measured / 2**30:.2f} GiB (x{measured / predicted:.2f})"
+        )
+    else:
+        parts.append(f"memory per rank predicted {planned['memory_bytes'] / 2**30:.3f} GiB")
+    return "the planner's prediction against this run: " + "; ".join(parts)
+
+
+def announce_run(
+    display: TrainingDisplay,
+    engine: Engine,
+    batch_size: int,
+    steps_per_epoch: int,
+    total_steps: int,
+    start: Start,
+) -> None:
+    """Print the run's opening lines: plan, workers, model size, batch split, length."""
+    params = engine.num_parameters
+    where = f"{engine.world_size} {'GPU' if engine.device.type == 'cuda' else 'CPU'} worker(s)"
+    per_rank = batch_size // engine.dp_size
+    micro = engine.plan.num_microbatches
+    split = f"{engine.dp_size} rank(s) x {per_rank}"
+    if micro > 1:
+        split += f" ({micro} micro-batches of {per_rank // micro})"
+    display.print(
+        f"meshfit: plan {engine.plan} on {where} | model {params / 1e6:.2f}M parameters | "
+        f"global batch {batch_size} = {split} | {steps_per_epoch} steps/epoch, "
+        f"training {total_steps} steps"
+    )
+    if engine.planned is not None:
+        display.print(f"meshfit: {engine.planned.describe()}")
+    if engine.runner.describe():
+        display.print(f"meshfit: {engine.runner.describe()}")
+    if engine.tp_report is not None:
+        split = engine.tp_report.describe()
+        if split:
+            display.print(f"meshfit: {split}")
+    if start.checkpoint:
+        display.print(
+            f"meshfit: resumed from {start.checkpoint} (step {engine.step_count}): kept the "
+            f"weights, optimizer state, data order (batch size, seed, shuffle) and RNG; "
+            + (f"changed: {', '.join(start.changes)}" if start.changes else "no setting changed")
+        )
