@@ -27,7 +27,7 @@ def meshfit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_frozen_worker_is_one_hang_line_and_exit_3(tmp_path) -> None:
     # The reporting rank kills the frozen one, and the launcher may see that death first:
-    # it must not add "worker rank 1 failed (signal 9)" to the hang line, nor exit 1.
+    # it must not add "worker rank 1 was killed by signal 9" to the hang line, nor exit 1.
     script = os.path.join(SCRIPTS, "frozen_rank.py")
     result = meshfit("run", "--nproc", "2", "--hang-timeout", "2", script, str(tmp_path))
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("meshfit: ")][1:]

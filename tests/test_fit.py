@@ -140,6 +140,32 @@ def test_a_3d_plan_resumes_exactly_with_adamw(tmp_path) -> None:
     _assert_resumed_exactly(results, [spec])
 
 
+def test_checkpoints_every_so_long_as_well_as_every_n_steps(tmp_path) -> None:
+    import datetime
+    import os
+    import time
+
+    model, loss_fn = build("mlp")
+    slow = lambda step, engine: time.sleep(1.5 if step in (2, 5) else 0.0)  # noqa: E731
+    mf.fit(
+        model, dataset("mlp", 64), loss_fn=loss_fn, batch_size=8, max_steps=7, progress=False,
+        checkpoint_dir=str(tmp_path), checkpoint_every="1s", keep_checkpoints=10,
+        callbacks=[slow],
+    )  # fmt: skip
+    # a callback runs after its step's save check: the time spent after steps 2 and 5 is
+    # seen at steps 3 and 6; and the end saves
+    saved = sorted(n for n in os.listdir(tmp_path) if n.startswith("step-"))
+    assert saved == ["step-00000003", "step-00000006", "step-00000007"], saved
+    for bad in ("soon", "0min", -3, 1.5):
+        with pytest.raises(mf.MeshfitError, match="checkpoint_every must be"):
+            mf.fit(build("mlp")[0], dataset("mlp", 64), loss_fn=loss_fn, batch_size=8,
+                   max_steps=1, checkpoint_dir=str(tmp_path / "x"), checkpoint_every=bad)  # fmt: skip
+    from meshfit.training.checks import checkpoint_interval
+
+    assert checkpoint_interval(datetime.timedelta(minutes=30)) == (None, 1800.0)
+    assert checkpoint_interval("2h") == (None, 7200.0) and checkpoint_interval(50) == (50, None)
+
+
 def test_resume_with_other_settings_is_refused(tmp_path) -> None:
     fit_run(
         {"model": "mlp", "steps": 2, "batch": 8, "plan": "dp=1", "checkpoint_dir": str(tmp_path)}

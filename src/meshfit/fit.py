@@ -3,6 +3,8 @@ history, checkpoints and automatic resume)."""
 
 from __future__ import annotations
 
+import datetime
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from meshfit.training.checks import (
     check_parallelize_options,
     check_size,
     check_streams,
+    checkpoint_interval,
 )
 from meshfit.training.data import as_dataset, hold_out, real_tokens, split_example, train_loader
 from meshfit.training.evaluation import eval_schedule, evaluation_loss, is_due
@@ -64,7 +67,7 @@ def fit(
     eval_batches: int | None = None,
     report_memory: bool = False,
     checkpoint_dir: str | None = None,
-    checkpoint_every: int | None = None,
+    checkpoint_every: int | str | datetime.timedelta | None = None,
     keep_checkpoints: int = 2,
     resume: bool = True,
     log_every: int = 10,
@@ -98,7 +101,9 @@ def fit(
     inputs, targets: for samples that are dicts of columns (a Hugging Face dataset's
         rows): the column(s) the model takes and the one the loss compares with, e.g.
         inputs="input_ids", targets="labels" (inputs=[...] gives the model a dict).
-    checkpoint_dir, checkpoint_every: save every N steps and at the end; with
+    checkpoint_dir, checkpoint_every: save every N steps (or every so long: "30min",
+        "2h", a datetime.timedelta; rank 0's clock decides, every rank saves at the same
+        step) and at the end; with
         resume=True a run finds the newest checkpoint there and continues the exact same
         run (weights, optimizer, data position, RNG state). A save that fails (disk
         full, an I/O error, on any rank) stops the run on every rank with one
@@ -155,7 +160,7 @@ def fit(
         engine=engine, train_data=train_data, eval_data=eval_data, reading=reading,
         batch_size=batch_size, epochs=epochs, eval_every=eval_every,
         eval_batches=eval_batches, num_workers=num_workers, log_every=log_every,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_interval(checkpoint_every),
         keep_checkpoints=keep_checkpoints,
     )  # fmt: skip
     run.measure(max_steps, seed, shuffle)
@@ -221,7 +226,7 @@ class _Run:
     num_workers: int
     log_every: int
     checkpoint_dir: str | None
-    checkpoint_every: int | None
+    checkpoint_every: tuple[int | None, float | None]  # (steps, seconds): checkpoint_interval
     keep_checkpoints: int
     total_steps: int = 0
     steps_per_epoch: int = 0
@@ -233,6 +238,7 @@ class _Run:
     hooks: Hooks | None = None
     log: StepLog | None = None
     plain: list[Callback] = field(default_factory=list)  # fn(step, engine) callbacks
+    last_save: float = 0.0  # time.monotonic() of the last checkpoint (or the start)
 
     def measure(self, max_steps: int | None, seed: int, shuffle: bool) -> None:
         """The run's length in steps and when it evaluates (checking the datasets hold
@@ -297,6 +303,7 @@ class _Run:
         )  # fmt: skip
         self.log.mfu_of = mfu_of
         self.hooks.begin(self.checkpoint_dir, len(self.log.records))
+        self.last_save = time.monotonic()
 
     def train(self) -> int:
         """Train from the resume point to the end (or a callback's stop); the last step."""
@@ -355,7 +362,10 @@ class _Run:
             )  # fmt: skip
             log.add_eval(step, eval_loss, eval_metrics)
             hooks.after_eval(log.records[-1])
-        due = is_due(step, self.checkpoint_every, at_end) or hooks.stop
+        steps, seconds = self.checkpoint_every
+        due = is_due(step, steps, at_end) or bool(hooks.stop)
+        if self.checkpoint_dir and seconds is not None and not due:
+            due = self._time_is_up(seconds)
         if self.checkpoint_dir and due:
             log.flush(step, log_line=False)
             hooks.after_flush(log.records)
@@ -363,3 +373,14 @@ class _Run:
                 self.engine, self.checkpoint_dir, step, self.config, self.keep_checkpoints,
                 self.history, log,
             )  # fmt: skip
+            self.last_save = time.monotonic()
+
+    def _time_is_up(self, seconds: float) -> bool:
+        """Whether `seconds` have passed since the last save, by rank 0's clock, told to
+        every rank (one broadcast of one number), so all save at the same step."""
+        import torch.distributed as dist
+
+        up = torch.tensor([time.monotonic() - self.last_save >= seconds], dtype=torch.int32)
+        if dist.is_available() and dist.is_initialized() and self.engine.world_size > 1:
+            dist.broadcast(up, src=0)
+        return bool(up.item())

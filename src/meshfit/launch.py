@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -370,6 +371,24 @@ def _write_failure(error_dir: str, exc: BaseException) -> None:
     os.replace(path + ".tmp", path)
 
 
+def died_how(exitcode: int) -> str:
+    """How a worker ended without an exception meshfit could report, for one line."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode} without raising an exception"
+    number = -exitcode
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    why = (
+        ": the kernel's out-of-memory killer sends it when memory (or a cgroup's limit) "
+        "runs out, so check the host's or container's memory first"
+        if number == signal.SIGKILL
+        else ""
+    )
+    return f"was killed by signal {number} ({name}){why}"
+
+
 def _rebuild_worker_exception(error_dir: str, failed: Exception) -> BaseException:
     """The earliest worker exception (the cause; later ones are usually peers noticing
     it), rebuilt as its own type when that is possible."""
@@ -379,7 +398,8 @@ def _rebuild_worker_exception(error_dir: str, failed: Exception) -> BaseExceptio
             with open(os.path.join(error_dir, name)) as f:
                 records.append(json.load(f))
     if not records:
-        return WorkerError(f"a worker died without raising an exception: {failed}")
+        rank, info = failed.get_first_failure()
+        return WorkerError(f"worker rank {rank} {died_how(info.exitcode)}", rank)
     first = min(records, key=lambda r: r["time"])
     rank, message = first["rank"], first["message"]
     if first["module"] == MeshfitError.__module__ and first["qualname"] == "MeshfitError":
@@ -580,9 +600,8 @@ def run(options: RunOptions) -> int:
             reported.add(watchdog.EXIT_HANG)
         if reported:
             return min(reported)  # a worker already printed the one-line reason
-        how = f"exit code {info.exitcode}" if info.exitcode >= 0 else f"signal {-info.exitcode}"
         print(
-            f"meshfit: worker rank {rank} failed ({how}); its message is above",
+            f"meshfit: worker rank {rank} {died_how(info.exitcode)}; its message, if any, is above",
             file=sys.stderr,
             flush=True,
         )

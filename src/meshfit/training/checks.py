@@ -4,6 +4,7 @@ the fix.
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import os
 from collections.abc import Iterable
@@ -104,9 +105,10 @@ def check_args(
         "max_steps": max_steps,
         "epochs": epochs,
         "log_every": log_every,
-        "checkpoint_every": checkpoint_every,
+        "checkpoint_every": checkpoint_every if isinstance(checkpoint_every, int) else None,
         "eval_every": eval_every,
     }
+    checkpoint_interval(checkpoint_every)  # steps, or a time: refused here if neither
     for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MeshfitError(f"{name} must be a positive whole number, not {value!r}")
@@ -172,3 +174,33 @@ def check_size(data: Dataset, batch_size: int, what: str) -> int:
             f"use a smaller batch_size or more data"
         )
     return size
+
+
+_UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def checkpoint_interval(every: Any) -> tuple[int | None, float | None]:
+    """(steps, seconds) of fit's checkpoint_every: a positive whole number of steps, or a
+    time (a datetime.timedelta, or text such as "90s", "30min", "2h")."""
+    if every is None:
+        return None, None
+    if isinstance(every, int) and not isinstance(every, bool):
+        if every < 1:
+            raise MeshfitError(f"checkpoint_every must be a positive whole number, not {every!r}")
+        return every, None
+    seconds = None
+    if isinstance(every, datetime.timedelta):
+        seconds = every.total_seconds()
+    elif isinstance(every, str):
+        text = every.strip().lower()
+        for unit in sorted(_UNITS, key=len, reverse=True):
+            number = text.removesuffix(unit).strip()
+            if text.endswith(unit) and number.replace(".", "", 1).isdigit():
+                seconds = float(number) * _UNITS[unit]
+                break
+    if seconds is None or seconds <= 0:
+        raise MeshfitError(
+            f"checkpoint_every must be a number of steps or a time such as '30min', "
+            f"'2h', '90s' or a datetime.timedelta, not {every!r}"
+        )
+    return None, seconds
