@@ -50,11 +50,11 @@ def test_a_pipeline_trained_model_exports_whole_and_loads_anywhere(tmp_path) -> 
 
     shards = tmp_path / "shards"
     peak = measure_peak(
-        lambda: export_checkpoint(str(tmp_path / "checkpoint"), str(shards), "20KB")
+        lambda: export_checkpoint(str(tmp_path / "checkpoint"), str(shards), "4KB")
     )
     index = json.loads((shards / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    assert len(files) >= 4, files
+    assert len(files) >= 3, (files, peak.total)
     parts = {}
     for name in files:
         parts.update(safetensors.load_file(str(shards / name)))
