@@ -49,9 +49,7 @@ def test_a_pipeline_trained_model_exports_whole_and_loads_anywhere(tmp_path) -> 
     from meshfit.memory_probe import measure_peak
 
     shards = tmp_path / "shards"
-    peak = measure_peak(
-        lambda: export_checkpoint(str(tmp_path / "checkpoint"), str(shards), "4KB")
-    )
+    peak = measure_peak(lambda: export_checkpoint(str(tmp_path / "checkpoint"), str(shards), "4KB"))
     index = json.loads((shards / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 3, (files, peak.total)
