@@ -225,17 +225,19 @@ def returned_to_the_system() -> Iterator[None]:
     stay resident once freed: measured on 4 CPU workers building a 582 MiB Llama on meta
     under fsdp=4 (tests/test_capped.py's model), each process's resident memory peaked at
     880 MiB while it built its 146 MiB shard, and at 152 MiB with this. Afterwards the
-    threshold is left at glibc's dynamic ceiling, which is where training brings the
-    dynamic one anyway. A no-op off glibc."""
+    threshold is the user's MALLOC_MMAP_THRESHOLD_ where set, else glibc's dynamic
+    ceiling, which is where training brings the dynamic one anyway. A no-op off glibc."""
     libc = _glibc()
     if libc is None:
         yield
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, _SMALL)
+    given = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    after = int(given) if given.isdigit() else _DYNAMIC_MAX
+    libc.mallopt(_M_MMAP_THRESHOLD, min(_SMALL, after))
     try:
         yield
     finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, _DYNAMIC_MAX)
+        libc.mallopt(_M_MMAP_THRESHOLD, after)
 
 
 def _glibc() -> Any:
