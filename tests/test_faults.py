@@ -38,5 +38,7 @@ def test_fault_campaign_trials_end_exact(tmp_path) -> None:
         "a fault came after the run ended\n" + done.stdout
     )
     stop = trials[1]
-    assert f"hang detected: rank {stop['rank']} stopped responding" in stop["detail"]
+    # a stop before the rank's first heartbeat (still importing torch) is named as such
+    named = ("stopped responding", "never sent a heartbeat")
+    assert any(f"hang detected: rank {stop['rank']} {n}" in stop["detail"] for n in named), stop
     assert done.returncode == 0
