@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from meshfit.launch import BOOT
+from meshfit.run_command import BOOT
 
 SCRIPT = textwrap.dedent(
     """

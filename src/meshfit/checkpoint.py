@@ -38,6 +38,7 @@ from torch import nn
 
 from meshfit.errors import MeshfitError
 from meshfit.mesh import is_distributed
+from meshfit.state_hooks import OwnHooks
 
 FORMAT = "meshfit-checkpoint/1"
 META_FILE = "meshfit.json"
@@ -211,6 +212,7 @@ class TrainingState:
     step: int
     rank: int
     world_size: int
+    own_hooks: OwnHooks  # the model's own state-dict hooks: set aside (state_hooks.py)
 
 
 def save_checkpoint(
@@ -257,7 +259,8 @@ def save_checkpoint(
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         options = _state_dict_options(OPTIMIZER_LAYOUT)
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
+        with state.own_hooks.set_aside():  # the modules' own names (state_hooks.py)
+            model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
         # each key from the rank that owns it: DCP would keep any one rank's copy of a
         # replicated key, and a later stage's copy of a BatchNorm before the blocks holds
         # statistics of stand-in weights (loading still fills every rank's copy)
@@ -417,42 +420,21 @@ def load_checkpoint(state: TrainingState, path: str) -> dict[str, Any]:
             f"an lr_scheduler and this engine has {'none' if saved_scheduler else 'one'}; "
             f"resume with the same lr_scheduler setting, or use a new checkpoint directory"
         )
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
-
-    # Read DCP's metadata through the allow-list first: a file that would run code is
-    # refused here with a plain message rather than deep inside dcp.load.
-    SafeFileSystemReader(checkpoint).read_metadata()
     # Checkpoints before the flat layout keep the nested one (they load as before).
     options = _state_dict_options(meta.get("optimizer_layout", "nested"))
-    model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    strided: list = []
-    if state.plan.tp > 1:  # fused q|k|v split per chunk: saved whole, loaded whole
-        from meshfit.parallel.tensor import strided_as_replicated
-
-        loaded = strided_as_replicated(loaded, strided)
-    with _single_process_quiet():
-        dcp.load(
-            loaded,
-            storage_reader=SafeFileSystemReader(checkpoint),
-            planner=SafeLoadPlanner(),
-            no_dist=not is_distributed(),
-        )
-    if strided:
-        from meshfit.parallel.tensor import copy_back_strided
-
-        copy_back_strided(strided)
+    with state.own_hooks.set_aside():  # the modules' own names (state_hooks.py)
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
         loaded = {"model": model_sd, "optim": optim_sd}
-    set_state_dict(
-        state.model,
-        state.optimizer,
-        model_state_dict=loaded["model"],
-        optim_state_dict=loaded["optim"],
-        options=options,
-    )
+        _read_dcp(checkpoint, loaded, strided=state.plan.tp > 1)
+        set_state_dict(
+            state.model,
+            state.optimizer,
+            model_state_dict=loaded["model"],
+            optim_state_dict=loaded["optim"],
+            options=options,
+        )
     if state.scaler is not None and meta["scaler"]:  # fp32/bf16 -> fp16 starts it fresh
         state.scaler.load_state_dict(meta["scaler"])
     if state.lr_scheduler is not None and meta["lr_scheduler"]:
@@ -509,18 +491,54 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def gather_full_state(model: nn.Module, distributed: bool, runner: Any) -> dict[str, torch.Tensor]:
-    """The whole model's state under its own names as full CPU tensors, on every rank:
-    each rank's full-tensor state dict (tensor-parallel and FSDP shards gathered by
-    torch's get_model_state_dict), then the pipeline stages merged by the runner."""
+def gather_full_state(
+    model: nn.Module, distributed: bool, runner: Any, own_hooks: OwnHooks
+) -> dict[str, torch.Tensor]:
+    """The whole model's state as full CPU tensors, on every rank, as the user's
+    model.state_dict() gives it: each rank's full-tensor state dict (tensor-parallel and
+    FSDP shards gathered by torch's get_model_state_dict) under the modules' own names,
+    the pipeline stages merged by the runner, then the model's own saving hooks run."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if not distributed:
-        local = model.state_dict()
-    else:
-        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    with own_hooks.set_aside():
+        if not distributed:
+            local = model.state_dict()
+        else:
+            local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     local = {k: v.detach().cpu().clone() for k, v in local.items()}
-    return runner.gather_state(local)
+    whole = runner.gather_state(local)
+    return own_hooks.run_saving_hooks(whole) if own_hooks.saving else whole
+
+
+def _read_dcp(checkpoint: str, state: dict[str, Any], strided: bool) -> None:
+    """Fill `state` (a dict of state dicts, in place) from `checkpoint`'s DCP files, each
+    rank reading only the pieces of the tensors it holds, whatever plan saved them.
+    DCP's metadata goes through the allow-list first: a file that would run code is
+    refused with a plain message rather than deep inside dcp.load. `strided`: tensor
+    parallel split fused projections chunk by chunk, which are saved whole, so they are
+    read whole and each rank keeps its chunks (parallel/tensor/state.py)."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    SafeFileSystemReader(checkpoint).read_metadata()
+    pairs: list = []
+    target: Any = state
+    if strided:
+        from meshfit.parallel.tensor import strided_as_replicated
+
+        target = strided_as_replicated(state, pairs)
+    with _single_process_quiet():
+        dcp.load(
+            target,
+            storage_reader=SafeFileSystemReader(checkpoint),
+            planner=SafeLoadPlanner(),
+            no_dist=not is_distributed(),
+        )
+    if pairs:
+        from meshfit.parallel.tensor import copy_back_strided
+
+        copy_back_strided(pairs)
 
 
 def holds_checkpoint(path: str) -> bool:
@@ -537,10 +555,7 @@ def load_model_weights(
     the split model; `fingerprint` the user's model as built (model_fingerprint).
     `strided`: tensor parallel split fused projections chunk by chunk (state.py).
     Returns the checkpoint directory read."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     checkpoint = resolve_checkpoint(path)  # checksums verified
     meta = read_meta(checkpoint)
@@ -550,22 +565,7 @@ def load_model_weights(
             f"weights={path!r} is a checkpoint of a different model: {mismatch}; give the "
             f"weights of this model (a checkpoint it saved, or its safetensors)"
         )
-    SafeFileSystemReader(checkpoint).read_metadata()  # refuses a file that would run code
     model_sd = get_model_state_dict(model)
-    loaded: Any = {"model": model_sd}
-    pairs: list = []
-    if strided:  # saved whole (state.py): read whole, then each rank keeps its chunks
-        from meshfit.parallel.tensor import copy_back_strided, strided_as_replicated
-
-        loaded = strided_as_replicated(loaded, pairs)
-    with _single_process_quiet():
-        dcp.load(
-            loaded,
-            storage_reader=SafeFileSystemReader(checkpoint),
-            planner=SafeLoadPlanner(),
-            no_dist=not is_distributed(),
-        )
-    if pairs:
-        copy_back_strided(pairs)
+    _read_dcp(checkpoint, {"model": model_sd}, strided)
     set_model_state_dict(model, model_sd)
     return checkpoint

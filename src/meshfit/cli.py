@@ -63,7 +63,7 @@ RUN_DEFAULTS = {
 
 
 def _run(args: argparse.Namespace) -> int:
-    from meshfit.launch import RunOptions, run
+    from meshfit.run_command import RunOptions, run
     from meshfit.run_config import read_config, torchrun_passthrough
     from meshfit.scheduler import fill_nodes
 
@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from meshfit.launch import RunOptions, run
+    from meshfit.run_command import RunOptions, run
 
     if args.verify:
         return _demo_verify(args)

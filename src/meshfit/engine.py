@@ -68,7 +68,7 @@ class Engine:
         self.metric_tap = MetricTap(loss_fn, options.metrics) if options.metrics else None
         loss_fn = self.metric_tap or loss_fn
         self.last_metrics: dict[str, torch.Tensor] = {}  # of the last step / evaluation
-        self.parallel_model, self.runner, self.tp_report = apply_plan(
+        self.parallel_model, self.runner, self.tp_report, self.own_hooks = apply_plan(
             model,
             topology,
             self.precision,
@@ -273,6 +273,7 @@ class Engine:
         return TrainingState(
             self.parallel_model, self.optimizer, self.scaler, self.lr_scheduler, self.runner,
             self.fingerprint, self.plan, self.step_count, self.rank, self.world_size,
+            self.own_hooks,
         )  # fmt: skip
 
     def memory_report(self) -> dict[str, int | None]:
@@ -292,7 +293,9 @@ class Engine:
         rank: tensor-parallel shards are gathered and pipeline stages merged. For
         exporting or comparing weights (it holds the whole model in CPU memory)."""
         with watchdog.phase("gather", f"gathering the full state after step {self.step_count}"):
-            return gather_full_state(self.parallel_model, self.mesh is not None, self.runner)
+            return gather_full_state(
+                self.parallel_model, self.mesh is not None, self.runner, self.own_hooks
+            )
 
 
 def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim.Optimizer:

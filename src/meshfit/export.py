@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +48,11 @@ def save_model(engine: Engine, path: str, max_shard_size: int | str = "5GB") -> 
     single = path.endswith(".safetensors")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    local = _sharded_state(engine)
+    hooks = engine.own_hooks
+    with hooks.set_aside():  # the modules' own names; their saving hooks run per file
+        local = _sharded_state(engine)
     entries = _entries(local, distributed)
-    shards = [entries] if single else _shards(entries, limit)
+    shards = [entries] if single else _shards(entries, limit, hooks.unit_of)
     directory = None if single else path
     if rank == 0:
         os.makedirs(directory or os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -61,8 +64,11 @@ def save_model(engine: Engine, path: str, max_shard_size: int | str = "5GB") -> 
             value = _gathered(entry, local, engine.device, rank)
             if rank == 0:
                 tensors[entry.key] = value
-                weight_map[entry.key] = os.path.basename(file)
         if rank == 0:
+            if hooks.saving:  # as model.state_dict() names them (state_hooks.py)
+                units = {hooks.unit_of(k) for k in tensors} - {None}
+                tensors = hooks.run_saving_hooks(tensors, sorted(units))
+            weight_map.update(dict.fromkeys(tensors, os.path.basename(file)))
             _write_file(tensors, file)
     if rank != 0:
         return None
@@ -116,12 +122,18 @@ def _entries(local: dict[str, torch.Tensor], distributed: bool) -> list[_Entry]:
     return [_Entry(k, shape, dtype, tuple(r)) for k, (shape, dtype, r) in found.items()]
 
 
-def _shards(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
-    """The entries cut into files of at most `limit` bytes (a larger tensor alone)."""
+def _shards(
+    entries: list[_Entry], limit: int, unit_of: Callable[[str], str | None] = lambda key: None
+) -> list[list[_Entry]]:
+    """The entries cut into files of at most `limit` bytes (a larger tensor alone), never
+    between two tensors of one unit (`unit_of(key)`, None for none: a module whose own
+    saving hooks need all its tensors at once)."""
     shards: list[list[_Entry]] = [[]]
     size = 0
     for entry in entries:
-        if shards[-1] and size + entry.nbytes > limit:
+        unit = unit_of(entry.key)
+        same_unit = bool(shards[-1]) and unit is not None and unit_of(shards[-1][-1].key) == unit
+        if shards[-1] and size + entry.nbytes > limit and not same_unit:
             shards.append([])
             size = 0
         shards[-1].append(entry)

@@ -21,25 +21,23 @@ from meshfit.callbacks import make_loggers
 from meshfit.data.reading import Reading
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
-from meshfit.options import LossFn
-from meshfit.prepare import auto_requested, create_topology, parallelize
+from meshfit.options import EngineOptions, LossFn, engine_options
+from meshfit.prepare import Examples, prepare
 from meshfit.progress import TrainingDisplay
 from meshfit.training.checks import (
     check_args,
     check_monitors,
     check_options,
-    check_parallelize_options,
     check_size,
     check_streams,
     checkpoint_interval,
 )
-from meshfit.training.data import as_dataset, hold_out, real_tokens, split_example, train_loader
+from meshfit.training.data import as_dataset, first_samples, hold_out, real_tokens, train_loader
 from meshfit.training.evaluation import eval_schedule, evaluation_loss, is_due
 from meshfit.training.history import History, HistoryFile
 from meshfit.training.log import Hooks, StepLog
 from meshfit.training.planning import (
     announce_run,
-    choose_auto_plan,
     closed_loop_line,
     measured_against_plan,
     mfu_meter,
@@ -127,7 +125,7 @@ def fit(
     parallel, to trace the split on). A keyword that neither fit nor
     parallelize takes is refused before anything starts.
     """
-    check_parallelize_options(parallelize_options)
+    options = engine_options("fit does not take", loss_fn, parallelize_options)
     callbacks = list(callbacks) if isinstance(callbacks, Iterable) else callbacks
     check_args(batch_size, max_steps, epochs, log_every, checkpoint_every, eval_every)
     flags = {"resume": resume, "shuffle": shuffle, "progress": progress}
@@ -151,9 +149,7 @@ def fit(
     if checkpoint_every and not checkpoint_dir:
         raise MeshfitError("checkpoint_every needs checkpoint_dir=... (where to save)")
     watchdog.set_dump_dir(checkpoint_dir)  # stacks of a hang go next to the checkpoints
-    engine, auto, mfu_of = _build_engine(
-        model, plan, train_data, batch_size, reading, loss_fn, parallelize_options
-    )
+    engine, auto, mfu_of = _build_engine(model, plan, train_data, batch_size, reading, options)
     if report_memory:
         engine.memory_report()  # measure gradients from the first step on
     run = _Run(
@@ -164,7 +160,7 @@ def fit(
         keep_checkpoints=keep_checkpoints,
     )  # fmt: skip
     run.measure(max_steps, seed, shuffle)
-    check_monitors(callbacks, eval_data, run.eval_interval, parallelize_options.get("metrics"))
+    check_monitors(callbacks, eval_data, run.eval_interval, options.metrics)
     run.begin(history_file, resume, progress, report_memory, callbacks, observers, mfu_of)
     step = run.train()
     run.history.append_new(run.log.records)
@@ -184,30 +180,18 @@ def _build_engine(
     train_data: Dataset,
     batch_size: int,
     reading: Reading,
-    loss_fn: Any,
-    parallelize_options: dict[str, Any],
+    options: EngineOptions,
 ) -> tuple[Engine, Any, Any]:
     """(the engine, the planner's choice for plan="auto" or None, the MFU meter): the
-    plan resolved (the planner fed from the dataset), the model's FLOPs counted before
-    any split, and the forms given an example batch of the data."""
-    auto = None
-    if auto_requested(plan):
-        auto = choose_auto_plan(
-            model, auto_requested(plan), train_data, batch_size, reading, loss_fn,
-            parallelize_options,
-        )  # fmt: skip
-        plan = auto.plan
-    topology = create_topology(plan)
-    profile = auto.result.profile if auto is not None else None  # profiled once
-    mfu_of = mfu_meter(model, topology, train_data, reading, loss_fn, profile)  # before any split
-    if "example_inputs" not in parallelize_options:
-        parallelize_options["example_inputs"] = split_example(
-            topology, train_data, batch_size, reading, model_loss=loss_fn == "model"
-        )
-    engine = parallelize(model, topology, loss_fn=loss_fn, **parallelize_options)
-    engine.planned = auto
+    plan resolved on the dataset's first samples (prepare), the model's FLOPs counted
+    before any split."""
+    examples = Examples(first_samples(train_data, reading, options.loss_fn), batch_size)
+    job = prepare(model, plan, options, examples)
+    profile = job.auto.result.profile if job.auto is not None else None  # profiled once
+    mfu_of = mfu_meter(model, job.topology, examples, options.loss_fn, profile)  # before any split
+    engine = job.engine(model)
     check_batch_divides(batch_size, engine.dp_size, engine.plan.num_microbatches)
-    return engine, auto, mfu_of
+    return engine, job.auto, mfu_of
 
 
 @dataclass

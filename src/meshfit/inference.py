@@ -13,6 +13,7 @@ own form, on every rank. Every rank calls it, with the same inputs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -50,7 +51,8 @@ def predict(
         samples, batched with `collate` (default: torch's default_collate).
     checkpoint: a fit checkpoint_dir (its newest intact step), one step directory (e.g.
         <checkpoint_dir>/best), a .safetensors file, or a directory holding
-        model.safetensors (engine.save_model's). Checksums are verified; a checkpoint
+        model.safetensors or its shards with model.safetensors.index.json
+        (engine.save_model's, save_pretrained's). Checksums are verified; a checkpoint
         of another model is refused, naming the keys that differ.
     plan: as in parallelize ("tp=2", a Plan, None = data parallel over every worker).
     batch_size: the GLOBAL batch of each forward (split over data-parallel ranks). The
@@ -92,7 +94,6 @@ def _engine_for(
     """The engine to predict with: the one given, or `model` with the checkpoint's
     weights, parallelized under `plan`."""
     from meshfit.engine import Engine
-    from meshfit.prepare import parallelize
 
     if isinstance(model, Engine):
         if checkpoint is not None or plan is not None or options:
@@ -113,14 +114,22 @@ def _engine_for(
         )
     if checkpoint is not None:
         load_weights(model, checkpoint)
-    from meshfit.prepare import create_topology
+    from meshfit.options import engine_options
+    from meshfit.prepare import Examples, as_plan, auto_requested, prepare
 
-    topology = create_topology(plan)
-    if topology.plan.pp > 1 and "example_inputs" not in options:  # to balance the stages
-        micro = topology.microbatch_size(batch_size)
-        first = next(_batches(inputs, micro, collate), None)
-        options["example_inputs"] = first
-    return parallelize(model, topology, loss_fn=_no_loss, **options)
+    if isinstance(plan, str) and auto_requested(plan):
+        raise MeshfitError(
+            "mf.predict takes a plan, not 'auto': the planner chooses for training; pass "
+            "the plan the training ran under (history.engine.plan), e.g. plan='tp=2'"
+        )
+    plan = as_plan(plan)  # under `meshfit run --plan auto`, None is dp over every worker
+    engine_opts = engine_options("mf.predict does not take", _no_loss, options)
+
+    def first(n: int) -> tuple[Any, None] | None:  # the forms' example: the first inputs
+        batch = next(_batches(inputs, n, collate), None)
+        return None if batch is None else (batch, None)
+
+    return prepare(model, plan, engine_opts, Examples(first, batch_size)).engine(model)
 
 
 def _no_loss(outputs: Any, targets: Any) -> torch.Tensor:
@@ -135,15 +144,30 @@ def load_weights(model: nn.Module, checkpoint: str) -> None:
         raise MeshfitError(f"checkpoint must be a path, not {checkpoint!r}")
     checkpoint = os.fspath(checkpoint)
     from meshfit.export import WEIGHTS_FILE
+    from meshfit.state_hooks import OwnHooks
 
     weights = os.path.join(checkpoint, WEIGHTS_FILE)
-    if checkpoint.endswith(".safetensors") or os.path.isfile(weights):
+    shards = os.path.join(checkpoint, "model.safetensors.index.json")
+    hooks = OwnHooks.of(model)
+    if os.path.isfile(shards):  # save_model's shards
+        from meshfit.weight_files import WeightFiles
+
+        state = WeightFiles(checkpoint).read_all()
+        aside = contextlib.nullcontext()
+    elif checkpoint.endswith(".safetensors") or os.path.isfile(weights):
         state = _read_safetensors(checkpoint if checkpoint.endswith(".safetensors") else weights)
+        aside = contextlib.nullcontext()  # save_model's names: the model's own hooks apply
     else:
         from meshfit.checkpoint import resolve_checkpoint
         from meshfit.export import _read_model_state
 
         state = _read_model_state(resolve_checkpoint(checkpoint))  # checksums verified
+        aside = hooks.set_aside()  # a checkpoint holds the modules' own names
+    with aside:
+        _load_checked(model, state, checkpoint)
+
+
+def _load_checked(model: nn.Module, state: dict[str, torch.Tensor], checkpoint: str) -> None:
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]

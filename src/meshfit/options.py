@@ -2,7 +2,9 @@
 once, where they are made.
 
 `parallelize` lists the options in its signature (its docstring says what each does);
-`fit`, `predict` and `verify` pass their extra keywords through to it. An option of the
+`fit` and `predict` turn their extra keywords into one EngineOptions (`engine_options`)
+and hand it to `prepare`; `verify` checks them here and passes them to each run's
+`parallelize`. An option of the
 wrong kind is refused here, in one line naming the fix, before any process group starts.
 """
 
@@ -10,8 +12,8 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,7 +57,7 @@ class EngineOptions:
     blocks: str | None = None
     metrics: dict[str, Any] | None = None
     init: InitFn | None = None  # for a model on meta: materialize.py's init passes
-    weights: str | os.PathLike | None = None  # pretrained safetensors (materialize.WeightFiles)
+    weights: str | os.PathLike | None = None  # pretrained safetensors (weight_files.WeightFiles)
 
     def __post_init__(self) -> None:
         _check_loss(self.loss_fn)
@@ -83,6 +85,29 @@ class EngineOptions:
         object.__setattr__(self, "optimizer", self.optimizer or default_optimizer)
         object.__setattr__(self, "metrics", check_metrics(self.metrics))
         object.__setattr__(self, "weights", _weights_path(self.weights))
+
+
+def option_names() -> list[str]:
+    """The keywords `parallelize` takes besides the model, the plan and loss_fn."""
+    return [f.name for f in fields(EngineOptions) if f.name != "loss_fn"]
+
+
+def check_option_names(keywords: Mapping[str, Any], what: str) -> None:
+    """Refuse keywords that are not parallelize's options, in one line: `what` names the
+    caller ("fit does not take"); fit, predict and verify pass their others on."""
+    unknown = sorted(set(keywords) - set(option_names()))
+    if unknown:
+        raise MeshfitError(
+            f"{what} {', '.join(map(repr, unknown))}; the options of mf.parallelize it "
+            f"passes on are: {', '.join(option_names())}"
+        )
+
+
+def engine_options(what: str, loss_fn: Any, keywords: Mapping[str, Any]) -> EngineOptions:
+    """The EngineOptions of a caller's extra keywords (names checked first, see
+    check_option_names), made and checked once, before any process group starts."""
+    check_option_names(keywords, what)
+    return EngineOptions(loss_fn=loss_fn, **keywords)
 
 
 def _check_loss(loss_fn: Any) -> None:

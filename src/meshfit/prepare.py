@@ -1,12 +1,14 @@
 """The way in: `mf.parallelize` checks its options (options.py), resolves the plan on
 this job (`prepare`: the planner for "auto", the process group, the Topology) and builds
-the Engine. `fit`, `predict` and `verify` come in through the same `prepare`.
+the Engine. `fit` and `mf.predict` come in through the same `prepare`, with the user's
+data as the example batch (`Examples`); `verify` runs `parallelize` on each side.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 def parallelize(
     model: nn.Module,
-    plan: Plan | str | Topology | None = None,
+    plan: Plan | str | None = None,
     *,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
@@ -43,8 +45,7 @@ def parallelize(
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
-    plan: a Plan, its text form ("dp=4"), or None for data parallel over every process
-        (or a Topology built from one: `fit` builds it first to size its example batch).
+    plan: a Plan, its text form ("dp=4"), or None for data parallel over every process.
         "auto": the planner chooses (mf.plan_search on this job's processes, for a global
         batch of example_inputs' size); "auto,precision=bf16" keeps the fields given.
     optimizer: a function from parameters to an optimizer, e.g.
@@ -118,33 +119,80 @@ def parallelize(
         init=init,
         weights=weights,
     )
-    topology, auto = prepare(model, plan, options)
-    engine = Engine(model, topology, options)
-    if auto is not None:
-        engine.planned = auto
-        if engine.rank == 0:
-            print(f"meshfit: {auto.describe()}", flush=True)
+    job = prepare(model, plan, options)
+    engine = job.engine(model)
+    if job.auto is not None and engine.rank == 0:
+        print(f"meshfit: {job.auto.describe()}", flush=True)
     watchdog.mark("script", "the training script before step 1", waiting=False)
     return engine
 
 
+# (inputs, targets) of the first n samples of the user's data, None when it has none
+FirstSamples = Callable[[int], "tuple[Any, Any] | None"]
+
+
+@dataclass(frozen=True)
+class Examples:
+    """The user's own data as the planner and the forms see it: `first(n)` gives the
+    first n samples as one (inputs, targets) batch; `batch_size` is the global batch."""
+
+    first: FirstSamples
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """A plan resolved on this job: its Topology, the planner's choice for an "auto"
+    plan (or None) and the options with the example batch the forms use."""
+
+    topology: Topology
+    auto: Any
+    options: EngineOptions
+
+    def engine(self, model: nn.Module) -> Engine:
+        engine = Engine(model, self.topology, self.options)
+        engine.planned = self.auto
+        return engine
+
+
 def prepare(
-    model: nn.Module, plan: Plan | str | Topology | None, options: EngineOptions
-) -> tuple[Topology, Any]:
-    """(the Topology `plan` resolves to on this job, the planner's choice for an "auto"
-    plan or None): the blocks named, the auto plan chosen, the process group started,
-    and the options that depend on the plan checked against it."""
+    model: nn.Module,
+    plan: Plan | str | None,
+    options: EngineOptions,
+    examples: Examples | None = None,
+) -> Job:
+    """Resolve `plan` on this job, the one way `parallelize`, `fit` and `predict` come
+    in: the blocks named, the auto plan chosen (on `examples`, else on the options'
+    example_inputs), the process group started, the options that depend on the plan
+    checked against it, and the forms given an example batch of the user's data
+    (`examples`) where they use one and none was given."""
     if options.blocks is not None:
         from meshfit.parallel.blocks import use_blocks
 
         use_blocks(model, options.blocks)
     auto = None
     if auto_requested(plan):
-        auto = _choose_auto(model, auto_requested(plan), options)
+        auto = _choose_auto(model, auto_requested(plan), options, examples)
         plan = auto.plan
-    topology = plan if isinstance(plan, Topology) else create_topology(plan)
+    topology = create_topology(plan)
     options_fit(options, topology.plan)
-    return topology, auto
+    if options.example_inputs is None and examples is not None:
+        options = replace(options, example_inputs=forms_example(topology, examples))
+    return Job(topology, auto, options)
+
+
+def forms_example(topology: Topology, examples: Examples) -> Any:
+    """The inputs the forms are shown: under a pipeline plan one micro-batch (its blocks'
+    FLOPs, counted on it, balance the stages; the cut is checked on it); under tensor
+    parallel two samples (the split is traced and checked on them: the user's batch, not
+    one meshfit makes up, since a vision or speech model takes no token ids); None for
+    the other plans, which use none."""
+    plan = topology.plan
+    if plan.pp == 1 and plan.tp == 1:
+        return None
+    size = topology.microbatch_size(examples.batch_size)
+    batch = examples.first(size if plan.pp > 1 else min(size, 2))
+    return None if batch is None else batch[0]
 
 
 def options_fit(options: EngineOptions, plan: Plan) -> None:
@@ -178,22 +226,38 @@ def auto_requested(plan: Any) -> str | None:
     return plan if is_auto(plan) else None
 
 
-def _choose_auto(model: nn.Module, plan: str, options: EngineOptions) -> Any:
+def _choose_auto(
+    model: nn.Module, plan: str, options: EngineOptions, examples: Examples | None
+) -> Any:
+    """The planner's choice for `plan` ("auto..."), profiled on two samples of the user's
+    data (`examples`), else on parallelize's example_inputs (one global batch)."""
     from meshfit.planner.auto import choose_plan
 
-    example_inputs = options.example_inputs
-    found = tensors_in(example_inputs) if example_inputs is not None else []
-    if not found:
-        raise MeshfitError(
-            "parallelize(model, 'auto') needs example_inputs=: one global batch of the "
-            "model's inputs (its size is the batch the planner plans for); or use "
-            "mf.fit(..., plan='auto'), which takes them from the dataset"
-        )
+    targets = None
+    if examples is not None:
+        batch = examples.first(2)
+        if batch is None:
+            raise MeshfitError("plan='auto' needs at least one sample in the dataset to plan on")
+        inputs, targets = batch
+        batch_size = examples.batch_size
+        if options.example_inputs is not None:
+            inputs = options.example_inputs
+    else:
+        inputs = options.example_inputs
+        found = tensors_in(inputs) if inputs is not None else []
+        if not found:
+            raise MeshfitError(
+                "parallelize(model, 'auto') needs example_inputs=: one global batch of the "
+                "model's inputs (its size is the batch the planner plans for); or use "
+                "mf.fit(..., plan='auto'), which takes them from the dataset"
+            )
+        batch_size = found[0].shape[0]
     return choose_plan(
         model,
         plan,
-        batch_size=found[0].shape[0],
-        example_inputs=example_inputs,
+        batch_size=batch_size,
+        example_inputs=inputs,
+        example_targets=targets,
         loss_fn=options.loss_fn,
         optimizer=options.optimizer,
         compiled=options.compile,

@@ -9,11 +9,14 @@ only when their degree is above 1, except "fsdp", which exists whenever data par
 runs on FSDP2 (Plan.uses_fsdp: FSDP2 given ("dp", "fsdp") replicates over the first and
 shards over the second).
 
-Named groups:
-    batch: the ranks the global batch is split over, dp x fsdp (replicas and shards);
-    loss:  the same ranks: a loss is averaged over them;
-    pp:    the pipeline stages of one model replica;
-    tp:    the ranks one tensor-parallel layer is split over.
+What the forms and the Engine ask it for:
+    batch_groups:   the ranks the global batch is split over, dp x fsdp (replicas and
+                    shards); a step's loss is averaged over them (batch_mean, batch_sum);
+    replica_group:  DDP's replicas ("dp");
+    data_mesh:      FSDP2's ("dp", "fsdp");
+    tp_mesh:        the ranks one tensor-parallel layer is split over;
+    pp_mesh, pipeline_groups, pipeline_ends_group: the pipeline stages of one replica,
+                    and its first and last stage (tied weights).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
 from meshfit.plan import Plan
+
+# The mesh dimension of tensor parallel: DTensors that tp made carry it in their own mesh
+# (tensor/state.py tells tp's chunked splits from FSDP2's by it).
+TENSOR_PARALLEL = "tp"
 
 
 @dataclass
@@ -103,8 +110,20 @@ class Topology:
         """The process group of `dim` ("pp", "tp", ...) for this rank, or None."""
         return self.mesh.get_group(dim) if self.has(dim) else None
 
-    def submesh(self, dim: str) -> DeviceMesh:
-        return self.mesh[dim]
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The ranks one tensor-parallel layer is split over (plan.tp > 1)."""
+        return self.mesh[TENSOR_PARALLEL]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """The pipeline stages of this rank's model replica (plan.pp > 1)."""
+        return self.mesh["pp"]
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The plain data-parallel replicas DDP averages over ("dp"), or None."""
+        return self.group("dp")
 
     @property
     def data_mesh(self) -> DeviceMesh:

@@ -20,15 +20,16 @@ import pickle
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.options import LossFn, OptimizerFactory
+from meshfit.options import LossFn, OptimizerFactory, engine_options
 from meshfit.plan import Plan
-from meshfit.prepare import as_plan, parallelize
+from meshfit.prepare import as_plan, prepare
 from meshfit.trees import map_tensors
 
 # re-exported: tests, the CLI, the demo and the planner import them from here
@@ -75,16 +76,16 @@ def _train(
     tensors in `dtype`, when given), a step per batch; the per-step losses, the whole
     final state (gathered, so call it on every rank) and how far apart the ranks'
     copies of a parameter are."""
-    options = recipe.options
+    options = engine_options("verify does not take", recipe.loss_fn, recipe.options)
     if reference:
-        options = {k: v for k, v in options.items() if k not in FORM_OPTIONS}
+        options = replace(options, **dict.fromkeys(FORM_OPTIONS))
     model = recipe.model
     if dtype is not None:
         model = model.to(dtype)
         batches = [
             map_tensors(b, lambda t: t.to(dtype) if t.is_floating_point() else t) for b in batches
         ]
-    engine = parallelize(model, plan, loss_fn=recipe.loss_fn, **options)
+    engine = prepare(model, plan, options).engine(model)
     losses = [float(engine.step(batch)) for batch in batches]
     gap, name = (0.0, None) if reference else replica_gap(engine)
     return {"losses": losses, "state": engine.full_state_dict(), "replicas": (gap, name)}

@@ -26,6 +26,7 @@ from meshfit.errors import MeshfitError
 from meshfit.placement import is_placed
 from meshfit.precision import Precision
 from meshfit.runners import GradientSync, LocalRunner, NoGradientSync, Runner
+from meshfit.state_hooks import OwnHooks
 from meshfit.topology import Topology
 from meshfit.trees import call_model, map_tensors
 
@@ -49,11 +50,13 @@ class ModelPart:
 
 
 class Parallelized(NamedTuple):
-    """What apply_plan made: what runs forward, its runner, and what tp split."""
+    """What apply_plan made: what runs forward, its runner, what tp split, and the
+    model's own state-dict hooks (state_hooks.py)."""
 
     model: nn.Module
     runner: Runner
-    tp_report: TPReport | None = None
+    tp_report: TPReport | None
+    own_hooks: OwnHooks
 
 
 def apply_plan(
@@ -78,9 +81,11 @@ def apply_plan(
     rank's blocks compiles on its own instead (parallel/compiled.py says why). A model on meta is split as it is and
     each rank materializes only what it keeps (materialize.py; `init` as there), from
     the safetensors at `weights` where given (each rank reads only its slices)."""
-    from meshfit.materialize import WeightFiles, load_weights, on_meta
+    from meshfit.materialize import on_meta
+    from meshfit.weight_files import WeightFiles, load_weights
 
     plan, mesh, device = topology.plan, topology.mesh, topology.device
+    own_hooks = OwnHooks.of(model)  # before any form adds its own
     if compile and plan.tp > 1:
         from meshfit.parallel.compiled import graphs_per_rank
 
@@ -109,8 +114,15 @@ def apply_plan(
     checkpoint = weights if weights is not None and holds_checkpoint(weights) else None
     fingerprint = model_fingerprint(model) if checkpoint is not None else None
     files = WeightFiles(weights) if weights is not None and checkpoint is None else None
+    if files is not None and meta and own_hooks.loading:
+        raise MeshfitError(
+            f"weights= cannot be read slice by slice into this model built on meta: "
+            f"{own_hooks.loading[0] or type(model).__name__} changes the names it loads "
+            f"in its own load_state_dict hooks; build the model on the CPU (weights= "
+            f"then loads through those hooks), or load a meshfit checkpoint"
+        )
     if files is not None and not meta:  # a model with values: whole here anyway
-        load_weights(model, files)
+        load_weights(model, files, own_hooks)
     if not is_placed(model) and not meta:
         model = model.to(device)
     if sync_batchnorm:
@@ -142,7 +154,7 @@ def apply_plan(
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 
-        tp_report = apply_tensor_parallel(model, topology.submesh("tp"), tp_plan, example_inputs)
+        tp_report = apply_tensor_parallel(model, topology.tp_mesh, tp_plan, example_inputs)
     if plan.checkpointing != "none":
         from meshfit.parallel.recompute import apply_recomputation
 
@@ -158,7 +170,7 @@ def apply_plan(
             compile_blocks=compile,
             materialize=materialize,
         )
-        made = Parallelized(model, runner, tp_report)
+        made = Parallelized(model, runner, tp_report, own_hooks)
     else:
         part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
         [wrapped] = apply_data_parallel([part], topology, precision, materialize)
@@ -173,11 +185,12 @@ def apply_plan(
             plan.num_microbatches,
             _gradient_sync(wrapped, topology),
         )
-        made = Parallelized(wrapped, runner, tp_report)
+        made = Parallelized(wrapped, runner, tp_report, own_hooks)
     if checkpoint is not None:
         from meshfit.checkpoint import load_model_weights
 
-        load_model_weights(made.model, checkpoint, fingerprint, strided=plan.tp > 1)
+        with own_hooks.set_aside():  # a checkpoint holds the modules' own names
+            load_model_weights(made.model, checkpoint, fingerprint, strided=plan.tp > 1)
     return made
 
 
@@ -202,7 +215,7 @@ def _apply_pipeline(
     example = map_tensors(example_inputs, lambda t: t.to(where))
     split = split_model(
         model,
-        topology.submesh("pp"),
+        topology.pp_mesh,
         schedule=plan.schedule,
         split=pp_split,
         example_inputs=example,
@@ -293,7 +306,7 @@ def apply_data_parallel(
                 from meshfit.parallel.ddp import replicate
 
                 module = replicate(
-                    module, topology.group("dp"), device, pipeline_stage=part.pipeline_stage
+                    module, topology.replica_group, device, pipeline_stage=part.pipeline_stage
                 )
         modules.append(module)
     if materialize is not None and sharded:

@@ -5,7 +5,6 @@ the fix.
 from __future__ import annotations
 
 import datetime
-import inspect
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -14,23 +13,6 @@ from torch.utils.data import Dataset, IterableDataset
 
 from meshfit.callbacks import Callback as CallbackBase
 from meshfit.errors import MeshfitError
-from meshfit.prepare import parallelize
-
-
-def check_parallelize_options(options: dict[str, Any]) -> None:
-    """Refuse keywords that `parallelize` does not take (fit passes its others there)."""
-    accepted = [
-        name
-        for name, param in inspect.signature(parallelize).parameters.items()
-        if param.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    unknown = [name for name in options if name not in accepted]
-    if unknown:
-        raise MeshfitError(
-            f"fit got unknown keyword(s) {', '.join(repr(n) for n in unknown)}: fit passes "
-            f"the keywords it does not take itself to parallelize, whose options are "
-            f"{', '.join(accepted)}"
-        )
 
 
 def check_streams(

@@ -5,7 +5,7 @@ this rank's share of each global batch, the example batch the forms get.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,7 +17,6 @@ from meshfit.data.reading import Reading
 from meshfit.data.sampling import GlobalBatchSampler, StreamShare
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
-from meshfit.topology import Topology
 from meshfit.training.resume import RunConfig
 
 
@@ -117,29 +116,22 @@ def as_dataset(data: Any, what: str) -> Dataset:
     )
 
 
-def split_example(
-    topology: Topology, data: Dataset, batch_size: int, reading: Reading, *, model_loss: bool
-) -> Any:
-    """One micro-batch of inputs for a pipeline plan to count its blocks' FLOPs on (so
-    its stages are balanced by them), or two samples for tensor parallel to trace and
-    check its split on (the user's batch, not one it makes up: a vision or speech model
-    takes no token ids); None for other plans."""
-    plan = topology.plan
-    if plan.pp == 1 and plan.tp == 1:
-        return None
-    size = topology.microbatch_size(batch_size)
-    if plan.pp == 1:
-        size = min(size, 2)
-    samples = (
-        list(itertools.islice(iter(data), size))
-        if isinstance(data, IterableDataset)
-        else [data[i] for i in range(min(len(data), size))]
-    )
-    if not samples:
-        return None
-    batch = reading.pick(reading.collate_fn(samples))
-    inputs, _ = split_batch(batch, model_loss)
-    return inputs
+def first_samples(data: Dataset, reading: Reading, loss_fn: Any) -> Callable[[int], Any]:
+    """n -> the first n samples of `data` as one (inputs, targets) batch, as the loader
+    collates them (None for an empty dataset): the example the planner and the forms
+    are shown (prepare.Examples)."""
+
+    def first(n: int) -> tuple[Any, Any] | None:
+        samples = (
+            list(itertools.islice(iter(data), n))
+            if isinstance(data, IterableDataset)
+            else [data[i] for i in range(min(len(data), n))]
+        )
+        if not samples:
+            return None
+        return split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
+
+    return first
 
 
 def real_tokens(inputs: Any, targets: Any) -> torch.Tensor | int | None:

@@ -1,34 +1,25 @@
-"""A run's plan and speed: the planner's choice for plan="auto" and how the run measured
-against it, the MFU meter, and the start-up lines.
+"""A run's plan and speed: how the run measured against the planner's choice for
+plan="auto" (prepare.py makes it), the MFU meter, and the start-up lines.
 """
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
 
-from meshfit.batches import split_batch
-from meshfit.data.reading import Reading
 from meshfit.engine import Engine
-from meshfit.errors import MeshfitError
+from meshfit.prepare import Examples
 from meshfit.progress import TrainingDisplay
 from meshfit.topology import Topology
 from meshfit.training.resume import Start
 
 
 def mfu_meter(
-    model: nn.Module,
-    topology: Topology,
-    data: Dataset,
-    reading: Reading,
-    loss_fn: Any,
-    profile: Any = None,
+    model: nn.Module, topology: Topology, examples: Examples, loss_fn: Any, profile: Any = None
 ) -> Callable[[float], float] | None:
     """samples/s -> MFU over every device of the job, where their peak is known."""
     from meshfit.planner.mfu import peak_flops, training_flops_per_sample
@@ -36,47 +27,14 @@ def mfu_meter(
     peak = peak_flops(topology.device, topology.plan.precision)
     if peak is None:
         return None
-    samples = (
-        list(itertools.islice(iter(data), 1)) if isinstance(data, IterableDataset) else [data[0]]
-    )
-    inputs, targets = split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
-    flops = training_flops_per_sample(model, inputs, loss_fn, targets, profile)
+    batch = examples.first(1)
+    if batch is None:
+        return None
+    flops = training_flops_per_sample(model, *batch[:1], loss_fn, batch[1], profile)
     if flops is None:
         return None
     world = topology.plan.world_size or 1
     return lambda samples_per_s: flops * samples_per_s / (world * peak)
-
-
-def choose_auto_plan(
-    model: nn.Module,
-    plan: str,
-    data: Dataset,
-    batch_size: int,
-    reading: Reading,
-    loss_fn: Any,
-    options: dict[str, Any],
-) -> Any:
-    """plan="auto": the planner's choice for this job, profiled on two samples."""
-    from meshfit.planner.auto import choose_plan
-
-    samples = (
-        list(itertools.islice(iter(data), 2))
-        if isinstance(data, IterableDataset)
-        else [data[i] for i in range(min(len(data), 2))]
-    )
-    if not samples:
-        raise MeshfitError("plan='auto' needs at least one sample in the dataset to plan on")
-    inputs, targets = split_batch(reading.pick(reading.collate_fn(samples)), loss_fn == "model")
-    return choose_plan(
-        model,
-        plan,
-        batch_size=batch_size,
-        example_inputs=options.get("example_inputs", inputs),
-        example_targets=targets,
-        loss_fn=loss_fn,
-        optimizer=options.get("optimizer"),
-        compiled=bool(options.get("compile", False)),
-    )
 
 
 def measured_against_plan(

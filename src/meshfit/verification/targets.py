@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +14,7 @@ import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.options import LossFn
-from meshfit.prepare import parallelize
+from meshfit.options import LossFn, check_option_names
 from meshfit.verification.report import sgd_momentum
 
 # ---- where the model comes from --------------------------------------------------
@@ -131,14 +129,4 @@ def _with_default_optimizer(options: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_options(options: Mapping[str, Any], what: str = "verify does not take") -> None:
     """Refuse a keyword mf.parallelize does not take (loss_fn is verify's own argument)."""
-    known = [
-        name
-        for name, p in inspect.signature(parallelize).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "loss_fn"
-    ]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise MeshfitError(
-            f"{what} {', '.join(map(repr, unknown))}; the options of mf.parallelize it passes "
-            f"on are: {', '.join(known)}"
-        )
+    check_option_names(options, what)

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshfit.topology import TENSOR_PARALLEL
+
 
 def _is_strided(t: object) -> bool:
     """A DTensor that tensor parallel split chunk by chunk: a `_StridedShard` on the tp
@@ -21,7 +23,8 @@ def _is_strided(t: object) -> bool:
         return False
     names = t.device_mesh.mesh_dim_names or ()
     return any(
-        type(p).__name__ == "_StridedShard" and (names[i] if i < len(names) else "tp") == "tp"
+        type(p).__name__ == "_StridedShard"
+        and (names[i] if i < len(names) else TENSOR_PARALLEL) == TENSOR_PARALLEL
         for i, p in enumerate(t.placements)
     )
 

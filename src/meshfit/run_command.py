@@ -1,0 +1,211 @@
+"""`meshfit run script.py`: a script on workers the way torchrun would start it (it is
+torchrun underneath, torch.distributed.run), with meshfit's defaults: one worker per
+device or core, threads per worker, signed rendezvous, loopback-only on one node, the
+plan and the weights of the command line handed to the workers' parallelize and fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from meshfit import rendezvous, watchdog
+from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV, killed_by_verdict
+from meshfit.errors import MeshfitError
+from meshfit.launch import (
+    LOOPBACK,
+    WorkerSetup,
+    _patched_environ,
+    _quiet_elastic_logs,
+    died_how,
+    hang_timeout_env,
+    interface_env,
+    loopback_env,
+    plan_workers,
+)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    target: str  # script path, or module name when module=True
+    target_args: tuple[str, ...] = ()
+    module: bool = False
+    nproc: int | None = None
+    devices: str | None = None
+    nnodes: int = 1
+    node_rank: int | None = None
+    master: str | None = None
+    max_restarts: int = 0
+    threads: int | None = None
+    hang_timeout: float | None = None  # seconds; None: the default, 0: off
+    plan: str | None = None  # the plan for parallelize/fit calls that give none
+    weights: str | None = None  # pretrained safetensors for parallelize/fit calls that give none
+    torchrun_args: tuple[str, ...] = ()  # torchrun's own options, passed as they are
+
+
+PLAN_ENV = "MESHFIT_PLAN"  # meshfit run --plan: read by parallelize / fit (engine.as_plan)
+WEIGHTS_ENV = "MESHFIT_WEIGHTS"  # meshfit run --weights: read by parallelize
+
+
+def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list[str]:
+    """The torch.distributed.run arguments for these options; `rdzv_id` names the
+    rendezvous (rendezvous.run_id of the run's secret)."""
+    argv = [
+        "--nproc-per-node",
+        str(setup.nproc),
+        "--max-restarts",
+        str(options.max_restarts),
+        "--monitor-interval",
+        "0.5",
+    ]
+    if is_single_node(options):
+        # As torchrun --standalone, but on meshfit's backend: a free port, loopback only.
+        argv += [
+            "--rdzv-backend",
+            rendezvous.BACKEND,
+            "--rdzv-endpoint",
+            f"{LOOPBACK}:0",
+            "--rdzv-id",
+            rdzv_id,
+            "--local-addr",
+            LOOPBACK,
+        ]
+    else:
+        if options.master is None:
+            raise MeshfitError(
+                f"--nnodes {options.nnodes} needs --master ADDR:PORT, the address of node 0 "
+                f"that every node can reach"
+            )
+        addr, _, port = options.master.rpartition(":")
+        if not addr or not port.isdigit():
+            raise MeshfitError(
+                f"--master must be ADDR:PORT (e.g. 10.0.0.1:29500), not {options.master!r}"
+            )
+        argv += ["--nnodes", str(options.nnodes)]
+        if options.node_rank is not None:
+            if not 0 <= options.node_rank < options.nnodes:
+                raise MeshfitError(
+                    f"--node-rank must be between 0 and {options.nnodes - 1}, not {options.node_rank}"
+                )
+            # Fixed node ranks: static rendezvous at node 0's address.
+            argv += [
+                "--node-rank",
+                str(options.node_rank),
+                "--master-addr",
+                addr,
+                "--master-port",
+                port,
+            ]
+        else:
+            # Elastic rendezvous: node ranks are assigned as nodes join; the state is
+            # signed with the run's secret (rendezvous.py).
+            argv += [
+                "--rdzv-backend",
+                rendezvous.BACKEND,
+                "--rdzv-endpoint",
+                options.master,
+                "--rdzv-id",
+                rdzv_id,
+            ]
+    argv += list(options.torchrun_args)  # checked in run_config: none of the above
+    # Each worker runs meshfit/_boot.py, which runs the target and then exits past the
+    # interpreter's teardown (a gloo thread can abort a finished worker there; _boot.py).
+    argv.append(BOOT)
+    if options.module:
+        argv.append("--meshfit-module")
+    argv.append(options.target)
+    argv += list(options.target_args)
+    return argv
+
+
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
+
+
+def is_single_node(options: RunOptions) -> bool:
+    return options.nnodes == 1 and options.master is None
+
+
+def _uses_signed_rendezvous(options: RunOptions) -> bool:
+    """Every run but the static rendezvous of fixed node ranks (--node-rank)."""
+    return is_single_node(options) or options.node_rank is None
+
+
+def run(options: RunOptions) -> int:
+    """Run a script on workers the way torchrun would, with meshfit's defaults.
+    Returns the exit status (0 when every worker succeeded)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not options.module and not os.path.isfile(options.target):
+        raise MeshfitError(f"no script at {options.target!r}; give the path of a Python file")
+    if options.nnodes < 1:
+        raise MeshfitError(f"--nnodes must be at least 1, not {options.nnodes}")
+    if options.max_restarts < 0:
+        raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
+    setup = plan_workers(options.nproc, options.devices, options.threads)
+    setup.env.update(hang_timeout_env(options.hang_timeout))
+    if options.plan is not None:
+        from meshfit.plan import Plan
+
+        Plan.check_text(options.plan)  # refuse bad text here, not in every worker
+        setup.env[PLAN_ENV] = options.plan
+    if options.weights is not None:
+        if not os.path.exists(options.weights):
+            raise MeshfitError(f"--weights {options.weights!r}: no such file or directory")
+        setup.env[WEIGHTS_ENV] = os.path.abspath(options.weights)
+    # One node: a secret made here, kept in memory. Several: the one every node was given.
+    secret = rendezvous.new_secret() if is_single_node(options) else None
+    if secret is None and _uses_signed_rendezvous(options):
+        secret = rendezvous.read_secret()  # refuse a missing secret before starting
+    rendezvous.register()
+    argv = torchrun_argv(options, setup, rendezvous.run_id(secret) if secret else "none")
+    where = (
+        f"{setup.nproc} GPU workers"
+        if setup.device_kind == "cuda"
+        else f"{setup.nproc} CPU workers ({setup.threads} thread{'s' if setup.threads != 1 else ''} each)"
+    )
+    nodes = f" on each of {options.nnodes} nodes" if options.nnodes > 1 else ""
+    print(f"meshfit: starting {where}{nodes}: {options.target}", file=sys.stderr, flush=True)
+    ifname_env: dict[str, str] = {}
+    if not is_single_node(options) and options.master is not None:
+        ifname_env, line = interface_env(options.master)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    level = logging.WARNING if options.max_restarts else logging.CRITICAL
+    markers = tempfile.mkdtemp(prefix="meshfit-markers-")  # workers' one-line-error claims
+    try:
+        env = {**setup.env, **ifname_env, MARKER_DIR_ENV: markers}
+        if is_single_node(options):
+            env.update(loopback_env())
+        with (
+            _patched_environ(env),
+            rendezvous.using_secret(secret) if secret else contextlib.nullcontext(),
+            _quiet_elastic_logs(level),
+        ):
+            torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as failed:
+        rank, info = failed.get_first_failure()
+        code = info.exitcode if info.exitcode and info.exitcode > 0 else 1
+        reported = {f.exitcode for f in failed.failures.values()} & {
+            EXIT_USER_ERROR,
+            watchdog.EXIT_HANG,
+        }
+        if any(killed_by_verdict(markers, f.pid) for f in failed.failures.values()):
+            reported.add(watchdog.EXIT_HANG)
+        if reported:
+            return min(reported)  # a worker already printed the one-line reason
+        print(
+            f"meshfit: worker rank {rank} {died_how(info.exitcode)}; its message, if any, is above",
+            file=sys.stderr,
+            flush=True,
+        )
+        return code
+    finally:
+        os.environ.pop(rendezvous.ROUND_ENV, None)  # set by the handler for the workers
+        shutil.rmtree(markers, ignore_errors=True)
+    return 0
