@@ -2,7 +2,7 @@
 model built on the CPU first (issue 30's "build/load peak" target: at most the full model
 over the ranks that split it, plus the largest single tensor, plus 10%).
 
-For each plan, 2 CPU workers (gloo, one thread each) build meshfit's GPT either way and
+For each plan, its CPU workers (2 or 4; gloo, one thread each) build meshfit's GPT either way and
 `meshfit.memory_probe.measure_peak` counts live tensor storage over `mf.parallelize`
 (the model built on the CPU is alive before the call and counts from its start). Also
 with `weights=`: the model on meta, loading a safetensors file of it.
@@ -29,7 +29,8 @@ from meshfit.models import GPT, GPTConfig, next_token_loss
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=128, n_layer=8, n_head=8, n_embd=512, bias=False)
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, bias=False)
-PLANS = ["fsdp=2", "pp=2", "dp=2"]
+PLANS = ["fsdp=2", "pp=2", "tp=2", "dp=2", "dp=1", "fsdp=4", "fsdp=2,tp=2"]
+QUICK_PLANS = PLANS[:4]  # the smoke test: two workers only
 
 
 def build_peak(config: GPTConfig, plan: str, how: str, weights: str | None) -> dict:
@@ -64,6 +65,12 @@ def build_peak(config: GPTConfig, plan: str, how: str, weights: str | None) -> d
     return {"plan": plan, "how": how, "ranks": values}
 
 
+def _processes(plan: str) -> int:
+    """The workers `plan` runs on: the product of its degrees."""
+    parsed = mf.Plan.parse(plan)
+    return (parsed.dp or 1) * parsed.fsdp * parsed.tp * parsed.pp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT: a smoke test")
@@ -80,10 +87,11 @@ def main() -> None:
 
         weights = os.path.join(tmp, "model.safetensors")
         save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, weights)
-        for plan in PLANS:
+        for plan in QUICK_PLANS if args.quick else PLANS:
             for how in ("cpu", "meta", "meta+weights"):
                 start = time.perf_counter()
-                row = mf.launch(build_peak, nproc=2, args=(config, plan, how, weights))
+                nproc = _processes(plan)
+                row = mf.launch(build_peak, nproc=nproc, args=(config, plan, how, weights))
                 row["seconds"] = time.perf_counter() - start
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -91,7 +99,7 @@ def main() -> None:
     # The target per rank (issue 30): what it keeps of the model, plus the largest single
     # tensor, plus 10%; under dp, DDP's gradient buckets (a second copy of the model,
     # made when DDP is built) come on top.
-    print("| plan | built | peak per rank (MiB), rank 0 / rank 1 | target (MiB) |")
+    print("| plan | built | peak per rank (MiB), rank 0 / rank 1 / ... | target (MiB) |")
     print("| --- | --- | --- | --- |")
     for row in rows:
         targets = []

@@ -75,6 +75,19 @@ def test_batchnorm_with_micro_batches_is_refused_with_the_fix() -> None:
     assert engine.step(engine_batch()) > 0
 
 
+def test_batchnorm_under_pp_is_refused_with_the_whole_fix_in_one_line() -> None:
+    """Under pp the fix is one micro-batch and the schedule that runs one: naming only
+    microbatches=1 led to a second refusal (1f1b needs pp micro-batches)."""
+    from meshfit.parallel.batchnorm import refuse_microbatches
+
+    model, _ = build("bn_cnn")
+    with pytest.raises(mf.MeshfitError) as refused:
+        refuse_microbatches(model, mf.Plan(pp=2).num_microbatches, pp=2)
+    fix = "microbatches=1,schedule='gpipe'"
+    assert fix in str(refused.value) and "\n" not in str(refused.value)
+    mf.Plan.parse("pp=2," + fix.replace("'", "")).validate()  # the fix as given runs
+
+
 def engine_batch():
     from workers import make_batch
 

@@ -153,7 +153,7 @@ def test_planner_ranking_benchmark_quick(tmp_path) -> None:
 def test_meta_memory_benchmark_quick(tmp_path) -> None:
     written = _run_quick("meta_memory.py", tmp_path, timeout=300)[1]
     rows = {(r["plan"], r["how"]): r for r in written["rows"]}
-    assert len(rows) == 9
+    assert len(rows) == 12
     for how in ("meta", "meta+weights"):  # sharded from the start: below the CPU-built
         meta = max(r["peak"] for r in rows["fsdp=2", how]["ranks"])
         cpu = min(r["peak"] for r in rows["fsdp=2", "cpu"]["ranks"])

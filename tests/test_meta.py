@@ -111,10 +111,13 @@ def test_a_model_partly_on_meta_is_refused() -> None:
 
 
 def _check(specs: list[dict], results: list[dict]) -> None:
-    references: dict[str, dict] = {}
+    references: dict[tuple, dict] = {}
     for spec, got in zip(specs, results, strict=True):
         assert "refused" not in got, (spec, got)
-        ref = references.setdefault(spec["model"], meta_run({"model": spec["model"]}))
+        key = (spec["model"], spec.get("steps", 3))
+        if key not in references:
+            references[key] = meta_run({"model": spec["model"], "steps": key[1]})
+        ref = references[key]
         for name, value in ref["initial"].items():  # the same initial values, exactly
             assert torch.equal(got["initial"][name], value), (spec, name)
         assert_same_run(got, ref, _rtol(spec["model"]))
@@ -131,27 +134,28 @@ def test_meta_models_match_one_process_on_two_workers() -> None:
     """dp, fsdp and pp (a tied LM head on both stages too) start from one process's
     values and train its run; under fsdp no rank ever holds more than its shard and the
     largest parameter, plus 10% (issue 30's target; the model built on the CPU first held
-    the whole). tp refuses a meta model in one line."""
+    the whole). tp derives and checks its split on a copy with one block of each kind
+    (parallel/tensor/meta.py): GPT-2's fused q|k|v split chunk by chunk, Qwen3's per-head
+    norms with their gradients summed, T5's two stacks and position table."""
     specs = [
         {"model": "gpt4", "plan": "dp=2"},
         {"model": "gpt4", "plan": "fsdp=2", "peak": True},
         {"model": "gpt4", "plan": "pp=2"},
         {"model": "gpt2", "plan": "pp=2"},
         {"model": "llama", "plan": "fsdp=2"},
+        *({"model": m, "plan": "tp=2"} for m in ("gpt4", "gpt2", "llama", "qwen3", "t5")),
     ]
     built_first = {"model": "gpt4", "plan": "fsdp=2", "peak": True, "meta": False}
-    refused = {"model": "gpt4", "plan": "tp=2"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = mf.launch(many_meta_runs, nproc=2, args=([*specs, built_first, refused],))
+        results = mf.launch(many_meta_runs, nproc=2, args=([*specs, built_first],))
     _check(specs, results[: len(specs)])
-    sharded, whole = results[1], results[-2]
+    sharded, whole = results[1], results[-1]
     model_bytes = sharded["model_bytes"]
     largest = 16 * 64 * 8  # the largest parameter: an MLP weight of 16 x 64, float64
     for peak in sharded["peak"]:  # every rank
         assert peak <= 1.1 * (model_bytes / 2 + largest), (peak, model_bytes)
     assert max(whole["peak"]) >= model_bytes  # built on the CPU: the whole model first
-    assert results[-1]["refused"].startswith("tensor parallel does not take a model built on meta")
 
 
 def _pretrained(kind: str, directory) -> dict[str, torch.Tensor]:
@@ -175,6 +179,8 @@ def test_pretrained_weights_load_into_shards_and_stages(tmp_path) -> None:
     specs = [
         {"model": "llama", "plan": "fsdp=2", "weights": str(tmp_path / "llama")},
         {"model": "gpt2", "plan": "pp=2", "weights": str(tmp_path / "gpt2")},
+        # tp's chunk-by-chunk split of the fused q|k|v, read from the file whole
+        {"model": "gpt2", "plan": "tp=2", "weights": str(tmp_path / "gpt2")},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -275,12 +281,35 @@ def test_save_model_writes_shards_that_load_back(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_meta_models_match_one_process_under_2d_plans() -> None:
+def test_meta_models_match_one_process_under_2d_plans(tmp_path) -> None:
+    saved = _pretrained("gpt2", tmp_path / "gpt2")
+    pretrained = {"model": "gpt2", "plan": "fsdp=2,tp=2", "weights": str(tmp_path / "gpt2")}
     specs = [
         {"model": "gpt4", "plan": "fsdp=2,pp=2"},
         {"model": "gpt4", "plan": "dp=2,pp=2"},
         {"model": "gpt2", "plan": "fsdp=2,pp=2"},
+        # tp on meta with FSDP2 over it (GPT-2's fused bias: both split dimension 0,
+        # placements.py), with replicas, and cut into stages
+        {"model": "gpt2", "plan": "fsdp=2,tp=2"},
+        {"model": "llama", "plan": "dp=2,tp=2"},
+        {"model": "llama", "plan": "pp=2,tp=2"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _check(specs, mf.launch(many_meta_runs, nproc=4, args=(specs,)))
+        results = mf.launch(many_meta_runs, nproc=4, args=([*specs, pretrained],))
+    _check(specs, results[:-1])
+    got = results[-1]  # every rank read its part of FSDP2's shard of tp's split
+    assert "refused" not in got, got
+    for name, value in saved.items():
+        assert torch.equal(got["initial"][name], value.double()), name
+    assert_same_run(got, meta_run({**pretrained, "plan": None}), _rtol("gpt2"))
+
+
+@pytest.mark.slow
+def test_a_meta_model_matches_one_process_under_a_3d_plan() -> None:
+    """fsdp x tp x pp on eight workers: each rank materializes its stage's FSDP2 shard of
+    its tp split (GPT-2's fused q|k|v chunk by chunk), from one process's values."""
+    specs = [{"model": "gpt2", "plan": "fsdp=2,tp=2,pp=2", "steps": 2}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _check(specs, mf.launch(many_meta_runs, nproc=8, args=(specs,)))

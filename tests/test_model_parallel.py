@@ -42,6 +42,8 @@ def test_two_way_model_parallel_matches_one_process() -> None:
         make_spec("gpt4", "pp=2,schedule=zero-bubble"),
         make_spec("deep_mlp", "pp=2,schedule=interleaved-1f1b"),
         make_spec("gpt", "pp=2", options={"pp_split": [1]}),
+        # a head count under a name of its own (diffusers' `heads`), set to the local one
+        make_spec("named_heads", "tp=2"),
     ]
     results = mf.launch(many_engine_runs, nproc=2, args=(specs,))
     check_against_one_process(specs, results)

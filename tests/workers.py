@@ -71,6 +71,8 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return TitanStyle(), F.cross_entropy
     if kind == "global_heads":
         return GlobalHeads(), next_token_loss
+    if kind == "named_heads":
+        return GlobalHeads(_NamedHeadsBlock), next_token_loss
     raise ValueError(kind)
 
 
@@ -140,16 +142,33 @@ class _GlobalHeadsBlock(torch.nn.Module):
         return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class _NamedHeadsBlock(_GlobalHeadsBlock):
+    """The head count kept on the module under a name of its own, as diffusers'
+    Attention keeps `heads`: tp must give each rank its local count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class GlobalHeads(torch.nn.Module):
     """Attention that reshapes with a head count kept on its class, not on the module: a
     tp rank cannot be given its local count, so tp must refuse it."""
 
     HEADS = 2
 
-    def __init__(self) -> None:
+    def __init__(self, block: type = _GlobalHeadsBlock) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(TINY_GPT.vocab_size, 16)
-        self.blocks = torch.nn.ModuleList(_GlobalHeadsBlock() for _ in range(2))
+        self.blocks = torch.nn.ModuleList(block() for _ in range(2))
         self.head = torch.nn.Linear(16, TINY_GPT.vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -498,14 +498,19 @@ def gather_full_state(
     model.state_dict() gives it: each rank's full-tensor state dict (tensor-parallel and
     FSDP shards gathered by torch's get_model_state_dict) under the modules' own names,
     the pipeline stages merged by the runner, then the model's own saving hooks run."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from meshfit.placements import full_tensor
 
     with own_hooks.set_aside():
-        if not distributed:
-            local = model.state_dict()
-        else:
-            local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    local = {k: v.detach().cpu().clone() for k, v in local.items()}
+        local = model.state_dict() if not distributed else get_model_state_dict(model)
+    # each shard's full tensor, one at a time (placements.full_tensor: DTensor's own is
+    # wrong for FSDP2 over a chunk-by-chunk tp split)
+    local = {
+        k: (full_tensor(v) if isinstance(v, DTensor) else v).detach().cpu().clone()
+        for k, v in local.items()
+    }
     whole = runner.gather_state(local)
     return own_hooks.run_saving_hooks(whole) if own_hooks.saving else whole
 

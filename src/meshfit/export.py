@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
+from meshfit.placements import full_tensor
 
 if TYPE_CHECKING:
     from meshfit.engine import Engine
@@ -152,7 +153,7 @@ def _gathered(
     if entry.key in local:
         value = local[entry.key]
         if isinstance(value, DTensor):
-            value = value.full_tensor()  # collective over the ranks that hold its shards
+            value = full_tensor(value)  # collective over the ranks that hold its shards
         value = value.detach()
     if 0 in entry.holders:
         return value.cpu() if rank == 0 else None

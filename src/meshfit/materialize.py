@@ -18,7 +18,7 @@ Every rank then makes every call (also for what another rank keeps, so the rando
 are drawn in one order everywhere) on full-size CPU scratch tensors, recording the
 random-number state before each, and materializes what it keeps: for each of its tensors
 it replays, from the recorded states, the calls that write it, and keeps its slice (the
-whole tensor for a replica, its shard under fsdp, its stage's under pp). The extra memory
+whole tensor for a replica, its shard under fsdp or tp, its stage's under pp). The extra memory
 is what one module's calls write. The random-number state starts from rank 0's and ends
 where the calls leave it, so the values, and the random numbers drawn after them, do not
 depend on the plan: a model built on meta trains the same run under every plan as in one
@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfit.errors import MeshfitError
+from meshfit.placements import local_part
 
 if TYPE_CHECKING:
     from meshfit.weight_files import WeightFiles
@@ -431,7 +432,7 @@ def _fill(current: torch.Tensor, value: torch.Tensor) -> None:
     with torch.no_grad():
         current_local = current
         if isinstance(current, DTensor):
-            value = value[_local_window(current)]
+            value = local_part(current, value)  # placements.py
             current_local = current.to_local()
         current_local.copy_(value)
 

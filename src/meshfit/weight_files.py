@@ -22,6 +22,7 @@ from meshfit.materialize import (
     _table,
     _tensors_of,
 )
+from meshfit.placements import local_part
 from meshfit.state_hooks import OwnHooks
 
 
@@ -62,6 +63,10 @@ def _load_through_hooks(model: nn.Module, weights: WeightFiles) -> None:
                 + (", which the model has" if what == "has no" else ", which it lacks")
                 + "; load weights saved from this model (its state_dict names)"
             )
+
+
+def _strided(current: DTensor) -> bool:
+    return any(type(p).__name__ == "_StridedShard" for p in current.placements)
 
 
 class WeightFiles:
@@ -160,7 +165,9 @@ class WeightFiles:
         """Copy this rank's part of tensor `name` into `current` (a DTensor: its local
         shard, read as a slice of the file)."""
         with self._open(self.files[name], framework="pt") as f, torch.no_grad():
-            if isinstance(current, DTensor):
+            if isinstance(current, DTensor) and _strided(current):  # not one window: whole
+                current.to_local().copy_(local_part(current, f.get_tensor(name)))
+            elif isinstance(current, DTensor):
                 current.to_local().copy_(f.get_slice(name)[_local_window(current)])
             else:
                 current.copy_(f.get_tensor(name))

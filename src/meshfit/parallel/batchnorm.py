@@ -78,15 +78,17 @@ def _keras_layers(model: nn.Module) -> list[object]:
     return found
 
 
-def refuse_microbatches(model: nn.Module, microbatches: int) -> None:
-    """Micro-batches are normalised one by one: refuse, naming the fix."""
+def refuse_microbatches(model: nn.Module, microbatches: int, pp: int = 1) -> None:
+    """Micro-batches are normalised one by one: refuse, naming the whole fix (under pp
+    one micro-batch needs the schedule that runs one: GPipe)."""
     layers = batchnorm_layers(model)
     if layers and microbatches > 1:
+        fix = "microbatches=1,schedule='gpipe' in the plan" if pp > 1 else "microbatches=1"
         raise MeshfitError(
             f"layer {layers[0][0]!r} is a {type(layers[0][1]).__name__} and the plan cuts each "
             f"rank's batch into "
             f"{microbatches} micro-batches, which BatchNorm would normalise one by one (not "
-            f"the one-process run); use microbatches=1, or {OPT_OUT}"
+            f"the one-process run); use {fix}, or {OPT_OUT}"
         )
 
 

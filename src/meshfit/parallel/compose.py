@@ -91,12 +91,6 @@ def apply_plan(
 
         graphs_per_rank()
     meta = on_meta(model)
-    if meta and plan.tp > 1:
-        raise MeshfitError(
-            "tensor parallel does not take a model built on meta yet: it checks its split "
-            "on the model's values; build the model on the CPU for tp, or use fsdp / pp, "
-            "which shard a meta model from the start"
-        )
     if is_placed(model):  # the user spread it over this process's devices: keep that
         if mesh is not None:
             raise MeshfitError(
@@ -132,7 +126,7 @@ def apply_plan(
             synchronise_batchnorm,
         )
 
-        refuse_microbatches(model, plan.num_microbatches)
+        refuse_microbatches(model, plan.num_microbatches, plan.pp)
         refuse_unsynchronisable(model, topology.batch_parts)
         model = synchronise_batchnorm(model, topology.batch_groups, device)
     if plan.precision == "fp8":  # before every parallel form, as torchtitan converts
@@ -154,7 +148,8 @@ def apply_plan(
     if plan.tp > 1:
         from meshfit.parallel.tensor import apply_tensor_parallel
 
-        tp_report = apply_tensor_parallel(model, topology.tp_mesh, tp_plan, example_inputs)
+        traced = map_tensors(example_inputs, lambda t: t.to(device))  # beside the model
+        tp_report = apply_tensor_parallel(model, topology.tp_mesh, tp_plan, traced, init=init)
     if plan.checkpointing != "none":
         from meshfit.parallel.recompute import apply_recomputation
 

@@ -34,7 +34,8 @@ Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
 The package by job: trace.py (the labelled forward), derive.py (the plan from it),
 split.py (styles and projection layers), check.py (sizes before, outputs and gradients
 after), styles.py (the ParallelStyles torch lacks), apply.py (all of it in order),
-report.py (what was split), state.py (checkpoint re-layout).
+report.py (what was split), state.py (checkpoint re-layout), meta.py (a model on meta:
+derived and checked on a one-block CPU twin).
 """
 
 from meshfit.parallel.tensor.apply import apply_tensor_parallel, gathered_heads

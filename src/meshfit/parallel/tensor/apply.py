@@ -5,6 +5,7 @@ replicated parts identical on the tp ranks, check the split, and return what was
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,33 +46,90 @@ def apply_tensor_parallel(
     mesh: DeviceMesh,
     tp_plan: TPPlan | None = None,
     example_inputs: Any = None,
+    init: Any = None,
 ) -> TPReport | None:
     """Shard `model`'s projections over `mesh` (a 1-D tp mesh), in place, and make the
     replicated parameters identical on every tp rank. A derived plan is checked on the
     traced input: the split model must give tp rank 0's one-process output, or it is
-    refused. Returns what a derived plan split (None for the user's own tp_plan)."""
-    tp = mesh.size()
-    derivation = None
-    if tp_plan is None:
-        derivation = _derive(model, example_inputs)
-        plan: dict[str, Any] = dict(derivation.plan)
-        check_tp_plan(model, {n: v for n, v in plan.items() if n not in derivation.weights}, tp)
-        _check_weight_sizes(model, derivation, tp)
-        _check_local_sizes(derivation, tp)
-    else:
+    refused. Returns what a derived plan split (None for the user's own tp_plan). A
+    model on meta is split as it is, on what a copy of it with one block of each kind
+    chose and was checked with (meta.py; `init` as for materialize.py)."""
+    if any(p.is_meta for p in model.parameters()):
+        from meshfit.parallel.tensor.meta import apply_on_meta
+
+        return apply_on_meta(model, mesh, tp_plan, example_inputs, init)
+    return split_and_check(model, mesh, tp_plan, example_inputs).report
+
+
+@dataclass
+class Chosen:
+    """What tensor parallel chose for a model: the plan, the derivation it came from
+    (None for the user's own tp_plan), the LM heads split over their outputs and the
+    report of it all."""
+
+    plan: dict[str, Any]
+    derivation: _Derivation | None
+    heads: dict[str, int]
+    report: TPReport | None = None
+
+
+def split_and_check(
+    model: nn.Module, mesh: DeviceMesh, tp_plan: TPPlan | None, example_inputs: Any
+) -> Chosen:
+    """apply_tensor_parallel on a model with values: derive (or take) the plan, split,
+    and check the split on the traced input."""
+    chosen = _choose(model, mesh.size(), tp_plan, example_inputs)
+    derivation = chosen.derivation
+    styles = split_styles(model, chosen)
+    reference, scale, gradients = None, True, {}
+    if derivation is not None and derivation.inputs is not None:
+        reference = _outputs(model, derivation.inputs, _column_weights(model, derivation.plan))
+        if not all(bool(t.isfinite().all()) for t in reference):  # fp16 overflow: unscaled
+            scale = False
+            reference = _outputs(model, derivation.inputs)
+        gradients = _gradients(model, derivation.inputs, _checked_gradients(model, derivation))
+    split(model, mesh, styles, derivation)
+    if derivation is not None:
+        if reference is not None:
+            # the split model's own parameters (sharding replaced the objects)
+            scaled = _column_weights(model, derivation.plan) if scale else []
+            _settle_local_sizes(model, mesh, derivation, reference, scaled)
+            _check_gradients(model, mesh, derivation, gradients)
+        chosen.report = TPReport(
+            tp_share(model, derivation.plan), chosen.heads, dict(derivation.whole)
+        )
+    return chosen
+
+
+def _choose(model: nn.Module, tp: int, tp_plan: TPPlan | None, example_inputs: Any) -> Chosen:
+    """The plan for `model` (derived and its sizes checked, or the user's), and the LM
+    heads a derived plan splits."""
+    if tp_plan is not None:
         plan = {name: style for name, style in tp_plan.items()}
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
+        return Chosen(plan, None, {})
+    derivation = _derive(model, example_inputs)
+    plan = dict(derivation.plan)
+    check_tp_plan(model, {n: v for n, v in plan.items() if n not in derivation.weights}, tp)
+    _check_weight_sizes(model, derivation, tp)
+    _check_local_sizes(derivation, tp)
+    heads: dict[str, int] = {}
+    inputs = derivation.inputs if derivation.inputs is not None else example_inputs
+    if inputs is not None and type(model) is not nn.Sequential:  # one with blocks
+        heads, kept = gathered_heads(model, inputs, tp)
+        derivation.whole.update(kept)
+    return Chosen(plan, derivation, heads)
+
+
+def split_styles(model: nn.Module, chosen: Chosen) -> dict[str, ParallelStyle]:
+    """{module name: the ParallelStyle that splits it} for what `chosen` says."""
+    derivation = chosen.derivation
     modules = dict(model.named_modules())
     styles: dict[str, ParallelStyle] = {}
-    heads: dict[str, int] = {}
     if derivation is not None:
         styles.update(_weight_styles(derivation))
-        inputs = derivation.inputs if derivation.inputs is not None else example_inputs
-        if inputs is not None and type(model) is not nn.Sequential:  # one with blocks
-            heads, kept = gathered_heads(model, inputs, tp)
-            derivation.whole.update(kept)
-            styles.update({name: ColwiseParallel(output_layouts=Replicate()) for name in heads})
-    for name, style in plan.items():
+        styles.update({name: ColwiseParallel(output_layouts=Replicate()) for name in chosen.heads})
+    for name, style in chosen.plan.items():
         if derivation is not None and name in derivation.weights:
             continue  # split with the module holding it (_weight_styles)
         if isinstance(style, ParallelStyle):
@@ -87,26 +145,25 @@ def apply_tensor_parallel(
                 f"tp_plan[{name!r}] = {style!r}: use 'colwise', 'rowwise' or a "
                 f"torch.distributed.tensor.parallel ParallelStyle"
             )
-    reference, scale, gradients = None, True, {}
-    if derivation is not None and derivation.inputs is not None:
-        reference = _outputs(model, derivation.inputs, _column_weights(model, derivation.plan))
-        if not all(bool(t.isfinite().all()) for t in reference):  # fp16 overflow: unscaled
-            scale = False
-            reference = _outputs(model, derivation.inputs)
-        gradients = _gradients(model, derivation.inputs, _checked_gradients(model, derivation))
+    return styles
+
+
+def split(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    styles: dict[str, ParallelStyle],
+    derivation: _Derivation | None,
+) -> None:
+    """Split `model` by `styles`; the replicated parts made identical on the tp ranks
+    (a model on meta has no values yet: materialize.py gives every rank the same), the
+    random-number state shared, the partial gradients of `derivation.summed` summed."""
     # DTensor shards each weight from tp rank 0's copy (src_data_rank=0).
     parallelize_module(model, mesh, styles)
-    _broadcast_replicated(model, mesh)
+    if not any(p.is_meta for p in model.parameters()):
+        _broadcast_replicated(model, mesh)
     _share_random_state(mesh)
     if derivation is not None:
         _sum_gradients_over_tp(model, mesh, derivation.summed)
-        if reference is not None:
-            # the split model's own parameters (sharding replaced the objects)
-            scaled = _column_weights(model, derivation.plan) if scale else []
-            _settle_local_sizes(model, mesh, derivation, reference, scaled)
-            _check_gradients(model, mesh, derivation, gradients)
-        return TPReport(tp_share(model, derivation.plan), heads, dict(derivation.whole))
-    return None
 
 
 def gathered_heads(

@@ -311,7 +311,11 @@ def _stored_sizes(modules: dict[str, nn.Module], plan: dict[str, str]) -> dict[s
             value = getattr(module, attr, None)
             if type(value) is not int or attr.endswith(("head_dim", "head_size")):
                 continue
-            if attr in HEAD_ATTRS or attr in KV_HEAD_ATTRS or value in widths:
+            # a head count under any name (diffusers' `heads`), or a split width; a
+            # wrong guess is caught: _settle_local_sizes keeps only what reproduces the
+            # unsplit output
+            head_count = "head" in attr.lower() and value > 1
+            if attr in HEAD_ATTRS or attr in KV_HEAD_ATTRS or head_count or value in widths:
                 attrs[attr] = value
         if attrs:
             found[owner] = attrs

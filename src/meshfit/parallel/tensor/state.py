@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshfit.placements import full_tensor, local_part
 from meshfit.topology import TENSOR_PARALLEL
 
 
@@ -37,7 +38,9 @@ def strided_as_replicated(tree: Any, pairs: list | None = None) -> Any:
     collects (original, copy) for `copy_back_strided` after a load."""
 
     if _is_strided(tree):
-        copy = tree.redistribute(placements=[Replicate()] * len(tree.placements))
+        full = full_tensor(tree)  # placements.py: right under FSDP2 too
+        replicated = [Replicate()] * len(tree.placements)
+        copy = DTensor.from_local(full, tree.device_mesh, replicated, run_check=False)
         if pairs is not None:
             pairs.append((tree, copy))
         return copy
@@ -51,9 +54,5 @@ def strided_as_replicated(tree: Any, pairs: list | None = None) -> Any:
 @torch.no_grad()
 def copy_back_strided(pairs: list) -> None:
     """Copy the loaded replicated values into the strided DTensors they stand for."""
-    from torch.distributed.tensor import distribute_tensor
-
-    for original, copy in pairs:
-        full = copy.to_local()
-        local = distribute_tensor(full, original.device_mesh, original.placements).to_local()
-        original.to_local().copy_(local)
+    for original, copy in pairs:  # every rank read the full value: no communication
+        original.to_local().copy_(local_part(original, copy.to_local()))
