@@ -9,6 +9,7 @@ with `weights=`: the model on meta, loading a safetensors file of it.
 
     python benchmarks/meta_memory.py            # GPT of 25M parameters
     python benchmarks/meta_memory.py --quick    # a tiny one (the test suite's smoke test)
+    python benchmarks/meta_memory.py --plans "tp=2;fsdp=2,tp=2"   # some plans only
 
 Prints a Markdown table and writes benchmarks/results/meta-memory-cpu.json.
 """
@@ -60,8 +61,11 @@ def build_peak(config: GPTConfig, plan: str, how: str, weights: str | None) -> d
         p.to_local().numel() if hasattr(p, "to_local") else p.numel()
         for p in engine.parallel_model.parameters()
     )
+    mine = {"peak": peak.total, "kept_params": kept}
+    if not torch.distributed.is_initialized():  # one process
+        return {"plan": plan, "how": how, "ranks": [mine]}
     values = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(values, {"peak": peak.total, "kept_params": kept})
+    torch.distributed.all_gather_object(values, mine)
     return {"plan": plan, "how": how, "ranks": values}
 
 
@@ -75,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT: a smoke test")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plans", default=None, help="';'-separated plans (default: all)")
     args = parser.parse_args()
     config = TINY if args.quick else CONFIG
     torch.manual_seed(0)
@@ -87,7 +92,8 @@ def main() -> None:
 
         weights = os.path.join(tmp, "model.safetensors")
         save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, weights)
-        for plan in QUICK_PLANS if args.quick else PLANS:
+        chosen = args.plans.split(";") if args.plans else QUICK_PLANS if args.quick else PLANS
+        for plan in chosen:
             for how in ("cpu", "meta", "meta+weights"):
                 start = time.perf_counter()
                 nproc = _processes(plan)
@@ -105,7 +111,7 @@ def main() -> None:
         targets = []
         for r in row["ranks"]:
             kept = r["kept_params"] * 4  # fp32
-            buckets = kept if row["plan"].startswith("dp") else 0
+            buckets = kept if row["plan"].startswith("dp") and len(row["ranks"]) > 1 else 0
             targets.append(1.1 * (kept + largest) + buckets)
         peaks = " / ".join(f"{r['peak'] / 2**20:.1f}" for r in row["ranks"])
         target = " / ".join(f"{t / 2**20:.1f}" for t in targets)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from helpers import assert_same_run, tolerance
-from workers import lm_run, many_lm_runs, sft_batch
+from workers import build_lm, lm_loss, lm_run, many_lm_runs, optimizer_factory, sft_batch
 
 import meshfit as mf
 
@@ -110,7 +110,7 @@ def test_gradient_accumulation_weighs_every_token_alike() -> None:
 
 
 @pytest.mark.slow
-def test_language_models_match_one_process_under_dp_x_pp() -> None:
+def test_language_models_match_one_process_under_dp_x_pp(tmp_path) -> None:
     specs = [{"model": m, "plan": "dp=2,pp=2"} for m in MODELS if m != "t5"]
     # the tied embedding on sharded stages, and over four stages (the first and the
     # last rank of the pipeline get a group of their own)
@@ -118,10 +118,22 @@ def test_language_models_match_one_process_under_dp_x_pp() -> None:
     # the fused q|k|v split per chunk on tp, replicated by DDP, and sharded again by
     # FSDP2 on the same dimension (c_attn.bias: DTensor's own full_tensor scrambled it,
     # placements.py)
-    specs += [{"model": "gpt2", "plan": "dp=2,tp=2"}, {"model": "gpt2", "plan": "fsdp=2,tp=2"}]
+    saved = str(tmp_path / "ck")  # and its checkpoint loads into one process exactly
+    specs += [
+        {"model": "gpt2", "plan": "dp=2,tp=2"},
+        {"model": "gpt2", "plan": "fsdp=2,tp=2", "save": saved},
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _check(specs, mf.launch(many_lm_runs, nproc=4, args=(specs,)))
+        results = mf.launch(many_lm_runs, nproc=4, args=(specs,))
+    sgd = optimizer_factory("sgd")
+    engine = mf.parallelize(build_lm("gpt2"), None, loss_fn=lm_loss("gpt2"), optimizer=sgd)
+    engine.load(saved)
+    loaded = engine.full_state_dict()
+    for name, value in results[-1]["state"].items():
+        assert torch.equal(loaded[name], value), name
+    specs[-1].pop("save")  # the one-process reference saves nothing
+    _check(specs, results)
 
 
 def test_per_head_norms_under_tp_train_the_one_process_run() -> None:

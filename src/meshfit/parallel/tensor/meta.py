@@ -20,6 +20,7 @@ keeps elsewhere) is refused in one line.
 from __future__ import annotations
 
 import copy
+import gc
 from collections import OrderedDict
 from typing import Any
 
@@ -76,7 +77,10 @@ def apply_on_meta(
         summed=[full for name in derivation.summed for full in _renamed(name, kinds)],
     )
     chosen = Chosen(mapped.plan, mapped, dict(checked.heads))  # heads: outside the blocks
+    # freed now, not at the next collection: the split left reference cycles in it (its
+    # modules' forwards rebound), and the model's own parts are materialized next
     del twin, twin_modules, checked
+    gc.collect()
     split(model, mesh, split_styles(model, chosen), mapped)
     return TPReport(tp_share(model, mapped.plan), chosen.heads, dict(mapped.whole))
 
