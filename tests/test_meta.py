@@ -291,6 +291,7 @@ def test_meta_models_match_one_process_under_2d_plans(tmp_path) -> None:
         # tp on meta with FSDP2 over it (GPT-2's fused bias: both split dimension 0,
         # placements.py), with replicas, and cut into stages
         {"model": "gpt2", "plan": "fsdp=2,tp=2"},
+        {"model": "llama", "plan": "fsdp=2,tp=2"},  # FSDP2's own strided layout over tp's
         {"model": "llama", "plan": "dp=2,tp=2"},
         {"model": "llama", "plan": "pp=2,tp=2"},
     ]

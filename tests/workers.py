@@ -723,6 +723,8 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
         )
     elif kind == "llama":
         model = hf_llama()
+    elif kind == "llama_mqa":  # multi-query attention: one key/value head for all
+        model = hf_llama(num_key_value_heads=1)
     elif kind in ("gpt2", "gpt2_4"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -777,7 +779,7 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             max_position_embeddings=LM_LEN,
         )
         model = Olmo2ForCausalLM(config)
-    elif kind in ("qwen3", "qwen3_moe"):  # per-head q_norm / k_norm shared by all heads
+    elif kind in ("qwen3", "qwen3_moe", "qwen3_mqa"):  # per-head q_norm / k_norm
         from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         fields = dict(
@@ -786,11 +788,11 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             intermediate_size=32,
             num_hidden_layers=2,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            num_key_value_heads=1 if kind == "qwen3_mqa" else 2,
             head_dim=4,
             max_position_embeddings=LM_LEN,
         )
-        if kind == "qwen3":
+        if kind in ("qwen3", "qwen3_mqa"):
             model = Qwen3ForCausalLM(Qwen3Config(**fields))
         else:
             config = Qwen3MoeConfig(
@@ -837,7 +839,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
         targets = torch.full_like(labels, -100)
         targets[:, :-1] = labels[:, 1:]
         return ids, targets
-    if kind in ("llama", "qwen3", "qwen3_moe"):
+    if kind in ("llama", "qwen3", "qwen3_moe", "llama_mqa", "qwen3_mqa"):
         return {"input_ids": ids, "attention_mask": mask}, labels
     if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):  # labels travel in the batch
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -853,7 +855,8 @@ def lm_loss(kind: str, mean: bool = False):
     `mean=True`: a per-micro-batch mean instead (the negative control)."""
     if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):
         return "model"
-    loss = mf.losses.cross_entropy(shift=kind in ("llama", "qwen3", "qwen3_moe"))
+    shifted = ("llama", "qwen3", "qwen3_moe", "llama_mqa", "qwen3_mqa")
+    loss = mf.losses.cross_entropy(shift=kind in shifted)
     if not mean:
         return loss
 

@@ -15,9 +15,9 @@ from meshfit.topology import Topology
 from meshfit.trees import map_tensors, tensors_in
 
 
-def check_batch_divides(batch_size: int, dp_size: int, microbatches: int) -> None:
+def check_batch_divides(batch_size: int, topology: Topology, microbatches: int) -> None:
     """Refuse a global batch that does not split evenly over ranks and micro-batches."""
-    unit = dp_size * microbatches
+    unit, dp_size = topology.parts(microbatches), topology.dp_size
     if batch_size < 1 or batch_size % unit:
         lower = (batch_size // unit) * unit
         options = [str(n) for n in (lower, lower + unit) if n > 0]
@@ -94,9 +94,21 @@ def local_share(
             f"inputs hold {size} samples but targets hold {target_size}; "
             f"give one target per input sample"
         )
-    check_batch_divides(size, topology.dp_size, microbatches)
+    check_batch_divides(size, topology, microbatches)
+    return _share(inputs, topology, size), _share(targets, topology, size)
+
+
+def local_inputs(inputs: Any, topology: Topology, microbatches: int) -> Any:
+    """This rank's contiguous share of a global batch of inputs alone (prediction),
+    after checking it divides over the data-parallel ranks and `microbatches`."""
+    size = batch_size(inputs, "inputs")
+    check_batch_divides(size, topology, microbatches)
+    return _share(inputs, topology, size)
+
+
+def _share(tree: Any, topology: Topology, size: int) -> Any:
     if topology.dp_size == 1:
-        return inputs, targets
-    share = size // topology.dp_size
+        return tree
+    share = topology.local_batch(size)
     start = topology.dp_rank * share
-    return slice_batch(inputs, start, start + share), slice_batch(targets, start, start + share)
+    return slice_batch(tree, start, start + share)

@@ -426,8 +426,7 @@ def load_checkpoint(state: TrainingState, path: str) -> dict[str, Any]:
     options = _state_dict_options(meta.get("optimizer_layout", "nested"))
     with state.own_hooks.set_aside():  # the modules' own names (state_hooks.py)
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
-        loaded = {"model": model_sd, "optim": optim_sd}
-        _read_dcp(checkpoint, loaded, strided=state.plan.tp > 1)
+        loaded = _read_dcp(checkpoint, {"model": model_sd, "optim": optim_sd}, state.plan.tp > 1)
         set_state_dict(
             state.model,
             state.optimizer,
@@ -515,13 +514,15 @@ def gather_full_state(
     return own_hooks.run_saving_hooks(whole) if own_hooks.saving else whole
 
 
-def _read_dcp(checkpoint: str, state: dict[str, Any], strided: bool) -> None:
-    """Fill `state` (a dict of state dicts, in place) from `checkpoint`'s DCP files, each
-    rank reading only the pieces of the tensors it holds, whatever plan saved them.
-    DCP's metadata goes through the allow-list first: a file that would run code is
-    refused with a plain message rather than deep inside dcp.load. `strided`: tensor
-    parallel split fused projections chunk by chunk, which are saved whole, so they are
-    read whole and each rank keeps its chunks (parallel/tensor/state.py)."""
+def _read_dcp(checkpoint: str, state: dict[str, Any], strided: bool) -> dict[str, Any]:
+    """`state` (a dict of state dicts) read from `checkpoint`'s DCP files, each rank
+    reading only the pieces of the tensors it holds, whatever plan saved them; returned
+    as DCP filled it: tensors in place, values that are not (an optimizer's step count,
+    its param groups' settings) in the returned tree only. DCP's metadata goes through
+    the allow-list first: a file that would run code is refused with a plain message
+    rather than deep inside dcp.load. `strided`: tensor parallel split fused projections
+    chunk by chunk, which are saved whole, so they are read whole and each rank keeps its
+    chunks (parallel/tensor/state.py)."""
     import torch.distributed.checkpoint as dcp
 
     from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
@@ -543,7 +544,8 @@ def _read_dcp(checkpoint: str, state: dict[str, Any], strided: bool) -> None:
     if pairs:
         from meshfit.parallel.tensor import copy_back_strided
 
-        copy_back_strided(pairs)
+        return copy_back_strided(target, pairs)
+    return target
 
 
 def holds_checkpoint(path: str) -> bool:
@@ -571,6 +573,6 @@ def load_model_weights(
             f"weights of this model (a checkpoint it saved, or its safetensors)"
         )
     model_sd = get_model_state_dict(model)
-    _read_dcp(checkpoint, {"model": model_sd}, strided)
-    set_model_state_dict(model, model_sd)
+    loaded = _read_dcp(checkpoint, {"model": model_sd}, strided)
+    set_model_state_dict(model, loaded["model"])
     return checkpoint

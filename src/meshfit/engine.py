@@ -272,8 +272,7 @@ class Engine:
         """The parts of this run a checkpoint saves and restores."""
         return TrainingState(
             self.parallel_model, self.optimizer, self.scaler, self.lr_scheduler, self.runner,
-            self.fingerprint, self.plan, self.step_count, self.rank, self.world_size,
-            self.own_hooks,
+            self.fingerprint, self.plan, self.step_count, self.rank, self.world_size, self.own_hooks,
         )  # fmt: skip
 
     def memory_report(self) -> dict[str, int | None]:
@@ -293,9 +292,8 @@ class Engine:
         rank: tensor-parallel shards are gathered and pipeline stages merged. For
         exporting or comparing weights (it holds the whole model in CPU memory)."""
         with watchdog.phase("gather", f"gathering the full state after step {self.step_count}"):
-            return gather_full_state(
-                self.parallel_model, self.mesh is not None, self.runner, self.own_hooks
-            )
+            model, runner = self.parallel_model, self.runner
+            return gather_full_state(model, self.mesh is not None, runner, self.own_hooks)
 
 
 def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim.Optimizer:

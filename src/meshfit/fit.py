@@ -190,7 +190,7 @@ def _build_engine(
     profile = job.auto.result.profile if job.auto is not None else None  # profiled once
     mfu_of = mfu_meter(model, job.topology, examples, options.loss_fn, profile)  # before any split
     engine = job.engine(model)
-    check_batch_divides(batch_size, engine.dp_size, engine.plan.num_microbatches)
+    check_batch_divides(batch_size, engine.topology, engine.plan.num_microbatches)
     return engine, job.auto, mfu_of
 
 

@@ -66,7 +66,7 @@ def predict(
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise MeshfitError(f"batch_size must be a whole number >= 1, not {batch_size!r}")
     engine = _engine_for(model, inputs, checkpoint, plan, batch_size, collate, parallelize_options)
-    unit = engine.dp_size * engine.runner.eval_microbatches
+    unit = engine.topology.parts(engine.runner.eval_microbatches)
     parts = []
     for batch in _batches(inputs, batch_size, collate):
         size = tensors_in(batch)[0].shape[0]

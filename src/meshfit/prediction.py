@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from meshfit.batches import local_inputs, to_device
 from meshfit.errors import MeshfitError
-from meshfit.trees import map_tensors, tensors_in
+from meshfit.trees import tensors_in
 
 if TYPE_CHECKING:
     from meshfit.engine import Engine
@@ -31,16 +32,13 @@ def predict_global_batch(engine: Engine, inputs: Any) -> Any:
         raise MeshfitError("predict needs the model's inputs: a tensor, or a mapping of tensors")
     size = found[0].shape[0]
     micro = engine.runner.eval_microbatches
-    if size % (engine.dp_size * micro):
+    unit = engine.topology.parts(micro)
+    if size % unit:
         raise MeshfitError(
             f"predict's batch of {size} does not split over {engine.dp_size} data-parallel "
-            f"rank(s) x {micro} micro-batch(es); give a multiple of {engine.dp_size * micro}"
+            f"rank(s) x {micro} micro-batch(es); give a multiple of {unit}"
         )
-    share = size // engine.dp_size
-    local = map_tensors(
-        inputs,
-        lambda t: t[engine.dp_rank * share : (engine.dp_rank + 1) * share].to(engine.device),
-    )
+    local = to_device(local_inputs(inputs, engine.topology, micro), engine.device)
     model = engine.parallel_model
     was_training = model.training
     model.eval()

@@ -96,7 +96,15 @@ class Topology:
     def batch_parts(self) -> int:
         """How many parts a step's global batch is cut into: one per data-parallel rank
         (dp x fsdp), each cut again into the plan's micro-batches."""
-        return self.dp_size * self.plan.num_microbatches
+        return self.parts(self.plan.num_microbatches)
+
+    def parts(self, microbatches: int) -> int:
+        """How many parts a global batch is cut into with `microbatches` per rank."""
+        return self.dp_size * microbatches
+
+    def local_batch(self, global_batch: int) -> int:
+        """This rank's samples of a `global_batch`-sample step (before micro-batches)."""
+        return global_batch // self.dp_size
 
     def microbatch_size(self, global_batch: int) -> int:
         """Samples in one micro-batch of a `global_batch`-sample step (at least 1)."""

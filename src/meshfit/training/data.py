@@ -60,7 +60,7 @@ def train_loader(
         )
         return DataLoader(
             share,
-            batch_size=config.batch_size // engine.dp_size,
+            batch_size=engine.topology.local_batch(config.batch_size),
             collate_fn=reading.collate_fn,
             pin_memory=engine.device.type == "cuda",
         )

@@ -56,7 +56,7 @@ def evaluation_loss(
             data, batch_size, dp_size=engine.dp_size, dp_rank=engine.dp_rank, stop_step=limit
         )
         loader = DataLoader(
-            share, batch_size=batch_size // engine.dp_size, collate_fn=reading.collate_fn
+            share, batch_size=engine.topology.local_batch(batch_size), collate_fn=reading.collate_fn
         )
     else:
         sampler = GlobalBatchSampler(

@@ -82,7 +82,7 @@ def announce_run(
     """Print the run's opening lines: plan, workers, model size, batch split, length."""
     params = engine.num_parameters
     where = f"{engine.world_size} {'GPU' if engine.device.type == 'cuda' else 'CPU'} worker(s)"
-    per_rank = batch_size // engine.dp_size
+    per_rank = engine.topology.local_batch(batch_size)
     micro = engine.plan.num_microbatches
     split = f"{engine.dp_size} rank(s) x {per_rank}"
     if micro > 1:

@@ -36,7 +36,7 @@ from meshfit.parallel.tensor.check import (
 from meshfit.parallel.tensor.derive import _Derivation, _derive
 from meshfit.parallel.tensor.report import TPReport, tp_share
 from meshfit.parallel.tensor.split import STYLES, Split, TPPlan
-from meshfit.parallel.tensor.styles import _LocalShard, _summing, _WeightShard
+from meshfit.parallel.tensor.styles import _LocalShard, _summing, _summing_inputs, _WeightShard
 from meshfit.parallel.tensor.trace import _block_units
 from meshfit.trees import call_model
 
@@ -108,7 +108,7 @@ def _choose(model: nn.Module, tp: int, tp_plan: TPPlan | None, example_inputs: A
         plan = {name: style for name, style in tp_plan.items()}
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
         return Chosen(plan, None, {})
-    derivation = _derive(model, example_inputs)
+    derivation = _derive(model, example_inputs, tp)
     plan = dict(derivation.plan)
     check_tp_plan(model, {n: v for n, v in plan.items() if n not in derivation.weights}, tp)
     _check_weight_sizes(model, derivation, tp)
@@ -164,6 +164,12 @@ def split(
     _share_random_state(mesh)
     if derivation is not None:
         _sum_gradients_over_tp(model, mesh, derivation.summed)
+        modules = dict(model.named_modules())
+        group = mesh.get_group()
+        rebind_forwards(
+            [modules[n] for n in derivation.summed_inputs],
+            lambda inner: _summing_inputs(inner, group),
+        )
 
 
 def gathered_heads(

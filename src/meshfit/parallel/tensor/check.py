@@ -66,6 +66,7 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
             )
     config = getattr(model, "config", None)
     attention = {}  # in plan order, so the first offender is named
+    columns: dict[str, int] = {}
     for n, s in plan.items():
         if s is None or not s.column or "." not in n:
             continue
@@ -73,11 +74,14 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
         # a q/k/v name may keep its head count on the config; any other owner counts
         # only with a head count of its own (an MLP has none)
         attention.setdefault(owner, leaf in QKV_NAMES)
+        columns[owner] = columns.get(owner, 0) + 1
     for name, use_config in attention.items():
         owner = modules.get(name)
         if owner is None:
             continue
-        for attrs in (HEAD_ATTRS, KV_HEAD_ATTRS):
+        # q split alone: k and v stay whole on every rank (one key/value head, derive.py)
+        counts = (HEAD_ATTRS, KV_HEAD_ATTRS) if columns[name] > 1 else (HEAD_ATTRS,)
+        for attrs in counts:
             heads = _first_attr(owner, attrs)
             if heads is None and use_config:
                 heads = _first_attr(config, attrs)

@@ -58,11 +58,15 @@ class _Derivation:
     # replicated parameters inside the blocks that act on column-parallel values (Qwen3's
     # per-head q_norm): each rank's gradient is its heads' part, summed over the tp ranks
     summed: list[str] = field(default_factory=list)
+    # whole layers each rank runs for its own heads (multi-query attention's k and v):
+    # their input's gradient is each rank's part, summed over the tp ranks
+    summed_inputs: list[str] = field(default_factory=list)
 
 
-def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
+def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None) -> _Derivation:
     """The plan (a Sequential's pairs, else from one traced forward), with what the split
-    model is checked against."""
+    model is checked against. With `tp` known, a single key/value head is replicated
+    instead of split (_replicate_one_kv_head)."""
     if type(model) is nn.Sequential:
         plan = _sequential_pairs(model, prefix="")
         if plan:
@@ -95,10 +99,19 @@ def _derive(model: nn.Module, example_inputs: Any = None) -> _Derivation:
         if trace is None:
             continue
         whole: dict[str, str] = {}
+        one_head = _one_head_projections(trace, modules, tp) if tp and tp > 1 else []
+        trace.across_width -= set(one_head)  # kept whole: a norm over its width is fine
         block_plan = _classify(trace, whole)
+        replicated = _replicate_one_kv_head(trace, block_plan, modules, one_head, whole)
+        split.summed_inputs += [n for n in one_head if f"{n}.weight" in replicated]
         plan.update(block_plan)
-        split.summed += _partial_gradients(trace, block_plan)
+        split.summed += _partial_gradients(trace, block_plan) + replicated
         local_attrs.update(_stored_sizes(modules, block_plan))
+        if replicated:
+            for owner in {n.rsplit(".", 2)[0] for n in replicated if n.count(".") >= 2}:
+                groups = getattr(modules.get(owner), "num_key_value_groups", None)
+                if type(groups) is int:  # q heads per k/v head: each rank's share of them
+                    local_attrs.setdefault(owner, {})["num_key_value_groups"] = groups
         _note_weights(split, trace, block_plan, whole, prefix=f"{name}.")
     if "rowwise" not in plan.values():
         kept = "".join(f"; {owner} kept whole: {why}" for owner, why in split.whole.items())
@@ -213,6 +226,53 @@ def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[s
         elif state.get(call.name) == "row":
             plan[call.name] = "rowwise"
     return plan
+
+
+def _one_head_projections(trace: _BlockTrace, modules: dict[str, nn.Module], tp: int) -> list[str]:
+    """Multi-query attention (one key/value head shared by every query head: Falcon,
+    Gemma-2B, ...): the block's projections one head wide (`head_dim` of the module
+    holding them) beside a wider one, which `tp` ranks cannot cut into heads."""
+    by_owner: dict[str, list[str]] = {}
+    for call in trace.calls:
+        module = modules.get(call.name)
+        if call.chunks == 1 and module is not None and _is_projection(module):
+            by_owner.setdefault(call.name.rsplit(".", 1)[0], []).append(call.name)
+    found: list[str] = []
+    for owner, names in by_owner.items():
+        head_dim = getattr(modules.get(owner), "head_dim", None)
+        if type(head_dim) is not int or head_dim <= 0:
+            continue
+        widths = {n: _dims(modules[n])[1] for n in names}
+        widest = max(widths.values())
+        if head_dim * tp <= widest:  # q has a head for every rank
+            found += [n for n, w in widths.items() if w == head_dim < widest]
+    return found
+
+
+def _replicate_one_kv_head(
+    trace: _BlockTrace,
+    plan: dict[str, str],
+    modules: dict[str, nn.Module],
+    one_head: list[str],
+    whole: dict[str, str],
+) -> list[str]:
+    """The one key/value head stays whole on every tp rank, as Megatron and
+    transformers keep it, while q and o are split: `one_head`'s projections leave
+    `plan`. Each rank's q heads then read the whole k/v, so the gradients of those
+    projections, and of every parameter on their path (a k_norm), are each rank's part:
+    returned, to be summed over the tp ranks."""
+    kept = [n for n in one_head if n in plan]
+    summed: list[str] = []
+    for name in kept:
+        del plan[name]
+        whole[name] = "one key/value head, on every tp rank"
+        summed += [f"{name}.{p}" for p, _ in modules[name].named_parameters(recurse=False)]
+    summed += [
+        param
+        for param, partners in trace.partners.items()
+        if partners & set(kept) and param.rsplit(".", 1)[0] not in plan and param not in summed
+    ]
+    return summed
 
 
 def _partial_gradients(trace: _BlockTrace, plan: dict[str, str]) -> list[str]:

@@ -52,7 +52,22 @@ def strided_as_replicated(tree: Any, pairs: list | None = None) -> Any:
 
 
 @torch.no_grad()
-def copy_back_strided(pairs: list) -> None:
-    """Copy the loaded replicated values into the strided DTensors they stand for."""
+def copy_back_strided(tree: Any, pairs: list) -> Any:
+    """`tree` (as DCP loaded it) with each replicated copy's values copied into the
+    strided DTensor it stands for, and that DTensor back in its place; every other
+    value as loaded (an optimizer's step count is set in the tree, not in place)."""
+    originals = {}
     for original, copy in pairs:  # every rank read the full value: no communication
         original.to_local().copy_(local_part(original, copy.to_local()))
+        originals[id(copy)] = original
+    return _put_back(tree, originals)
+
+
+def _put_back(tree: Any, originals: dict[int, Any]) -> Any:
+    if isinstance(tree, DTensor) and id(tree) in originals:
+        return originals[id(tree)]
+    if isinstance(tree, dict):
+        return {k: _put_back(v, originals) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_put_back(v, originals) for v in tree]
+    return tree

@@ -41,6 +41,22 @@ def _summing(inner: Any, group: Any) -> Any:
     return forward
 
 
+def _summing_inputs(inner: Any, group: Any) -> Any:
+    """`inner` (a forward of (module, ...)) with its floating-point inputs seen through
+    _CopyToTP: a whole layer each rank runs for its own heads (multi-query attention's
+    k and v) gives each rank a part of its input's gradient, summed over the tp ranks
+    as a column-parallel layer's is."""
+
+    @functools.wraps(inner)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = map_tensors(
+            (args, kwargs), lambda t: _CopyToTP.apply(t, group) if t.is_floating_point() else t
+        )
+        return inner(self, *args, **kwargs)
+
+    return forward
+
+
 class _CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward; the input's gradient summed over the tp ranks
     (each rank's column slice contributes its part)."""
