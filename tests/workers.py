@@ -1464,3 +1464,24 @@ def checkpoint_weights_run(path: str) -> dict:
     except mf.MeshfitError as error:
         out["refused"] = str(error)
     return out
+
+
+def gpt2_tp_resume(plan: str, path: str, load: bool, steps: int) -> list[float]:
+    """GPT-2 (its q|k|v fused, split chunk by chunk under tp) with AdamW and a StepLR:
+    `steps` steps from a fresh start, saved to `path`; or, with `load`, resumed from it
+    for `steps` more. The losses."""
+    model = build_lm("gpt2")
+    engine = mf.parallelize(
+        model,
+        plan,
+        loss_fn=lm_loss("gpt2"),
+        optimizer=optimizer_factory("adamw"),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+    )
+    if load:
+        engine.load(path)
+    start = engine.step_count
+    losses = [float(engine.step(sft_batch("gpt2", 8, start + s))) for s in range(steps)]
+    if not load:
+        engine.save(path)
+    return losses
