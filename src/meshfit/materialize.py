@@ -437,16 +437,6 @@ def _fill(current: torch.Tensor, value: torch.Tensor) -> None:
         current_local.copy_(value)
 
 
-def _local_window(current: torch.Tensor) -> tuple[slice, ...]:
-    """The slices of the full tensor that DTensor `current`'s local shard holds."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(
-        current.shape, current.device_mesh, current.placements
-    )
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-
-
 def _key(slot: Slot) -> tuple[int, str]:
     return id(slot[0]), slot[2]
 

@@ -79,14 +79,11 @@ def local_part(t: DTensor, full: torch.Tensor) -> torch.Tensor:
     offsets for plain shards, torch's own local split for chunk-by-chunk ones."""
     dims = _nested(t)
     if dims is None:
-        if any(_strided(p) for p in t.placements):
+        if chunk_by_chunk(t):
             return distribute_tensor(
                 full, t.device_mesh, t.placements, src_data_rank=None
             ).to_local()
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        return full[local_window(t)]
     tp, shard = dims
     mesh, dim = t.device_mesh, t.placements[tp].dim
     tp_mesh = mesh[TENSOR_PARALLEL]
@@ -94,6 +91,21 @@ def local_part(t: DTensor, full: torch.Tensor) -> torch.Tensor:
     chunks = part.chunk(mesh.size(shard), dim)
     index = mesh.get_local_rank(shard)
     return chunks[index] if index < len(chunks) else part.narrow(dim, 0, 0)
+
+
+def chunk_by_chunk(t: DTensor) -> bool:
+    """Whether a placement of `t` splits it chunk by chunk: its local part is then no
+    one window of the full tensor."""
+    return any(_strided(p) for p in t.placements)
+
+
+def local_window(t: DTensor) -> tuple[slice, ...]:
+    """The slices of the full tensor that `t`'s local shard holds (plain shards only:
+    see chunk_by_chunk)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def _chunk_sizes(length: int, parts: int) -> list[int]:

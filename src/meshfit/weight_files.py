@@ -17,12 +17,11 @@ from meshfit.materialize import (
     Initializer,
     Slot,
     _key,
-    _local_window,
     _persistent,
     _table,
     _tensors_of,
 )
-from meshfit.placements import local_part
+from meshfit.placements import chunk_by_chunk, local_part, local_window
 from meshfit.state_hooks import OwnHooks
 
 
@@ -63,10 +62,6 @@ def _load_through_hooks(model: nn.Module, weights: WeightFiles) -> None:
                 + (", which the model has" if what == "has no" else ", which it lacks")
                 + "; load weights saved from this model (its state_dict names)"
             )
-
-
-def _strided(current: DTensor) -> bool:
-    return any(type(p).__name__ == "_StridedShard" for p in current.placements)
 
 
 class WeightFiles:
@@ -165,9 +160,9 @@ class WeightFiles:
         """Copy this rank's part of tensor `name` into `current` (a DTensor: its local
         shard, read as a slice of the file)."""
         with self._open(self.files[name], framework="pt") as f, torch.no_grad():
-            if isinstance(current, DTensor) and _strided(current):  # not one window: whole
+            if isinstance(current, DTensor) and chunk_by_chunk(current):  # not one window
                 current.to_local().copy_(local_part(current, f.get_tensor(name)))
             elif isinstance(current, DTensor):
-                current.to_local().copy_(f.get_slice(name)[_local_window(current)])
+                current.to_local().copy_(f.get_slice(name)[local_window(current)])
             else:
                 current.copy_(f.get_tensor(name))
