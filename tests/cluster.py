@@ -175,6 +175,11 @@ class Cluster:
         """SIGKILL every process in `host`'s namespace: the host dies, its links stay."""
         self._kill_all(host.ns)
 
+    def cut_link(self, host: Host) -> None:
+        """Take `host`'s bridge port down: its processes live on, but no packet reaches
+        or leaves it (as a failed switch port or a partitioned node)."""
+        _ip("-n", self.bridge_ns, "link", "set", f"p{host.index}", "down")
+
     @staticmethod
     def _kill_all(ns: str) -> None:
         for _ in range(50):

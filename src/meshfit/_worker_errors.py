@@ -61,6 +61,13 @@ def _hook(exc_type, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signatu
         print(f"meshfit: error: {timeout_line}", file=sys.__stderr__, flush=True)
         sys.stdout.flush()
         os._exit(watchdog.EXIT_HANG)
+    from meshfit.elastic import lost_peer_line
+
+    lost = lost_peer_line(exc)
+    if lost is not None:
+        print(f"meshfit: {lost}", file=sys.__stderr__, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # a failure: the agent restarts the workers in the re-formed group
     if issubclass(exc_type, MeshfitError):
         # The real stderr: torch's own excepthook (installed by init_process_group)
         # wraps this one and buffers sys.stderr until we return, which we never do.

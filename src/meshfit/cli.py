@@ -63,6 +63,7 @@ RUN_DEFAULTS = {
 
 
 def _run(args: argparse.Namespace) -> int:
+    from meshfit.elastic import parse_nnodes
     from meshfit.run_command import RunOptions, run
     from meshfit.run_config import read_config, torchrun_passthrough
     from meshfit.scheduler import fill_nodes
@@ -88,10 +89,14 @@ def _run(args: argparse.Namespace) -> int:
         key: getattr(args, key) if getattr(args, key) is not None else config.get(key, default)
         for key, default in RUN_DEFAULTS.items()
     }
+    min_nodes = None
+    if chosen["nnodes"] is not None:  # N, or MIN:MAX for an elastic run
+        min_nodes, chosen["nnodes"] = parse_nnodes(chosen["nnodes"])
     filled = fill_nodes(chosen["nnodes"], chosen["master"], os.environ)
     if filled.line:
         print(filled.line, flush=True)  # on stdout: what the run got from SLURM
     chosen.update(nnodes=filled.nnodes, master=filled.master)
+    chosen["min_nodes"] = min_nodes if min_nodes is not None and min_nodes < filled.nnodes else None
     passthrough = list(config.get("torchrun", []))
     for text in args.torchrun or []:
         passthrough += shlex.split(text)
@@ -302,9 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_options(run)
     run.add_argument(
         "--nnodes",
-        type=int,
         default=None,
-        help="number of nodes (default 1; under srun, the step's SLURM_STEP_NUM_NODES)",
+        metavar="N|MIN:MAX",
+        help="number of nodes (default 1; under srun, the step's SLURM_STEP_NUM_NODES); "
+        "MIN:MAX makes the run elastic: it goes on while MIN nodes remain and grows back "
+        "up to MAX (needs --max-restarts; see 'Elastic runs' in docs/guide.md)",
     )
     run.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     run.add_argument(

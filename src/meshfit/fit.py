@@ -19,6 +19,7 @@ from meshfit.batches import check_batch_divides
 from meshfit.callbacks import Callback as CallbackBase
 from meshfit.callbacks import make_loggers
 from meshfit.data.reading import Reading
+from meshfit.elastic import record_reached
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
 from meshfit.options import EngineOptions, LossFn, engine_options
@@ -165,7 +166,12 @@ def fit(
     step = run.train()
     run.history.append_new(run.log.records)
     run.log.summarize(step - run.start.step)
-    result = History(run.log.records, engine=engine, stopped=run.hooks.stop)
+    result = History(
+        run.log.records,
+        engine=engine,
+        stopped=run.hooks.stop,
+        world_changes=run.start.world_changes,
+    )
     if auto is not None:
         result.planned = auto.as_record()
         result.planned.update(measured_against_plan(auto, run.log.records, batch_size, engine))
@@ -308,6 +314,8 @@ class _Run:
                 fields = hooks.step_fields(step + 1)
                 loss = engine.step_local(inputs, targets)
                 step += 1
+                if self.checkpoint_dir and engine.rank == 0:
+                    record_reached(self.checkpoint_dir, step)  # a resume counts redone steps
                 log.add(step, loss, lr, real_tokens(inputs, targets), fields)
                 at_end = step == self.total_steps
                 logged = step % self.log_every == 0 or at_end
@@ -355,7 +363,7 @@ class _Run:
             hooks.after_flush(log.records)
             save_step(
                 self.engine, self.checkpoint_dir, step, self.config, self.keep_checkpoints,
-                self.history, log,
+                self.history, log, self.start.world_changes,
             )  # fmt: skip
             self.last_save = time.monotonic()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from meshfit import rendezvous, watchdog
 from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV, killed_by_verdict
+from meshfit.elastic import ELASTIC_ENV, ELASTIC_RDZV_CONF
 from meshfit.errors import MeshfitError
 from meshfit.launch import (
     LOOPBACK,
@@ -37,7 +38,8 @@ class RunOptions:
     module: bool = False
     nproc: int | None = None
     devices: str | None = None
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes (MAX of --nnodes MIN:MAX)
+    min_nodes: int | None = None  # MIN of --nnodes MIN:MAX: an elastic run; None: nnodes
     node_rank: int | None = None
     master: str | None = None
     max_restarts: int = 0
@@ -86,7 +88,7 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
             raise MeshfitError(
                 f"--master must be ADDR:PORT (e.g. 10.0.0.1:29500), not {options.master!r}"
             )
-        argv += ["--nnodes", str(options.nnodes)]
+        argv += ["--nnodes", nnodes_arg(options)]
         if options.node_rank is not None:
             if not 0 <= options.node_rank < options.nnodes:
                 raise MeshfitError(
@@ -112,7 +114,11 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
                 "--rdzv-id",
                 rdzv_id,
             ]
-    argv += list(options.torchrun_args)  # checked in run_config: none of the above
+    passed = list(options.torchrun_args)
+    if is_elastic(options):
+        passed, conf = elastic_rdzv_conf(passed)
+        argv += ["--rdzv-conf", conf]
+    argv += passed  # checked in run_config: none of the above
     # Each worker runs meshfit/_boot.py, which runs the target and then exits past the
     # interpreter's teardown (a gloo thread can abort a finished worker there; _boot.py).
     argv.append(BOOT)
@@ -124,6 +130,72 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
 
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
+
+
+def nnodes_arg(options: RunOptions) -> str:
+    """torchrun's --nnodes: N, or MIN:MAX for an elastic run."""
+    if is_elastic(options):
+        return f"{options.min_nodes}:{options.nnodes}"
+    return str(options.nnodes)
+
+
+def is_elastic(options: RunOptions) -> bool:
+    return options.min_nodes is not None and options.min_nodes < options.nnodes
+
+
+def elastic_rdzv_conf(args: list[str]) -> tuple[list[str], str]:
+    """torchrun's arguments without their --rdzv-conf, and that conf with meshfit's
+    elastic defaults (ELASTIC_RDZV_CONF) for the keys it does not set."""
+    rest, given = [], []
+    items = iter(args)
+    for arg in items:
+        name, eq, value = arg.partition("=")
+        if name in ("--rdzv-conf", "--rdzv_conf"):
+            given.append(value if eq else next(items, ""))
+        else:
+            rest.append(arg)
+    conf = dict(ELASTIC_RDZV_CONF)
+    for pair in ",".join(given).split(","):
+        key, _, value = pair.partition("=")
+        if key.strip():
+            conf[key.strip()] = value.strip()
+    return rest, ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+def check_elastic(options: RunOptions) -> None:
+    """Refuse an elastic run that could not re-form its group."""
+    if not is_elastic(options):
+        return
+    if options.node_rank is not None:
+        raise MeshfitError(
+            f"--nnodes {nnodes_arg(options)} (elastic) assigns node ranks as nodes join; "
+            f"drop --node-rank"
+        )
+    if options.master is None:
+        raise MeshfitError(
+            f"--nnodes {nnodes_arg(options)} needs --master ADDR:PORT, the address of the "
+            f"node that hosts the rendezvous (it must stay up: the others re-form around it)"
+        )
+    if options.max_restarts < 1:
+        raise MeshfitError(
+            f"--nnodes {nnodes_arg(options)} (elastic) re-forms the group by restarting the "
+            f"workers after a node is lost: give --max-restarts K, the failures the run may "
+            f"survive (e.g. --max-restarts 3; a node joining costs none)"
+        )
+
+
+def too_few_nodes(options: RunOptions, argv: list[str]) -> str:
+    """Why the rendezvous timed out, and what to do: fewer than MIN nodes were there
+    within join_timeout (at the start, or after a node was lost)."""
+    conf = argv[argv.index("--rdzv-conf") + 1] if "--rdzv-conf" in argv else ""
+    wait = dict(p.partition("=")[::2] for p in conf.split(",") if p).get("join_timeout", "600")
+    least = options.min_nodes if is_elastic(options) else options.nnodes
+    return (
+        f"stopped: fewer than {least} node{'s' if least != 1 else ''} joined the rendezvous "
+        f"at {options.master} within {wait} s (join_timeout), at the start or after a node "
+        f"was lost; the newest checkpoint is kept: start the nodes again (at least {least}) "
+        f"and the run resumes from it"
+    )
 
 
 def is_single_node(options: RunOptions) -> bool:
@@ -140,6 +212,7 @@ def run(options: RunOptions) -> int:
     Returns the exit status (0 when every worker succeeded)."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     if not options.module and not os.path.isfile(options.target):
         raise MeshfitError(f"no script at {options.target!r}; give the path of a Python file")
@@ -147,7 +220,10 @@ def run(options: RunOptions) -> int:
         raise MeshfitError(f"--nnodes must be at least 1, not {options.nnodes}")
     if options.max_restarts < 0:
         raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
+    check_elastic(options)
     setup = plan_workers(options.nproc, options.devices, options.threads)
+    if is_elastic(options):
+        setup.env[ELASTIC_ENV] = nnodes_arg(options)
     setup.env.update(hang_timeout_env(options.hang_timeout))
     if options.plan is not None:
         from meshfit.plan import Plan
@@ -170,7 +246,17 @@ def run(options: RunOptions) -> int:
         else f"{setup.nproc} CPU workers ({setup.threads} thread{'s' if setup.threads != 1 else ''} each)"
     )
     nodes = f" on each of {options.nnodes} nodes" if options.nnodes > 1 else ""
+    if is_elastic(options):
+        nodes = f" on each of {options.min_nodes} to {options.nnodes} nodes"
     print(f"meshfit: starting {where}{nodes}: {options.target}", file=sys.stderr, flush=True)
+    if is_elastic(options):
+        print(
+            f"meshfit: elastic run: when a node is lost (while {options.min_nodes} remain) or "
+            f"one joins, the group re-forms and fit resumes from the newest checkpoint with "
+            f"the plan fitted to the new world (up to {options.max_restarts} lost nodes)",
+            file=sys.stderr,
+            flush=True,
+        )
     ifname_env: dict[str, str] = {}
     if not is_single_node(options) and options.master is not None:
         ifname_env, line = interface_env(options.master)
@@ -188,6 +274,9 @@ def run(options: RunOptions) -> int:
             _quiet_elastic_logs(level),
         ):
             torchrun.run(torchrun.parse_args(argv))
+    except RendezvousTimeoutError:
+        print(f"meshfit: {too_few_nodes(options, argv)}", file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as failed:
         rank, info = failed.get_first_failure()
         code = info.exitcode if info.exitcode and info.exitcode > 0 else 1

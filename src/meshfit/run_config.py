@@ -43,7 +43,7 @@ KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "threads": ((int,), "a whole number"),
     "max_restarts": ((int,), "a whole number"),
     "hang_timeout": ((int, float), "seconds"),
-    "nnodes": ((int,), "a whole number"),
+    "nnodes": ((int, str), 'a whole number, or "MIN:MAX" for an elastic run'),
     "node_rank": ((int,), "a whole number"),
     "master": ((str,), 'text such as "10.0.0.1:29500"'),
     "torchrun": ((list, str), "a list of strings"),

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshfit.elastic import elastic_nodes, fit_plan
 from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
 from meshfit.plan import Plan
 
@@ -56,7 +57,9 @@ class Topology:
         # Checked before the group starts: a rank that refused the plan after joining
         # could exit while a peer still connects, and the peer's "Connection reset"
         # traceback followed the one-line refusal (seen once in the suite).
-        resolved = plan.resolve(env_world_size())
+        resolved = (
+            fit_plan(plan, env_world_size()) if elastic_nodes() else plan.resolve(env_world_size())
+        )
         resolved.validate()  # again: dp is known only now
         device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
         mesh = build_mesh(resolved, device)

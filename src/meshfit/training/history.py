@@ -24,6 +24,9 @@ class History:
     stopped: str | None = None  # why a callback stopped the run early, if one did
     # plan="auto": the plan chosen, its predicted step time and memory, and the measured
     planned: dict[str, Any] | None = None
+    # Each resume into another world size (an elastic run's lost or joined node): the
+    # step resumed from, "world" and "plan" (before, after), "redone" (steps trained again)
+    world_changes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def losses(self) -> list[float]:

@@ -19,6 +19,7 @@ from meshfit.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from meshfit.elastic import world_change
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
 from meshfit.training.history import HistoryFile
@@ -44,6 +45,9 @@ class Start:
     records: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None  # the path resumed from
     changes: list[str] = field(default_factory=list)  # what differs from the checkpoint
+    # Elastic runs: every resume into another world size so far (WorldChange records),
+    # kept in each checkpoint so the last run's History lists them all.
+    world_changes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def resume_run(
@@ -65,7 +69,12 @@ def resume_run(
         if "pipeline_cut" in meta and meta["pipeline_cut"] != cut:  # older checkpoints lack it
             changes.append(f"pipeline cut {cut_text(meta['pipeline_cut'])} -> {cut_text(cut)}")
         restore_rng(meta.get("rank_state"))
-        return Start(step, history.read(step), meta["path"], changes)
+        world_changes = list((meta.get("extra") or {}).get("world_changes", []))
+        change = world_change(meta, engine.plan, engine.world_size, checkpoint_dir)
+        if change is not None:
+            changes.append(change.describe())
+            world_changes.append(change.as_record())
+        return Start(step, history.read(step), meta["path"], changes, world_changes)
     stream = engine.topology.random_stream  # shared by a tensor-parallel group
     torch.manual_seed(config.seed + stream)
     random.seed(config.seed + stream)
@@ -85,6 +94,7 @@ def save_step(
     keep: int,
     history: HistoryFile,
     log: StepLog,
+    world_changes: list[dict[str, Any]] | None = None,
 ) -> None:
     """Append the history, save a checkpoint of `step` (with this rank's RNG state), point
     `latest` at it and keep the newest `keep`. A full or failing disk stops the run on
@@ -100,7 +110,11 @@ def save_step(
         save_checkpoint(
             engine.training_state(),
             os.path.join(root, step_dir_name(step)),
-            extra={"fit": {"step": step, **asdict(config)}, **planned_extra(engine)},
+            extra={
+                "fit": {"step": step, **asdict(config)},
+                **planned_extra(engine),
+                **({"world_changes": world_changes} if world_changes else {}),
+            },
             rank_state=rank_state,
             latest_root=root,
         )
