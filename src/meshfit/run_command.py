@@ -251,9 +251,9 @@ def run(options: RunOptions) -> int:
     print(f"meshfit: starting {where}{nodes}: {options.target}", file=sys.stderr, flush=True)
     if is_elastic(options):
         print(
-            f"meshfit: elastic run: when a node is lost (while {options.min_nodes} remain) or "
-            f"one joins, the group re-forms and fit resumes from the newest checkpoint with "
-            f"the plan fitted to the new world (up to {options.max_restarts} lost nodes)",
+            f"meshfit: elastic run: when a node is lost (while {options.min_nodes} remain; "
+            f"{options.max_restarts} failures at most) or one joins, the group re-forms and "
+            f"fit resumes from the newest checkpoint with the plan fitted to the new world",
             file=sys.stderr,
             flush=True,
         )

@@ -7,6 +7,8 @@ namespace test bed (float64, AdamW, checkpoints every 2 steps, plan from --plan)
 --hold-at T --hold-marker PATH --full-world N: once the group has shrunk below N
     processes, it holds after step T (writing PATH) until the agents restart it for a
     node that joined; so a test can grow it back before the run ends, whatever the speed.
+With ELASTIC_TIMES=1, rank 0 prints "elastic-times: start" when its process starts and
+"elastic-times: step N" after each step (benchmarks/elastic_recovery.py times them).
 Rank 0 of the run that finishes writes --out: losses, final weights, the world size and
 History.world_changes."""
 
@@ -14,10 +16,14 @@ import argparse
 import os
 import time
 
-import torch
-from workers import build, dataset, optimizer_factory
+TIMES = os.environ.get("ELASTIC_TIMES") == "1" and os.environ.get("RANK") == "0"
+if TIMES:
+    print("elastic-times: start", flush=True)
 
-import meshfit as mf
+import torch  # noqa: E402
+from workers import build, dataset, optimizer_factory  # noqa: E402
+
+import meshfit as mf  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--checkpoint-dir", required=True)
@@ -34,6 +40,8 @@ args = parser.parse_args()
 
 
 def pause(step: int, engine: mf.Engine) -> None:
+    if TIMES:
+        print(f"elastic-times: step {step}", flush=True)
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if step == args.stall_at and first and os.environ.get("ELASTIC_STALL") == "1":
         with open(args.stall_marker, "a") as f:

@@ -68,17 +68,25 @@ def resume_run(
         cut = engine.runner.pipeline_cut
         if "pipeline_cut" in meta and meta["pipeline_cut"] != cut:  # older checkpoints lack it
             changes.append(f"pipeline cut {cut_text(meta['pipeline_cut'])} -> {cut_text(cut)}")
-        restore_rng(meta.get("rank_state"))
+        if meta.get("rank_state"):
+            restore_rng(meta["rank_state"])
+        else:  # another world size: rank streams cannot map one to one; seeded anew
+            seed_streams(config.seed + step, engine.topology.random_stream)
         world_changes = list((meta.get("extra") or {}).get("world_changes", []))
         change = world_change(meta, engine.plan, engine.world_size, checkpoint_dir)
         if change is not None:
             changes.append(change.describe())
             world_changes.append(change.as_record())
         return Start(step, history.read(step), meta["path"], changes, world_changes)
-    stream = engine.topology.random_stream  # shared by a tensor-parallel group
-    torch.manual_seed(config.seed + stream)
-    random.seed(config.seed + stream)
+    seed_streams(config.seed, engine.topology.random_stream)
     return Start()
+
+
+def seed_streams(seed: int, stream: int) -> None:
+    """Seed this rank's torch and Python RNGs: `stream` is shared by a tensor-parallel
+    group (Topology.random_stream)."""
+    torch.manual_seed(seed + stream)
+    random.seed(seed + stream)
 
 
 def cut_text(starts: list[int] | None) -> str:
