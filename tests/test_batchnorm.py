@@ -18,6 +18,7 @@ def test_batchnorm_matches_one_process_under_dp_fsdp_and_pp() -> None:
         make_spec("bn_cnn", "fsdp=2"),
         # one micro-batch: GPipe (1F1B needs one per stage at least)
         make_spec("bn_cnn", "pp=2,microbatches=1,schedule=gpipe"),
+        make_spec("bn_cnn", "pp=2"),  # the same, chosen by meshfit (a start-up line says so)
     ]
     # Negative control in the same launch: each rank normalising its own half-batch.
     control = make_spec("bn_cnn", "dp=2", options={"sync_batchnorm": False})
@@ -86,6 +87,26 @@ def test_batchnorm_under_pp_is_refused_with_the_whole_fix_in_one_line() -> None:
     fix = "microbatches=1,schedule='gpipe'"
     assert fix in str(refused.value) and "\n" not in str(refused.value)
     mf.Plan.parse("pp=2," + fix.replace("'", "")).validate()  # the fix as given runs
+
+
+def test_a_pipeline_plan_that_leaves_micro_batches_open_gets_one_for_batchnorm() -> None:
+    """pp=2 as written on a BatchNorm model: one micro-batch under GPipe, with the line
+    that says why; a plan that sets micro-batches or the schedule is the user's (and is
+    refused if it cuts the batch), as is sync_batchnorm=False; no BatchNorm, no change."""
+    from meshfit.options import EngineOptions
+    from meshfit.prepare import one_microbatch_for_batchnorm
+
+    model, loss_fn = build("bn_cnn")
+    options = EngineOptions(loss_fn=loss_fn)
+    plan, note = one_microbatch_for_batchnorm(model, mf.Plan(pp=2), options)
+    assert (plan.microbatches, plan.schedule) == (1, "gpipe")
+    assert "layer '1' is a BatchNorm2d" in note and "\n" not in note
+    for kept in (mf.Plan(pp=2, microbatches=4), mf.Plan(pp=2, schedule="interleaved-1f1b")):
+        assert one_microbatch_for_batchnorm(model, kept, options) == (kept, None)
+    off = EngineOptions(loss_fn=loss_fn, sync_batchnorm=False)
+    assert one_microbatch_for_batchnorm(model, mf.Plan(pp=2), off) == (mf.Plan(pp=2), None)
+    mlp = build("mlp")[0]
+    assert one_microbatch_for_batchnorm(mlp, mf.Plan(pp=2), options) == (mf.Plan(pp=2), None)
 
 
 def engine_batch():

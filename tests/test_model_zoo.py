@@ -35,8 +35,6 @@ REFUSED = {
         ("t5", p): "block 'encoder.block.1' takes positional argument 3"
         for p in ("pp=2", "dp=2,pp=2")
     },
-    # pp's micro-batches, which BatchNorm would normalise one by one
-    **{(f, p): "is a BatchNorm2d" for f in ("resnet", "bn_cnn") for p in ("pp=2", "dp=2,pp=2")},
 }
 
 

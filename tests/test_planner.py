@@ -236,6 +236,14 @@ def test_a_plan_whose_build_would_not_fit_is_marked_and_meta_lifts_it():
     on_meta = estimate(profile, plan, batch_size=8, hardware=hw)
     assert on_meta.build == pytest.approx(built.memory.parameters + 20000 * 4)
     assert on_meta.fits is True
+    # Under tp the split is traced on a twin first: the layers outside the blocks and
+    # one block, whole (parallel/tensor/meta.py), freed before the rank's own part.
+    outside = profile.total_params - profile.block_params
+    twin = (outside + max(b.params for b in profile.blocks)) * 4
+    with_tp = estimate(profile, Plan(dp=1, fsdp=8, tp=2), batch_size=8, hardware=hw)
+    share = max(r.parameters + r.host for r in with_tp.ranks)
+    assert with_tp.build == pytest.approx(max(share, twin) + 20000 * 4)
+    assert twin > share  # this hand profile: the twin's phase is the peak
 
 
 def test_search_picks_the_known_best_on_a_hand_made_cost_table():
@@ -426,3 +434,21 @@ def test_fit_logs_mfu_where_the_peak_is_known(monkeypatch):
                   log_every=1, progress=False)  # fmt: skip
     last = auto.records[-1]
     assert last["mfu"] == pytest.approx(per_sample * last["samples_per_s"] / 1e9, rel=1e-2)
+
+
+def test_the_search_proposes_no_pipeline_stage_without_parameters():
+    """A Sequential MLP's blocks are Linear, Tanh, Linear, Tanh, Linear: 5 blocks, 3 with
+    parameters, and meshfit refuses a stage without any. plan="auto" on 2 processes
+    chose pp=2 under an interleaved schedule (4 stages) and the run stopped (seen in
+    the elastic test); every proposed plan now has at most 3 stages."""
+    from meshfit.plan import VIRTUAL_STAGES
+
+    profile = hand_profile(blocks=5)
+    for i in (1, 3):
+        profile.blocks[i] = dataclasses.replace(profile.blocks[i], params=0)
+    profile.total_params = 3000
+    result = search_profile(profile, 2, batch_size=8, hardware=fast_net_slow_chips())
+    assert result.ranked
+    staged = [e.plan for e in result.ranked if e.plan.pp > 1]
+    assert staged and all(p.pp * VIRTUAL_STAGES[p.schedule] <= 3 for p in staged)
+    assert any("needs 4 blocks with parameters" in d.reason for d in result.dropped)

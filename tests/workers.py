@@ -1391,14 +1391,18 @@ CAPPED_LLAMA = dict(
 )
 
 
-def capped_llama_build(directory: str, plan: str | None, cgroup: str | None, on_meta: bool) -> dict:
+def capped_llama_build(
+    directory: str, plan: str | None, cgroup: str | None, on_meta: bool, steps: int = 0
+) -> dict:
     """A user's fine-tuning start: the 150M-parameter Llama saved in `directory`, built on
     meta (or, the negative control, on the CPU), its weights read with weights= under
     `plan`. With `cgroup`, this process first joins the memory cgroup `<cgroup>-<rank>`
     (made by the test, capped below the model's fp32 size): what it allocates from then
     on counts against the cap; the interpreter, torch and the libraries it loads before
     do not. Returns {parameter: float64 sum of its whole value} for the parameters this
-    rank's stages hold (one tensor gathered at a time), and the cgroup's peak usage."""
+    rank's stages hold (one tensor gathered at a time), and the cgroup's peak usage;
+    with `steps`, the losses of that many SGD steps trained after the load, and the
+    cgroup's peak after them ("train_peak")."""
     import safetensors.torch  # noqa: F401 - code loaded before the cap, not the model's memory
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
@@ -1428,14 +1432,24 @@ def capped_llama_build(directory: str, plan: str | None, cgroup: str | None, on_
         whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
         sums[name] = float(whole.double().sum())
         del whole
-    peak = None
-    if where:
-        with open(os.path.join(where, "memory.max_usage_in_bytes")) as f:
-            peak = int(f.read())
+    peak = _cgroup_peak(where)
+    losses = [engine.step(sft_batch("llama", 8, step)) for step in range(steps)]
     everyone: dict = {}
     for part in _on_every_rank(sums):
         everyone.update(part)
-    return {"sums": everyone, "peak": _on_every_rank(peak)}
+    return {
+        "sums": everyone,
+        "peak": _on_every_rank(peak),
+        "losses": losses,
+        "train_peak": _on_every_rank(_cgroup_peak(where)),
+    }
+
+
+def _cgroup_peak(where: str | None) -> int | None:
+    if not where:
+        return None
+    with open(os.path.join(where, "memory.max_usage_in_bytes")) as f:
+        return int(f.read())
 
 
 def checkpoint_weights_run(path: str) -> dict:

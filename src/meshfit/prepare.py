@@ -174,7 +174,10 @@ def prepare(
     if auto_requested(plan):
         auto = _choose_auto(model, auto_requested(plan), options, examples)
         plan = auto.plan
+    plan, note = one_microbatch_for_batchnorm(model, as_plan(plan), options)
     topology = create_topology(plan)
+    if note:
+        topology.notes.append(note)
     options_fit(options, topology.plan)
     if options.example_inputs is None and examples is not None:
         options = replace(options, example_inputs=forms_example(topology, examples))
@@ -264,11 +267,34 @@ def _choose_auto(
     )
 
 
-def create_topology(plan: Plan | str | None) -> Topology:
+def create_topology(plan: Plan) -> Topology:
     """Check `plan`, start the process group and build the Topology of this job."""
-    plan = as_plan(plan)
     plan.validate()
     return Topology.create(plan)
+
+
+def one_microbatch_for_batchnorm(
+    model: nn.Module, plan: Plan, options: EngineOptions
+) -> tuple[Plan, str | None]:
+    """A pipeline plan that leaves the micro-batches and schedule to meshfit, for a
+    model with BatchNorm: one micro-batch under GPipe, the only pipeline run in which
+    BatchNorm normalises over the whole batch as one process does (and a line saying so).
+    A plan that sets either is kept, and refused later if it cuts the batch."""
+    if plan.pp == 1 or plan.microbatches is not None or plan.schedule != "1f1b":
+        return plan, None
+    if not options.sync_batchnorm:
+        return plan, None
+    from meshfit.parallel.batchnorm import batchnorm_layers
+
+    layers = batchnorm_layers(model)
+    if not layers:
+        return plan, None
+    note = (
+        f"one micro-batch per step under GPipe (microbatches=1,schedule=gpipe): layer "
+        f"{layers[0][0]!r} is a {type(layers[0][1]).__name__}, which normalises over the whole "
+        f"batch, as in one process; the stages take turns rather than overlap"
+    )
+    return replace(plan, microbatches=1, schedule="gpipe"), note
 
 
 def as_plan(plan: Plan | str | None) -> Plan:

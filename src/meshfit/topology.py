@@ -49,6 +49,8 @@ class Topology:
     batch_groups: list[dist.ProcessGroup] = field(default_factory=list)
     dp_size: int = 1  # how many ways the global batch is split: dp x fsdp
     dp_rank: int = 0  # this rank's share of it
+    # Start-up lines on what meshfit chose for this plan (fit prints them)
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def create(cls, plan: Plan) -> Topology:

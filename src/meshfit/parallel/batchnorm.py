@@ -22,8 +22,10 @@ BatchNorm model with more than one micro-batch is refused unless the user opts o
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -140,7 +142,30 @@ def _global_batch_forward(groups: list[dist.ProcessGroup], ranks: int):
     return forward
 
 
+_ALONE = [False]  # local_statistics(): no rank waits for the others
+
+
+@contextlib.contextmanager
+def local_statistics(model: nn.Module) -> Iterator[None]:
+    """Inside: `model`'s synchronised BatchNorm layers use this rank's statistics alone
+    (torch's SyncBatchNorm, on CUDA, its running ones). For a forward that only one
+    rank runs (the pipeline cut counts FLOPs on rank 0 and broadcasts the cut): its
+    peers never join the all-reduce, which waited forever (dp=2,pp=2 on a ResNet)."""
+    synced = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm) and m.training]
+    _ALONE[0] = True
+    for layer in synced:
+        layer.train(False)
+    try:
+        yield
+    finally:
+        _ALONE[0] = False
+        for layer in synced:
+            layer.train(True)
+
+
 def _sum_over(tensor: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    if _ALONE[0]:
+        return tensor
     for group in groups:
         tensor = _SumOver.apply(tensor, group)
     return tensor

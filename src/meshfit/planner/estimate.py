@@ -165,7 +165,7 @@ def estimate_profile(
     ]
     fullest = max(ranks, key=lambda e: e.total)
     result = Estimate(plan=plan, batch_size=batch_size, memory=fullest, ranks=ranks)
-    result.build = build_bytes(profile, ranks)
+    result.build = build_bytes(profile, ranks, plan.tp)
     if hardware is not None:
         result.device_memory = hardware.device_memory
         usable = hardware.device_memory * USABLE_MEMORY
@@ -174,17 +174,28 @@ def estimate_profile(
             result.notes.append(
                 f"the build does not fit: each rank holds the whole model "
                 f"({_gib(result.build)}) before the plan splits it; build it on meta"
+                if not profile.built_on_meta
+                else f"the build does not fit: tensor parallel traces its split on a "
+                f"twin of the model with one block, whole ({_gib(result.build)} with the "
+                f"scratch); a plan with less tp and more fsdp builds in less"
             )
         _add_time(result, profile, plan, layout, mb, hardware, state_bytes, compiled)
     return result
 
 
-def build_bytes(profile: ModelProfile, ranks: list[MemoryEstimate]) -> float:
+def build_bytes(profile: ModelProfile, ranks: list[MemoryEstimate], tp: int = 1) -> float:
     """Peak bytes of one rank while the engine is built. On meta a rank materializes
-    only its part, one parameter at a time beside it (materialize.py); a model built on
-    the device is whole on every rank first."""
+    only its part, one parameter at a time beside it (materialize.py); under tp it first
+    traces the split on a twin of the model with one block, materialized whole and
+    freed before its own part (parallel/tensor/meta.py). A model built on the device is
+    whole on every rank first."""
     if profile.built_on_meta:
         share = max(r.parameters + r.host for r in ranks)
+        if tp > 1 and profile.blocks:
+            twin = (
+                profile.total_params - profile.block_params + max(b.params for b in profile.blocks)
+            )
+            share = max(share, twin * profile.param_bytes)
         return share + profile.largest_param * profile.param_bytes
     return float(profile.total_params * profile.param_bytes)
 

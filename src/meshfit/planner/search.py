@@ -88,6 +88,8 @@ class ModelLimits:
     """What the model itself rules out (from its profile), each with the reason."""
 
     num_blocks: int
+    # blocks with parameters: every pipeline stage needs one (pipeline/costs.py)
+    stage_blocks: int = 1 << 30
     max_tp: int = 1 << 30
     tp_error: str | None = None
     pp_error: str | None = None
@@ -98,6 +100,7 @@ class ModelLimits:
     def of(cls, profile: ModelProfile) -> ModelLimits:
         return cls(
             num_blocks=len(profile.blocks),
+            stage_blocks=sum(1 for b in profile.blocks if b.params > 0),
             max_tp=profile.max_tp,
             tp_error=profile.tp_error,
             pp_error=profile.pp_error,
@@ -128,7 +131,7 @@ def candidate_plans(
                     dropped.append(Dropped(base, reason))
                     continue
                 for plan in _variants(base, offload and not limits.fsdp_error, limits):
-                    why = _refusal_of_variant(plan, batch_size, limits.num_blocks)
+                    why = _refusal_of_variant(plan, batch_size, limits.stage_blocks)
                     if why:
                         dropped.append(Dropped(plan, why))
                     else:
@@ -147,8 +150,11 @@ def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:
         return f"refused: tp={plan.tp} would span nodes ({per_node} devices per node)"
     if plan.pp > 1 and limits.pp_error:
         return f"refused: {limits.pp_error}"
-    if plan.pp > 1 and plan.pp > limits.num_blocks:
-        return f"refused: pp={plan.pp} exceeds the model's {limits.num_blocks} blocks"
+    if plan.pp > 1 and plan.pp > min(limits.num_blocks, limits.stage_blocks):
+        return (
+            f"refused: pp={plan.pp} exceeds the model's "
+            f"{min(limits.num_blocks, limits.stage_blocks)} blocks with parameters"
+        )
     if limits.fsdp_error and plan.uses_fsdp:
         return f"refused: {limits.fsdp_error}"
     return ""
@@ -160,7 +166,10 @@ def why_refused(plan: Plan, limits: ModelLimits, devices_per_node: int = 8) -> s
     reason = _refusal(plan, limits, devices_per_node)
     if reason:
         return reason
-    if limits.batchnorm and plan.num_microbatches > 1:
+    # a pipeline plan that leaves micro-batches and schedule open runs BatchNorm as one
+    # micro-batch under GPipe (prepare.one_microbatch_for_batchnorm)
+    chosen_for_it = plan.pp > 1 and plan.microbatches is None and plan.schedule == "1f1b"
+    if limits.batchnorm and plan.num_microbatches > 1 and not chosen_for_it:
         return "refused: BatchNorm would normalise each micro-batch on its own"
     return None
 
@@ -190,7 +199,7 @@ def _variants(base: Plan, offload: bool, limits: ModelLimits):
                     )
 
 
-def _refusal_of_variant(plan: Plan, batch_size: int, num_blocks: int) -> str:
+def _refusal_of_variant(plan: Plan, batch_size: int, stage_blocks: int) -> str:
     from meshfit.plan import VIRTUAL_STAGES
 
     unit = plan.data_parallel_size * plan.num_microbatches
@@ -200,8 +209,10 @@ def _refusal_of_variant(plan: Plan, batch_size: int, num_blocks: int) -> str:
         plan.validate()
     except MeshfitError as error:
         return f"refused: {str(error).split(';')[0]}"
-    if plan.pp > 1 and plan.pp * VIRTUAL_STAGES[plan.schedule] > num_blocks:
-        return f"refused: {plan.schedule} needs {plan.pp * VIRTUAL_STAGES[plan.schedule]} blocks"
+    if plan.pp > 1 and plan.pp * VIRTUAL_STAGES[plan.schedule] > stage_blocks:
+        stages = plan.pp * VIRTUAL_STAGES[plan.schedule]
+        return f"refused: {plan.schedule} needs {stages} blocks with parameters"
+
     return ""
 
 

@@ -94,6 +94,8 @@ def announce_run(
     )
     if engine.planned is not None:
         display.print(f"meshfit: {engine.planned.describe()}")
+    for note in engine.topology.notes:
+        display.print(f"meshfit: {note}")
     if engine.runner.describe():
         display.print(f"meshfit: {engine.runner.describe()}")
     if engine.tp_report is not None:

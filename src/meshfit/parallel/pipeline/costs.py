@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshfit.errors import MeshfitError
+from meshfit.parallel.batchnorm import local_statistics
 from meshfit.parallel.blocks import BlockStack
 from meshfit.trees import call_model
 
@@ -149,7 +150,11 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
     ]
     handles.append(stack.blocks[-1].register_forward_hook(lambda *_: switch("tail")))
     try:
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            counter,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            local_statistics(model),  # rank 0 alone runs this forward
+        ):
             call_model(model, example_inputs)
             switch("tail")
     finally:
