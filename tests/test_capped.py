@@ -4,9 +4,12 @@ meta and read their parts of a sharded Hugging Face directory, under fsdp=4 and
 pp=2,fsdp=2, and hold exactly the values one uncapped process loaded; the same workers
 building the model whole on the CPU are killed by the cap (the negative control).
 
-Not yet under the cap: training steps. Their live tensors fit (measured under fsdp=4 on
-a 772 MiB Llama: 579 MiB per rank at the step's peak), but glibc keeps the blocks a CPU
-step frees, and the resident memory grew to 2.6-3.0 GiB per rank after three steps."""
+Under fsdp=4 the capped workers then train three SGD steps, with the losses of the
+uncapped process. That needs glibc told to give freed tensors back
+(MALLOC_MMAP_THRESHOLD_=65536, set for the workers here): left to its dynamic threshold it
+keeps the blocks a CPU step frees, and the same run was killed by the cap (measured: 3 of
+4 ranks; with the setting, 440 MiB per rank at most under a 524 MiB cap). Not yet under
+the cap: training under pp=2,fsdp=2, which peaked at 750-797 MiB per rank uncapped."""
 
 from __future__ import annotations
 
@@ -72,7 +75,7 @@ def _oom_kills(name: str, count: int) -> int:
 
 
 @pytest.mark.slow
-def test_workers_capped_below_the_model_load_their_shards_of_it(tmp_path) -> None:
+def test_workers_capped_below_the_model_load_their_shards_of_it(tmp_path, monkeypatch) -> None:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(7)
@@ -86,14 +89,22 @@ def test_workers_capped_below_the_model_load_their_shards_of_it(tmp_path) -> Non
     with memory_cgroups(name, 4, cap) as made:
         if not made:
             pytest.skip(f"memory cgroups cannot be made here ({MEMORY_ROOT} missing or not root)")
-        reference = mf.launch(capped_llama_build, nproc=1, args=(directory, None, None, True))
-        for plan in ("fsdp=4", "pp=2,fsdp=2"):
+        reference = mf.launch(capped_llama_build, nproc=1, args=(directory, None, None, True, 3))
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the workers' glibc
+        for plan, steps in (("fsdp=4", 3), ("pp=2,fsdp=2", 0)):
             _reset_peaks(name, 4)
-            got = mf.launch(capped_llama_build, nproc=4, args=(directory, plan, name, True))
+            args = (directory, plan, name, True, steps)
+            got = mf.launch(capped_llama_build, nproc=4, args=args)
             assert max(got["peak"]) < cap, (plan, got["peak"], cap)
+            assert max(got["train_peak"]) < cap, (plan, got["train_peak"], cap)
             assert _oom_kills(name, 4) == 0, plan
             # every parameter, gathered one at a time: the values one process loaded
             assert got["sums"] == reference["sums"], plan
+            # and the steps trained under the cap: the uncapped process's losses (float32:
+            # the shards' reductions add in another order)
+            ref_losses = reference["losses"][:steps]
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), plan
+        monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
         # The cap binds: a worker that builds the whole model before splitting it is
         # killed by the kernel's out-of-memory killer (a peer may report first).
         with pytest.raises(Exception):  # noqa: B017, PT011 - whichever rank reports

@@ -1423,9 +1423,12 @@ def capped_llama_build(
     options = {}
     if "pp=" in (plan or ""):
         options["example_inputs"] = _example_inputs(sft_batch("llama", 8, 0))
+    # plain SGD: no optimizer state, so a rank's steady state is its shard of the
+    # parameters and their gradients (half the cap under fsdp=4)
     engine = mf.parallelize(
-        model, plan, loss_fn=lm_loss("llama"), optimizer=optimizer_factory("sgd"),
-        weights=directory, **options,
+        model, plan, loss_fn=lm_loss("llama"),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05), weights=directory,
+        **options,
     )  # fmt: skip
     sums = {}
     for name, param in engine.user_model.named_parameters():
@@ -1433,7 +1436,7 @@ def capped_llama_build(
         sums[name] = float(whole.double().sum())
         del whole
     peak = _cgroup_peak(where)
-    losses = [engine.step(sft_batch("llama", 8, step)) for step in range(steps)]
+    losses = [float(engine.step(sft_batch("llama", 8, step))) for step in range(steps)]
     everyone: dict = {}
     for part in _on_every_rank(sums):
         everyone.update(part)
