@@ -475,3 +475,27 @@ def test_plans_for_other_process_counts_are_one_line_on_every_worker() -> None:
     for plan, message in zip(plans, errors, strict=True):
         assert message is not None and "\n" not in message, (plan, message)
         assert "but 2 were started" in message or "multiple of" in message, message
+
+
+def test_a_peer_lost_in_the_first_step_is_not_reported_as_the_batch() -> None:
+    """Seen under a memory cap: a peer killed by the out-of-memory killer made the first
+    step's FSDP all-gather (inside the model's forward) raise gloo's RuntimeError, and
+    meshfit said "the first training step failed inside the model or loss_fn ... give
+    batches the model and loss_fn take". The error now goes through as it is, with a
+    note that names the peer, not the batch."""
+    from meshfit.batch_errors import explain_first_failure
+
+    gloo = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:22684"
+
+    def forward() -> None:  # the user's model, as the innermost frame outside torch
+        raise RuntimeError(gloo)
+
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as raised:
+        with explain_first_failure(True, "training step", torch.zeros(2, 3), None):
+            forward()
+    assert not isinstance(raised.value, mf.MeshfitError)
+    assert "not a problem of this batch" in " ".join(raised.value.__notes__)
+    # an ordinary error of the model on its first batch is still the batch's
+    with pytest.raises(mf.MeshfitError, match="failed inside the model or loss_fn"):
+        with explain_first_failure(True, "training step", torch.zeros(2, 3), None):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")

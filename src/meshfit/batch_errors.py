@@ -13,7 +13,9 @@ Only an error whose innermost frame outside torch is the user's (the model's for
 the loss, a metric, or meshfit's own line that calls one of them: a torch function
 given as loss_fn) is about the batch. An error raised in meshfit's own code (a pipeline
 stage sending what torch cannot send, say) is meshfit's: it goes through untouched,
-traceback and all, with a note that says so.
+traceback and all, with a note that says so. So does a collective that failed because a
+peer process went away (gloo raises a plain RuntimeError, "Connection closed by peer",
+from inside the model's forward when a peer was killed by the out-of-memory killer).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.elastic import peer_failure_word
 from meshfit.errors import MeshfitError
 from meshfit.trees import tensors_in
 
@@ -49,6 +52,14 @@ def explain_first_failure(first: bool, what: str, inputs: Any, targets: Any) -> 
         raise
     except _INPUT_ERRORS as exc:
         if isinstance(exc, getattr(dist, "DistBackendError", ())):
+            raise
+        lost = peer_failure_word(exc)
+        if lost is not None:  # gloo raises a plain RuntimeError when a peer is gone
+            exc.add_note(
+                f"meshfit: a peer process went away during a collective ({lost}): not a "
+                f"problem of this batch; the peer's own output says why (the kernel's "
+                f"out-of-memory killer, a crash, a lost host)"
+            )
             raise
         where = meshfit_frame(exc.__traceback__)
         if where is not None:

@@ -104,14 +104,20 @@ LOST_PEER_WORDS = (
 )
 
 
+def peer_failure_word(exc: BaseException) -> str | None:
+    """The words by which `exc` says a peer process or its host went away mid-collective
+    (it was killed, crashed or became unreachable), or None."""
+    text = str(exc)
+    return next((w for w in LOST_PEER_WORDS if w in text), None)
+
+
 def lost_peer_line(exc: BaseException) -> str | None:
     """In a worker of an elastic run, the one line for a collective that failed because
     a peer was lost (the agent then re-forms the group), else None: the traceback of
     every survivor would say nothing the next line does not."""
     if elastic_nodes() is None:
         return None
-    text = str(exc)
-    word = next((w for w in LOST_PEER_WORDS if w in text), None)
+    word = peer_failure_word(exc)
     if word is None:
         return None
     rank = os.environ.get("RANK", "?")
