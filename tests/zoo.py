@@ -83,6 +83,13 @@ def hf_llama() -> nn.Module:  # grouped-query attention: 4 heads, 2 key/value he
     return LlamaForCausalLM(llama_config(num_hidden_layers=2, max_position_embeddings=LENGTH))
 
 
+def peft_lora_llama() -> nn.Module:  # peft's LoRA adapters on q and v; the base frozen
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(hf_llama(), config)
+
+
 def hf_gpt2() -> nn.Module:  # Conv1D projections, fused q/k/v, tied LM head
     return _lm("gpt2")
 
@@ -249,6 +256,7 @@ def _own_loss(kind: str) -> Callable[[], Any]:
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(hf_llama, _lm_batch, _causal),
+    "lora_llama": Family(peft_lora_llama, _lm_batch, _causal),
     "gpt2": Family(hf_gpt2, _lm_batch, _causal),
     "gpt_neox": Family(hf_gpt_neox, _lm_batch, _causal),
     # float32: its experts run on torch._grouped_mm, which takes no float64
