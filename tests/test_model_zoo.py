@@ -1,4 +1,4 @@
-"""The model zoo matrix: every family of `zoo.py` (transformers, peft LoRA, Keras 3,
+"""The model zoo matrix: every family of `zoo.py` (transformers, peft LoRA, Keras 3, torchvision-style
 vision code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
 Every cell either trains the one-process run (losses and final weights) or is refused
 with one meshfit line naming the cause; none trains another run. Each column is one
