@@ -292,3 +292,41 @@ def test_an_elastic_run_asks_torchrun_for_min_max_nodes_and_quick_rejoins() -> N
     ):
         with pytest.raises(MeshfitError, match=words):
             check_elastic(dataclasses.replace(options, **change))
+
+
+def test_a_lost_peer_is_a_collective_error_not_any_connection_error(tmp_path) -> None:
+    """gloo's RuntimeError for a peer gone is a lost peer; a refused connection of the
+    user's own code (an OSError, or a RuntimeError outside torch.distributed that names
+    no backend) is not, and keeps its traceback."""
+    from meshfit.elastic import peer_failure_word, read_reached, record_reached
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:1")
+    assert peer_failure_word(gloo) == "Connection closed by peer"
+    assert peer_failure_word(ConnectionRefusedError("Connection refused")) is None
+    assert peer_failure_word(RuntimeError("download failed: Connection refused")) is None
+    # the redone-steps record: makes its directory, never fails the run
+    record_reached(str(tmp_path / "new" / "ck"), 7)
+    assert read_reached(str(tmp_path / "new" / "ck")) == 7
+    (tmp_path / "file").write_text("")
+    record_reached(str(tmp_path / "file" / "ck"), 3)  # not a directory: ignored
+
+
+def test_a_fixed_plan_is_checked_against_every_world_the_run_may_re_form_into() -> None:
+    from meshfit.errors import MeshfitError
+    from meshfit.run_command import RunOptions, check_elastic_plan, too_few_nodes
+
+    options = RunOptions(
+        target="t.py", nnodes=3, min_nodes=2, master="10.0.0.1:29500", max_restarts=1
+    )
+    check_elastic_plan(dataclasses.replace(options, plan="dp=3,pp=2"), 2)  # 4 and 6 fit
+    check_elastic_plan(dataclasses.replace(options, plan="auto"), 1)  # the planner's
+    with pytest.raises(MeshfitError, match="does not fit 3 nodes of 1 workers") as refused:
+        check_elastic_plan(dataclasses.replace(options, plan="fsdp=2"), 1)
+    assert "\n" not in str(refused.value)
+    # dp=1,tp=2 (2 nodes of 1) drops FSDP2, which reshard_after_forward=false needs
+    with pytest.raises(MeshfitError, match="does not fit 2 nodes"):
+        check_elastic_plan(
+            dataclasses.replace(options, plan="dp=3,tp=2,reshard_after_forward=false"), 1
+        )
+    line = too_few_nodes(options, ["--rdzv-conf=join_timeout=60", "x.py"])
+    assert "fewer than 2 nodes" in line and "within 60 s" in line

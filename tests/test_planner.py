@@ -452,3 +452,8 @@ def test_the_search_proposes_no_pipeline_stage_without_parameters():
     staged = [e.plan for e in result.ranked if e.plan.pp > 1]
     assert staged and all(p.pp * VIRTUAL_STAGES[p.schedule] <= 3 for p in staged)
     assert any("needs 4 blocks with parameters" in d.reason for d in result.dropped)
+    # frozen blocks count as none: a fine-tune with only its last block trained has one
+    for i in (0, 2):
+        profile.blocks[i] = dataclasses.replace(profile.blocks[i], trains=False)
+    result = search_profile(profile, 2, batch_size=8, hardware=fast_net_slow_chips())
+    assert all(e.plan.pp == 1 for e in result.ranked)

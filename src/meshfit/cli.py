@@ -91,7 +91,8 @@ def _run(args: argparse.Namespace) -> int:
     }
     min_nodes = None
     if chosen["nnodes"] is not None:  # N, or MIN:MAX for an elastic run
-        min_nodes, chosen["nnodes"] = parse_nnodes(chosen["nnodes"])
+        given_in = "--nnodes" if args.nnodes is not None else f"{args.config}: nnodes ="
+        min_nodes, chosen["nnodes"] = parse_nnodes(chosen["nnodes"], given_in)
     filled = fill_nodes(chosen["nnodes"], chosen["master"], os.environ)
     if filled.line:
         print(filled.line, flush=True)  # on stdout: what the run got from SLURM

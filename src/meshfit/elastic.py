@@ -34,20 +34,19 @@ REACHED_FILE = "reached.json"
 ELASTIC_RDZV_CONF = {"keep_alive_interval": 2, "keep_alive_max_attempt": 3, "last_call_timeout": 5}
 
 
-def parse_nnodes(text: str | int) -> tuple[int, int]:
-    """`--nnodes N` or `--nnodes MIN:MAX` as (MIN, MAX)."""
+def parse_nnodes(text: str | int, where: str = "--nnodes") -> tuple[int, int]:
+    """`--nnodes N` or `--nnodes MIN:MAX` as (MIN, MAX); `where` names the option in an
+    error (a run file's `nnodes = ...`, say)."""
     raw = str(text).strip()
     low, sep, high = raw.partition(":")
     try:
         nodes = (int(low), int(high)) if sep else (int(raw), int(raw))
     except ValueError:
         raise MeshfitError(
-            f"--nnodes takes a number of nodes (2) or MIN:MAX for an elastic run (2:4), not {raw!r}"
+            f"{where} takes a number of nodes (2) or MIN:MAX for an elastic run (2:4), not {raw!r}"
         ) from None
     if nodes[0] < 1 or nodes[1] < nodes[0]:
-        raise MeshfitError(
-            f"--nnodes {raw}: MIN must be at least 1 and MAX at least MIN (e.g. 2:4)"
-        )
+        raise MeshfitError(f"{where} {raw}: MIN must be at least 1 and MAX at least MIN (e.g. 2:4)")
     return nodes
 
 
@@ -82,11 +81,13 @@ class WorldChange:
     step: int
     world: tuple[int, int]  # processes before, after
     plan: tuple[str, str]  # before, after
-    redone: int
+    redone: int | None  # None: not recorded (a run that was not elastic)
 
     def describe(self) -> str:
-        steps = f"{self.redone} step{'s' if self.redone != 1 else ''}"
-        return f"world {self.world[0]} -> {self.world[1]} processes ({steps} redone)"
+        text = f"world {self.world[0]} -> {self.world[1]} processes"
+        if self.redone is None:
+            return text
+        return text + f" ({self.redone} step{'s' if self.redone != 1 else ''} redone)"
 
     def as_record(self) -> dict[str, Any]:
         """As JSON keeps it in a checkpoint (pairs as lists)."""
@@ -106,9 +107,27 @@ LOST_PEER_WORDS = (
 
 def peer_failure_word(exc: BaseException) -> str | None:
     """The words by which `exc` says a peer process or its host went away mid-collective
-    (it was killed, crashed or became unreachable), or None."""
+    (it was killed, crashed or became unreachable), or None. Only a RuntimeError of a
+    collective counts: raised in torch.distributed, or naming gloo or NCCL (an OSError
+    such as a refused connection of the user's own code is not a lost peer)."""
+    if not isinstance(exc, RuntimeError):
+        return None
     text = str(exc)
-    return next((w for w in LOST_PEER_WORDS if w in text), None)
+    word = next((w for w in LOST_PEER_WORDS if w in text), None)
+    if word is None:
+        return None
+    if "gloo" in text or "nccl" in text.lower() or _raised_in_torch_distributed(exc):
+        return word
+    return None
+
+
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def lost_peer_line(exc: BaseException) -> str | None:
@@ -128,13 +147,19 @@ def lost_peer_line(exc: BaseException) -> str | None:
 
 
 def record_reached(checkpoint_dir: str, step: int) -> None:
-    """Rank 0: the last step this run finished (read by the next resume, to count the
-    steps it redoes). Replaced atomically; a few bytes per step."""
+    """Rank 0 of an elastic run: the last step this run finished (read by the next
+    resume, to count the steps it redoes). Replaced atomically; a few bytes per step.
+    Best effort: a count it cannot write is unknown, never a failed run (a full disk
+    stops the run at the next checkpoint, on every rank, as it should)."""
     path = os.path.join(checkpoint_dir, REACHED_FILE)
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"step": step}, f)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump({"step": step}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def read_reached(checkpoint_dir: str) -> int | None:
@@ -155,5 +180,5 @@ def world_change(
         return None
     step = int(meta["step"])
     reached = read_reached(checkpoint_dir)
-    redone = max(0, reached - step) if reached is not None else 0
+    redone = max(0, reached - step) if reached is not None else None
     return WorldChange(step, (int(before), world_size), (str(meta.get("plan")), str(plan)), redone)

@@ -19,7 +19,7 @@ from meshfit.batches import check_batch_divides
 from meshfit.callbacks import Callback as CallbackBase
 from meshfit.callbacks import make_loggers
 from meshfit.data.reading import Reading
-from meshfit.elastic import record_reached
+from meshfit.elastic import elastic_nodes, record_reached
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
 from meshfit.options import EngineOptions, LossFn, engine_options
@@ -229,6 +229,7 @@ class _Run:
     log: StepLog | None = None
     plain: list[Callback] = field(default_factory=list)  # fn(step, engine) callbacks
     last_save: float = 0.0  # time.monotonic() of the last checkpoint (or the start)
+    elastic: bool = field(default_factory=lambda: elastic_nodes() is not None)
 
     def measure(self, max_steps: int | None, seed: int, shuffle: bool) -> None:
         """The run's length in steps and when it evaluates (checking the datasets hold
@@ -314,7 +315,7 @@ class _Run:
                 fields = hooks.step_fields(step + 1)
                 loss = engine.step_local(inputs, targets)
                 step += 1
-                if self.checkpoint_dir and engine.rank == 0:
+                if self.elastic and self.checkpoint_dir and engine.rank == 0:
                     record_reached(self.checkpoint_dir, step)  # a resume counts redone steps
                 log.add(step, loss, lr, real_tokens(inputs, targets), fields)
                 at_end = step == self.total_steps

@@ -184,10 +184,45 @@ def check_elastic(options: RunOptions) -> None:
         )
 
 
+def check_elastic_plan(options: RunOptions, nproc: int) -> None:
+    """A fixed --plan must fit every world an elastic run can re-form into (MIN to MAX
+    nodes of `nproc` workers): refused here, once, rather than by every restart."""
+    from meshfit.plan import Plan, is_auto
+
+    if not is_elastic(options) or options.plan is None or is_auto(options.plan):
+        return
+    from meshfit.elastic import fit_plan
+
+    plan = Plan.parse(options.plan)
+    for nodes in range(options.min_nodes or options.nnodes, options.nnodes + 1):
+        try:
+            fit_plan(plan, nodes * nproc).validate()
+        except MeshfitError as refused:
+            raise MeshfitError(
+                f"--plan {options.plan} does not fit {nodes} node{'s' if nodes != 1 else ''} "
+                f"of {nproc} workers, a world this elastic run (--nnodes "
+                f"{nnodes_arg(options)}) may re-form into: {refused}"
+            ) from None
+
+
 def too_few_nodes(options: RunOptions, argv: list[str]) -> str:
     """Why the rendezvous timed out, and what to do: fewer than MIN nodes were there
     within join_timeout (at the start, or after a node was lost)."""
-    conf = argv[argv.index("--rdzv-conf") + 1] if "--rdzv-conf" in argv else ""
+    conf = ",".join(
+        value
+        for _, value in (
+            [
+                ("", argv[i + 1])
+                for i, a in enumerate(argv[:-1])
+                if a in ("--rdzv-conf", "--rdzv_conf")
+            ]
+            + [
+                a.partition("=")[::2]
+                for a in argv
+                if a.startswith(("--rdzv-conf=", "--rdzv_conf="))
+            ]
+        )
+    )
     wait = dict(p.partition("=")[::2] for p in conf.split(",") if p).get("join_timeout", "600")
     least = options.min_nodes if is_elastic(options) else options.nnodes
     return (
@@ -222,6 +257,7 @@ def run(options: RunOptions) -> int:
         raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
     check_elastic(options)
     setup = plan_workers(options.nproc, options.devices, options.threads)
+    check_elastic_plan(options, setup.nproc)
     if is_elastic(options):
         setup.env[ELASTIC_ENV] = nnodes_arg(options)
     setup.env.update(hang_timeout_env(options.hang_timeout))

@@ -10,7 +10,7 @@ options passed through.
     threads = 1
     max_restarts = 1
     hang_timeout = 300
-    nnodes = 2
+    nnodes = 2                     # or "2:4", an elastic run
     node_rank = 0
     master = "10.0.0.1:29500"
     torchrun = ["--log-dir", "logs", "--redirects", "3"]

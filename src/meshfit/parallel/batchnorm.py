@@ -17,7 +17,9 @@ is deprecated in 2.13 and warns on every call).
 
 Micro-batches split the batch too: each micro-batch is normalised on its own (what
 gradient accumulation does), which no synchronisation over ranks can undo, so a
-BatchNorm model with more than one micro-batch is refused unless the user opts out.
+BatchNorm model with more than one micro-batch is refused unless the user opts out (a
+pipeline plan that leaves micro-batches and schedule open gets one micro-batch under
+GPipe instead: prepare.one_microbatch_for_batchnorm).
 """
 
 from __future__ import annotations
@@ -85,7 +87,11 @@ def refuse_microbatches(model: nn.Module, microbatches: int, pp: int = 1) -> Non
     one micro-batch needs the schedule that runs one: GPipe)."""
     layers = batchnorm_layers(model)
     if layers and microbatches > 1:
-        fix = "microbatches=1,schedule='gpipe' in the plan" if pp > 1 else "microbatches=1"
+        fix = (
+            "microbatches=1,schedule='gpipe' in the plan (or leave both out)"
+            if pp > 1
+            else "microbatches=1"
+        )
         raise MeshfitError(
             f"layer {layers[0][0]!r} is a {type(layers[0][1]).__name__} and the plan cuts each "
             f"rank's batch into "
@@ -119,7 +125,7 @@ def _global_batch_forward(groups: list[dist.ProcessGroup], ranks: int):
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         # Every rank holds an equal share of the batch (meshfit splits it evenly).
-        count = x.numel() // x.shape[1] * ranks
+        count = x.numel() // x.shape[1] * (1 if _ALONE[0] else ranks)
         mean = _sum_over(x.sum(dims), groups) / count
         centred = x - mean.view(shape)
         var = _sum_over((centred * centred).sum(dims), groups) / count

@@ -171,14 +171,16 @@ def estimate_profile(
         usable = hardware.device_memory * USABLE_MEMORY
         result.fits = fullest.total <= usable and result.build <= usable
         if fullest.total <= usable < result.build:
-            result.notes.append(
-                f"the build does not fit: each rank holds the whole model "
-                f"({_gib(result.build)}) before the plan splits it; build it on meta"
-                if not profile.built_on_meta
-                else f"the build does not fit: tensor parallel traces its split on a "
-                f"twin of the model with one block, whole ({_gib(result.build)} with the "
-                f"scratch); a plan with less tp and more fsdp builds in less"
-            )
+            if not profile.built_on_meta:
+                why = "each rank holds the whole model before the plan splits it; build it on meta"
+            elif plan.tp > 1:
+                why = (
+                    "tensor parallel traces its split on a twin of the model with one block, "
+                    "whole; a plan with less tp and more fsdp builds in less"
+                )
+            else:
+                why = "a rank's part and the largest parameter beside it"
+            result.notes.append(f"the build does not fit ({_gib(result.build)}): {why}")
         _add_time(result, profile, plan, layout, mb, hardware, state_bytes, compiled)
     return result
 

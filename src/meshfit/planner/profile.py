@@ -51,6 +51,7 @@ class PartCost:
     """One part of the model (a block, the head or the tail), per sample."""
 
     params: int = 0  # parameter elements
+    trains: bool = True  # holds a parameter that requires grad (a pipeline stage needs one)
     flops: float = 0.0  # forward FLOPs (matrix products and attention)
     attention_flops: float = 0.0  # the attention part of `flops` (split with the heads)
     saved: float = 0.0  # bytes autograd keeps for backward (not parameters)
@@ -403,6 +404,7 @@ def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) 
     for key, block in zip(stack.keys, stack.blocks, strict=True):
         unique = {id(p): p for p in block.parameters()}
         parts[key].params = sum(p.numel() for p in unique.values())
+        parts[key].trains = any(p.requires_grad for p in unique.values())
         in_blocks.update(unique)
     # Outside the blocks: a parameter belongs to the head if a module that runs before
     # the blocks holds it; meshfit's pipeline cut decides the same way (registration

@@ -88,7 +88,7 @@ class ModelLimits:
     """What the model itself rules out (from its profile), each with the reason."""
 
     num_blocks: int
-    # blocks with parameters: every pipeline stage needs one (pipeline/costs.py)
+    # blocks with trainable parameters: every pipeline stage needs one (pipeline/costs.py)
     stage_blocks: int = 1 << 30
     max_tp: int = 1 << 30
     tp_error: str | None = None
@@ -100,7 +100,7 @@ class ModelLimits:
     def of(cls, profile: ModelProfile) -> ModelLimits:
         return cls(
             num_blocks=len(profile.blocks),
-            stage_blocks=sum(1 for b in profile.blocks if b.params > 0),
+            stage_blocks=sum(1 for b in profile.blocks if b.params > 0 and b.trains),
             max_tp=profile.max_tp,
             tp_error=profile.tp_error,
             pp_error=profile.pp_error,

@@ -25,7 +25,8 @@ class History:
     # plan="auto": the plan chosen, its predicted step time and memory, and the measured
     planned: dict[str, Any] | None = None
     # Each resume into another world size (an elastic run's lost or joined node): the
-    # step resumed from, "world" and "plan" (before, after), "redone" (steps trained again)
+    # step resumed from, "world" and "plan" (before, after), "redone" (steps trained again;
+    # None where the run was not elastic and did not record them)
     world_changes: list[dict[str, Any]] = field(default_factory=list)
 
     @property

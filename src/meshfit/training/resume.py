@@ -70,8 +70,11 @@ def resume_run(
             changes.append(f"pipeline cut {cut_text(meta['pipeline_cut'])} -> {cut_text(cut)}")
         if meta.get("rank_state"):
             restore_rng(meta["rank_state"])
-        else:  # another world size: rank streams cannot map one to one; seeded anew
-            seed_streams(config.seed + step, engine.topology.random_stream)
+        elif meta.get("world_size") != engine.world_size:
+            # another world size: rank streams cannot map one to one; seeded anew, from
+            # the seed, the step and the stream together (no two of them share a seed)
+            mixed = hash((config.seed, step, engine.topology.random_stream)) & 0x7FFFFFFF
+            seed_streams(mixed, 0)
         world_changes = list((meta.get("extra") or {}).get("world_changes", []))
         change = world_change(meta, engine.plan, engine.world_size, checkpoint_dir)
         if change is not None:
