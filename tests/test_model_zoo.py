@@ -27,7 +27,6 @@ from meshfit.verify import tolerance, weight_differences  # noqa: E402
 REFUSED = {
     # CNNs: no matrix products to pair
     **{(f, "tp=2"): "tensor parallel finds nothing to split" for f in ("resnet", "bn_cnn")},
-    ("keras_mlp", "fsdp=2"): "gave none of the 6 parameters",
     ("keras_mlp", "tp=2"): "tensor parallel finds nothing to split in Sequential",
     **{("keras_mlp", p): "cannot find repeated blocks" for p in ("pp=2", "dp=2,pp=2")},
     # T5's first encoder block hands a position bias from its weights to the others

@@ -1144,7 +1144,10 @@ def keras_run(spec: dict) -> dict:
     for step in range(4):
         x, y = make_batch("mlp", 16, step, "float32")
         losses.append(float(engine.step((x, y))))
-    return {"losses": losses, "weights": list(engine.full_state_dict().values())}
+    from zoo import keras_state_by_position  # the state in model.weights' order
+
+    state = keras_state_by_position(model, engine.full_state_dict())
+    return {"losses": losses, "weights": [state[str(i)] for i in range(len(state))]}
 
 
 def many_keras_runs(specs: list[dict]) -> list[dict]:

@@ -316,11 +316,27 @@ def zoo_run(spec: dict) -> dict:
         engine.save(spec["save"])
     state = engine.full_state_dict()
     if spec["model"].startswith("keras"):
-        state = {str(i): v for i, v in enumerate(state.values())}
+        state = keras_state_by_position(model, state)
     result = {"losses": losses, "state": state}
     if engine.plan.tp > 1:  # what fit's start-up line says tp split
         result["tp_split"] = engine.tp_report and engine.tp_report.describe()
     return result
+
+
+def keras_state_by_position(model: nn.Module, state: dict) -> dict:
+    """A Keras model's state keyed by its variables' order (`model.weights`), not by
+    their paths: Keras names layers from a process-wide counter ("dense_9", "dense_10"),
+    and torch's ParameterDict sorts the paths, so the order of the state's keys depends
+    on how many layers the process made before (one Keras model more in the suite made
+    a worker's order and the test process's differ)."""
+    order = {v.path: i for i, v in enumerate(model.weights)}
+    out = {}
+    for key, value in state.items():
+        index = order.get(key.rpartition("_torch_params.")[2])
+        if index is not None:
+            out.setdefault(str(index), value)
+    assert len(out) == len(order), (sorted(state), sorted(order))
+    return out
 
 
 def zoo_optimizer(params: Any) -> torch.optim.Optimizer:

@@ -160,7 +160,7 @@ def check_gradients_reached_the_optimizer(
             f"the first training step gave none of the {len(params)} parameters under "
             f"plan {plan} a gradient: {model_class} computes "
             f"with other tensors than the ones the plan put in its modules (its layers "
-            f"keep their own references to their weights, as Keras layers do, which "
+            f"keep their own references to their weights, which "
             f"{'FSDP2' if plan.uses_fsdp else 'the plan'} replaces). Use a plan "
             f"that keeps the parameters in place (dp), or a model whose layers read "
             f"their weights from the module"

@@ -170,6 +170,9 @@ def prepare(
         from meshfit.parallel.blocks import use_blocks
 
         use_blocks(model, options.blocks)
+    from meshfit.parallel.keras_weights import read_weights_from_modules
+
+    read_weights_from_modules(model)  # Keras layers: before the planner and the forms
     auto = None
     if auto_requested(plan):
         auto = _choose_auto(model, auto_requested(plan), options, examples)

@@ -110,6 +110,9 @@ def profile_model(
     `meta` included) and return its costs per sample. With `loss_fn` and
     `example_targets` the loss runs too; without them a floating output is taken to be
     logits, whose cross-entropy keeps a float32 copy (log-softmax) for backward."""
+    from meshfit.parallel.keras_weights import read_weights_from_modules
+
+    read_weights_from_modules(model)  # as prepare does: a Keras model's forms see the same
     if not tensors_in(example_inputs):
         raise MeshfitError("planning needs example_inputs: one batch of the model's inputs")
     _device_of(model)
