@@ -17,12 +17,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from cluster import Cluster, ClusterUnavailable
+from cluster import Cluster, ClusterUnavailable, Host
 
 from meshfit import rendezvous
 from meshfit.launch import IFNAME_ENVS
@@ -73,7 +73,12 @@ def _one_process(tmp_path: Path, script_args: list[str]) -> dict:
         timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    return _result(out)
+
+
+def _result(path: str | Path) -> dict:
+    """What rank 0 of elastic_train.py saved: tensors, numbers, strings, lists, dicts."""
+    return torch.load(path, weights_only=True)
 
 
 def _same_run(got: dict, ref: dict) -> None:
@@ -123,6 +128,24 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
     return errs
 
 
+def _lose_host_2(
+    cluster: Cluster, argv: list[str], stall: Path, stalled: int, lose: Callable[[Host], None]
+) -> tuple[dict, list[str]]:
+    """Start every host, wait until host 2's `stalled` workers stopped after their step,
+    `lose` host 2 (kill it or cut its link); the other two must finish. Their result
+    and output."""
+    procs = _start_all(cluster, argv)
+    try:
+        _wait_for(stall, stalled, procs, 240)
+        lose(cluster.hosts[2])
+        errs = _finish(procs[:2])
+    finally:
+        cluster.kill_host(cluster.hosts[2])
+        _finish(procs)
+    assert [p.returncode for p in procs[:2]] == [0, 0], "\n".join(e[-3000:] for e in errs)
+    return _result(argv[argv.index("--out") + 1]), errs
+
+
 @pytest.mark.slow
 def test_a_killed_host_is_dropped_and_the_run_ends_as_one_process(three_hosts, tmp_path) -> None:
     """`--plan auto` over 3 hosts x 1 worker; host 2 is killed after step 5 (checkpoint at
@@ -132,15 +155,8 @@ def test_a_killed_host_is_dropped_and_the_run_ends_as_one_process(three_hosts, t
     cluster = three_hosts
     stall = tmp_path / "stalled"
     args = ["--stall-at", "5", "--stall-marker", str(stall)]
-    procs = _start_all(cluster, _elastic_argv(tmp_path, cluster, 1, "auto", args))
-    try:
-        _wait_for(stall, 1, procs, 240)
-        cluster.kill_host(cluster.hosts[2])
-        errs = _finish(procs[:2])
-    finally:
-        _finish(procs)
-    assert [p.returncode for p in procs[:2]] == [0, 0], "\n".join(e[-3000:] for e in errs)
-    got = torch.load(tmp_path / "elastic.pt", weights_only=False)
+    argv = _elastic_argv(tmp_path, cluster, 1, "auto", args)
+    got, errs = _lose_host_2(cluster, argv, stall, 1, cluster.kill_host)
     assert got["world"] == 2, got
     [change] = got["world_changes"]
     assert change["step"] == 4 and change["world"] == [3, 2] and change["redone"] == 1, change
@@ -189,16 +205,8 @@ def test_a_cut_link_drops_its_host_and_fsdp_ends_as_one_process(three_hosts, tmp
     cluster = three_hosts
     stall = tmp_path / "stalled"
     args = ["--stall-at", "5", "--stall-marker", str(stall)]
-    procs = _start_all(cluster, _elastic_argv(tmp_path, cluster, 2, "fsdp=2", args))
-    try:
-        _wait_for(stall, 2, procs, 240)
-        cluster.cut_link(cluster.hosts[2])
-        errs = _finish(procs[:2])
-    finally:
-        cluster.kill_host(cluster.hosts[2])
-        _finish(procs)
-    assert [p.returncode for p in procs[:2]] == [0, 0], "\n".join(e[-3000:] for e in errs)
-    got = torch.load(tmp_path / "elastic.pt", weights_only=False)
+    argv = _elastic_argv(tmp_path, cluster, 2, "fsdp=2", args)
+    got, _ = _lose_host_2(cluster, argv, stall, 2, cluster.cut_link)
     assert got["world"] == 4 and got["plan"] == "dp=2,fsdp=2", got
     [change] = got["world_changes"]
     assert change["world"] == [6, 4] and change["step"] == 4 and change["redone"] == 1, change
@@ -232,7 +240,7 @@ def test_a_pipeline_run_shrinks_then_grows_back_when_the_host_returns(
     finally:
         _finish(procs)
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(e[-3000:] for e in errs)
-    got = torch.load(tmp_path / "elastic.pt", weights_only=False)
+    got = _result(tmp_path / "elastic.pt")
     assert got["world"] == 6 and got["plan"] == "dp=3,pp=2", got
     shrink, grow = got["world_changes"]
     assert shrink == {"step": 4, "world": [6, 4], "plan": ["dp=3,pp=2", "dp=2,pp=2"], "redone": 1}

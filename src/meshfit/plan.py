@@ -112,6 +112,13 @@ class Plan:
         return 2 * self.pp if self.pp > 1 else 1
 
     @property
+    def leaves_pipeline_open(self) -> bool:
+        """A pipeline plan that sets neither micro-batches nor schedule: meshfit may
+        choose them for the model (one micro-batch under GPipe for BatchNorm,
+        prepare.one_microbatch_for_batchnorm)."""
+        return self.pp > 1 and self.microbatches is None and self.schedule == "1f1b"
+
+    @property
     def data_parallel_size(self) -> int:
         """How many ways the global batch is split (replicated and sharded data parallel)."""
         if self.dp is None:

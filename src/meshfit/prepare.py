@@ -283,9 +283,7 @@ def one_microbatch_for_batchnorm(
     model with BatchNorm: one micro-batch under GPipe, the only pipeline run in which
     BatchNorm normalises over the whole batch as one process does (and a line saying so).
     A plan that sets either is kept, and refused later if it cuts the batch."""
-    if plan.pp == 1 or plan.microbatches is not None or plan.schedule != "1f1b":
-        return plan, None
-    if not options.sync_batchnorm:
+    if not plan.leaves_pipeline_open or not options.sync_batchnorm:
         return plan, None
     from meshfit.parallel.batchnorm import batchnorm_layers
 

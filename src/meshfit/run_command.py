@@ -143,9 +143,9 @@ def is_elastic(options: RunOptions) -> bool:
     return options.min_nodes is not None and options.min_nodes < options.nnodes
 
 
-def elastic_rdzv_conf(args: list[str]) -> tuple[list[str], str]:
-    """torchrun's arguments without their --rdzv-conf, and that conf with meshfit's
-    elastic defaults (ELASTIC_RDZV_CONF) for the keys it does not set."""
+def split_rdzv_conf(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """torchrun's arguments without their --rdzv-conf (`--rdzv-conf K=V,...` or
+    `--rdzv-conf=K=V,...`, repeatable), and the settings those gave."""
     rest, given = [], []
     items = iter(args)
     for arg in items:
@@ -154,11 +154,19 @@ def elastic_rdzv_conf(args: list[str]) -> tuple[list[str], str]:
             given.append(value if eq else next(items, ""))
         else:
             rest.append(arg)
-    conf = dict(ELASTIC_RDZV_CONF)
+    conf = {}
     for pair in ",".join(given).split(","):
         key, _, value = pair.partition("=")
         if key.strip():
             conf[key.strip()] = value.strip()
+    return rest, conf
+
+
+def elastic_rdzv_conf(args: list[str]) -> tuple[list[str], str]:
+    """torchrun's arguments without their --rdzv-conf, and that conf with meshfit's
+    elastic defaults (ELASTIC_RDZV_CONF) for the keys it does not set."""
+    rest, given = split_rdzv_conf(args)
+    conf = {**ELASTIC_RDZV_CONF, **given}
     return rest, ",".join(f"{k}={v}" for k, v in conf.items())
 
 
@@ -208,22 +216,7 @@ def check_elastic_plan(options: RunOptions, nproc: int) -> None:
 def too_few_nodes(options: RunOptions, argv: list[str]) -> str:
     """Why the rendezvous timed out, and what to do: fewer than MIN nodes were there
     within join_timeout (at the start, or after a node was lost)."""
-    conf = ",".join(
-        value
-        for _, value in (
-            [
-                ("", argv[i + 1])
-                for i, a in enumerate(argv[:-1])
-                if a in ("--rdzv-conf", "--rdzv_conf")
-            ]
-            + [
-                a.partition("=")[::2]
-                for a in argv
-                if a.startswith(("--rdzv-conf=", "--rdzv_conf="))
-            ]
-        )
-    )
-    wait = dict(p.partition("=")[::2] for p in conf.split(",") if p).get("join_timeout", "600")
+    wait = split_rdzv_conf(argv)[1].get("join_timeout", "600")
     least = options.min_nodes if is_elastic(options) else options.nnodes
     return (
         f"stopped: fewer than {least} node{'s' if least != 1 else ''} joined the rendezvous "

@@ -59,9 +59,8 @@ class Topology:
         # Checked before the group starts: a rank that refused the plan after joining
         # could exit while a peer still connects, and the peer's "Connection reset"
         # traceback followed the one-line refusal (seen once in the suite).
-        resolved = (
-            fit_plan(plan, env_world_size()) if elastic_nodes() else plan.resolve(env_world_size())
-        )
+        world = env_world_size()
+        resolved = fit_plan(plan, world) if elastic_nodes() else plan.resolve(world)
         resolved.validate()  # again: dp is known only now
         device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
         mesh = build_mesh(resolved, device)

@@ -125,10 +125,11 @@ def _global_batch_forward(groups: list[dist.ProcessGroup], ranks: int):
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         # Every rank holds an equal share of the batch (meshfit splits it evenly).
-        count = x.numel() // x.shape[1] * (1 if _ALONE[0] else ranks)
-        mean = _sum_over(x.sum(dims), groups) / count
+        over, parts = ([], 1) if _ALONE[0] else (groups, ranks)  # local_statistics()
+        count = x.numel() // x.shape[1] * parts
+        mean = _sum_over(x.sum(dims), over) / count
         centred = x - mean.view(shape)
-        var = _sum_over((centred * centred).sum(dims), groups) / count
+        var = _sum_over((centred * centred).sum(dims), over) / count
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
@@ -170,8 +171,6 @@ def local_statistics(model: nn.Module) -> Iterator[None]:
 
 
 def _sum_over(tensor: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
-    if _ALONE[0]:
-        return tensor
     for group in groups:
         tensor = _SumOver.apply(tensor, group)
     return tensor

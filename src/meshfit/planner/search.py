@@ -150,11 +150,9 @@ def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:
         return f"refused: tp={plan.tp} would span nodes ({per_node} devices per node)"
     if plan.pp > 1 and limits.pp_error:
         return f"refused: {limits.pp_error}"
-    if plan.pp > 1 and plan.pp > min(limits.num_blocks, limits.stage_blocks):
-        return (
-            f"refused: pp={plan.pp} exceeds the model's "
-            f"{min(limits.num_blocks, limits.stage_blocks)} blocks with parameters"
-        )
+    blocks = min(limits.num_blocks, limits.stage_blocks)
+    if plan.pp > 1 and plan.pp > blocks:
+        return f"refused: pp={plan.pp} exceeds the model's {blocks} blocks with parameters"
     if limits.fsdp_error and plan.uses_fsdp:
         return f"refused: {limits.fsdp_error}"
     return ""
@@ -166,10 +164,8 @@ def why_refused(plan: Plan, limits: ModelLimits, devices_per_node: int = 8) -> s
     reason = _refusal(plan, limits, devices_per_node)
     if reason:
         return reason
-    # a pipeline plan that leaves micro-batches and schedule open runs BatchNorm as one
-    # micro-batch under GPipe (prepare.one_microbatch_for_batchnorm)
-    chosen_for_it = plan.pp > 1 and plan.microbatches is None and plan.schedule == "1f1b"
-    if limits.batchnorm and plan.num_microbatches > 1 and not chosen_for_it:
+    # a pipeline plan left open runs BatchNorm as one micro-batch under GPipe (prepare)
+    if limits.batchnorm and plan.num_microbatches > 1 and not plan.leaves_pipeline_open:
         return "refused: BatchNorm would normalise each micro-batch on its own"
     return None
 
@@ -212,7 +208,6 @@ def _refusal_of_variant(plan: Plan, batch_size: int, stage_blocks: int) -> str:
     if plan.pp > 1 and plan.pp * VIRTUAL_STAGES[plan.schedule] > stage_blocks:
         stages = plan.pp * VIRTUAL_STAGES[plan.schedule]
         return f"refused: {plan.schedule} needs {stages} blocks with parameters"
-
     return ""
 
 
