@@ -131,6 +131,8 @@ def test_two_dimensional_plans_match_one_process() -> None:
         make_spec("gpt4", "dp=2,pp=2"),
         # DDP per stage crashed in its second step with GPipe or microbatches == pp
         make_spec("gpt4", "dp=2,pp=2,schedule=gpipe,microbatches=2"),
+        # one micro-batch: each block reduces after its own backward (not deferred)
+        make_spec("gpt4", "fsdp=2,pp=2,schedule=gpipe,microbatches=1", optimizer="adamw"),
         make_spec("gpt4", "fsdp=2,pp=2,schedule=gpipe", optimizer="adamw", grad_clip=0.05),
     ]
     results = mf.launch(many_engine_runs, nproc=4, args=(specs,))

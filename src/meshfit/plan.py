@@ -112,6 +112,14 @@ class Plan:
         return 2 * self.pp if self.pp > 1 else 1
 
     @property
+    def defers_stage_reduction(self) -> bool:
+        """pp x FSDP with several micro-batches: torch's schedule keeps each stage
+        gathered, with its unsharded gradients, and reduce-scatters once at the step's
+        end (less traffic, more memory). With one micro-batch nothing is saved by
+        waiting: each block reduces and frees after its own backward (parallel/fsdp.py)."""
+        return self.pp > 1 and self.uses_fsdp and self.num_microbatches > 1
+
+    @property
     def leaves_pipeline_open(self) -> bool:
         """A pipeline plan that sets neither micro-batches nor schedule: meshfit may
         choose them for the model (one micro-batch under GPipe for BatchNorm,

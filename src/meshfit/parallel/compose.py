@@ -232,6 +232,10 @@ def _apply_pipeline(
         for s in split.mine
     ]
     stage_modules = apply_data_parallel(parts, topology, precision, materialize)
+    if plan.uses_fsdp and not plan.defers_stage_reduction:
+        from meshfit.parallel.fsdp import reduced_per_block
+
+        stage_modules = [reduced_per_block(m) for m in stage_modules]
     runner = build_pipeline(
         model,
         split,

@@ -228,7 +228,8 @@ def _unwrapped_form(stage: PipelineStage) -> OutputForm:
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
-    """The stage module inside a DDP wrapper (FSDP2 changes the module in place)."""
+    """The stage module inside a DDP or fsdp.ReducedPerBlock wrapper (FSDP2 changes the
+    module in place)."""
     return getattr(module, "module", module)
 
 
