@@ -1,4 +1,4 @@
-"""The model zoo matrix: every family of `zoo.py` (transformers, peft LoRA, Keras 3, torchvision-style
+"""The model zoo matrix: every family of `zoo.py` (transformers, peft LoRA, Keras 3, nanoGPT,
 vision code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
 Every cell either trains the one-process run (losses and final weights) or is refused
 with one meshfit line naming the cause; none trains another run. Each column is one
@@ -18,7 +18,14 @@ pytest.importorskip("transformers")
 os.environ.setdefault("KERAS_BACKEND", "torch")
 pytest.importorskip("keras")
 
-from zoo import FAMILIES, hf_mixtral, many_zoo_runs, zoo_optimizer, zoo_run  # noqa: E402
+from zoo import (  # noqa: E402
+    FAMILIES,
+    NANOGPT_MLP_PLAN,
+    hf_mixtral,
+    many_zoo_runs,
+    zoo_optimizer,
+    zoo_run,
+)
 
 import meshfit as mf  # noqa: E402
 from meshfit.verify import tolerance, weight_differences  # noqa: E402
@@ -29,6 +36,8 @@ REFUSED = {
     **{(f, "tp=2"): "tensor parallel finds nothing to split" for f in ("resnet", "bn_cnn")},
     ("keras_mlp", "tp=2"): "tensor parallel finds nothing to split in Sequential",
     **{("keras_mlp", p): "cannot find repeated blocks" for p in ("pp=2", "dp=2,pp=2")},
+    # nanoGPT splits q|k|v by n_embd: its attention cannot be split, the MLP can
+    ("nanogpt", "tp=2"): "to split the rest alone (every block's 'attn' whole",
     # T5's first encoder block hands a position bias from its weights to the others
     **{
         ("t5", p): "block 'encoder.block.1' takes positional argument 3"
@@ -49,6 +58,10 @@ def _verdict(spec: dict, got: dict, ref: dict) -> str:
         assert "refused" in got, f"{spec}: expected the refusal {refusal!r}, it trained"
         assert refusal in got["refused"] and "\n" not in got["refused"], (spec, got["refused"])
         return "refused: " + refusal
+    return _same_run(spec, got, ref)
+
+
+def _same_run(spec: dict, got: dict, ref: dict) -> str:
     assert "refused" not in got, (spec, got["refused"])
     rtol = _rtol(spec["model"])
     losses = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
@@ -69,12 +82,20 @@ def _check(specs: list[dict], results: list[dict], references: dict[str, dict]) 
 @pytest.mark.slow
 def test_every_family_under_dp_fsdp_tp_and_pp_matches_one_process_or_is_refused() -> None:
     specs = [{"model": f, "plan": p} for f in FAMILIES for p in ("dp=2", "fsdp=2", "tp=2", "pp=2")]
+    # the plan nanoGPT's tp refusal names (the MLP alone) trains the one-process run
+    mlp_alone = {"model": "nanogpt", "plan": "tp=2", "options": {"tp_plan": NANOGPT_MLP_PLAN}}
     control = {"model": "gpt", "plan": "dp=2", "grad_scale": 1.001}  # must differ
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = mf.launch(many_zoo_runs, nproc=2, args=([*specs, control],))
+        results = mf.launch(many_zoo_runs, nproc=2, args=([*specs, mlp_alone, control],))
     references: dict[str, dict] = {}
-    _check(specs, results[:-1], references)
+    _check(specs, results[:-2], references)
+    refused = results[specs.index({"model": "nanogpt", "plan": "tp=2"})]["refused"]
+    assert f"tp_plan={NANOGPT_MLP_PLAN!r}" in refused, refused
+    print(
+        "nanogpt   tp=2, the named tp_plan:",
+        _same_run(mlp_alone, results[-2], references["nanogpt"]),
+    )
     wrong = max(weight_differences(results[-1]["state"], references["gpt"]["state"]).values())
     assert wrong > 100 * _rtol("gpt") and math.isfinite(wrong)
 

@@ -4,8 +4,9 @@ is trained with. Dropout is off in every config: with it on, no two runs share r
 numbers, in one process or many.
 
 Sources: Hugging Face transformers (causal LMs, an encoder-decoder, a masked-LM encoder,
-a vision transformer, mixtures of experts, per-head q/k norms), Keras 3 (torch backend), torchvision-style
-vision code (BatchNorm CNNs, a ResNet whose stages differ in width) and meshfit's own.
+a vision transformer, mixtures of experts, per-head q/k norms), peft LoRA, Keras 3 (torch
+backend), torchvision-style vision code (BatchNorm CNNs, a ResNet whose stages differ in
+width), nanoGPT's model.py as people copy it (tests/nanogpt.py) and meshfit's own.
 """
 
 from __future__ import annotations
@@ -198,6 +199,31 @@ class SmallResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+# ---- nanoGPT, as people copy its model.py -------------------------------------------------
+def nanogpt() -> nn.Module:
+    from nanogpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(block_size=LENGTH, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=16))
+
+
+def _nanogpt_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
+    """As nanoGPT's get_batch makes them: random crops of a token stream, the targets
+    the next tokens; the model takes both and returns (logits, loss)."""
+    g = torch.Generator().manual_seed(60_000 + step)
+    data = torch.randint(0, VOCAB, (batch, LENGTH + 1), generator=g)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    return {"idx": x, "targets": y}, y
+
+
+def _nanogpt_loss(outputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+    return outputs[1]  # the loss nanoGPT's forward computed from targets
+
+
+# nanoGPT's attention splits q|k|v by n_embd, the whole width, so tp cannot split it;
+# meshfit's refusal names this plan, which splits the MLP alone
+NANOGPT_MLP_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
 # ---- Keras 3 ---------------------------------------------------------------------------
 def keras_mlp() -> nn.Module:
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -270,6 +296,7 @@ FAMILIES: dict[str, Family] = {
     "bn_cnn": Family(_own("bn_cnn"), _own_batch("bn_cnn"), _own_loss("bn_cnn")),
     "keras_mlp": Family(keras_mlp, _vectors, lambda: F.cross_entropy, dtype="float32"),
     "gpt": Family(_own("gpt4"), _own_batch("gpt4"), _own_loss("gpt4")),
+    "nanogpt": Family(nanogpt, _nanogpt_batch, lambda: _nanogpt_loss),
     "titan": Family(
         _own("titan"), _own_batch("titan"), _own_loss("titan"), options={"blocks": "layers"}
     ),
@@ -310,6 +337,7 @@ def zoo_run(spec: dict) -> dict:
             optimizer=zoo_optimizer,
             example_inputs=example,
             **(family.options or {}),
+            **spec.get("options", {}),
         )
     losses = [float(engine.step(batch(step))) for step in range(3)]
     if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process

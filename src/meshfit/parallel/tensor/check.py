@@ -204,19 +204,80 @@ def _settle_local_sizes(
     sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
     choices = [set(chosen) for k in sizes for chosen in itertools.combinations(names, k)]
     tp = mesh.size()
-    problem = ""
+    problem, failed_in = "", None
     for chosen in choices:
         for owner, attrs in derivation.local_attrs.items():
             for attr, value in attrs.items():
                 setattr(modules[owner], attr, value // tp if attr in chosen else value)
-        problem = _compare(model, mesh, derivation.inputs, reference, scaled)
+        problem, failed_in = _compare(model, mesh, derivation.inputs, reference, scaled)
         if not problem:
             return
+    rest = _plan_without(model, derivation, failed_in) if failed_in else None
+    fix = "pass a tp_plan, or use dp, fsdp or pp"
+    if rest:
+        layer = _inside_block(find_blocks(model), failed_in)
+        fix = (
+            f"to split the rest alone (every block's {layer!r} whole on every tp rank), "
+            f"pass tp_plan={rest!r}; or use dp, fsdp or pp"
+        )
     raise MeshfitError(
         f"tensor parallel split {type(model).__name__} as derived "
-        f"({_plan_summary(derivation.plan)}) and {problem}; pass a tp_plan, or use dp, "
-        f"fsdp or pp"
+        f"({_plan_summary(derivation.plan)}) and {problem}; {fix}"
     )
+
+
+def _failing_module(model: nn.Module, error: BaseException) -> str | None:
+    """The innermost module of `model` whose own code raised `error` (the last frame
+    of the traceback that is a method of one of its modules), None when none is."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+def _plan_without(model: nn.Module, derivation: _Derivation, failed_in: str) -> dict | None:
+    """The derived plan without the pairs inside `failed_in`'s kind of sub-layer (in
+    every block), as a tp_plan a user passes ("<stack>.*.<layer>": style); None where the
+    rest is empty or needs what a hand-written plan does not give (stored sizes made
+    local, gradients summed over tp, experts' weights): meshfit does not check a
+    user's tp_plan, so it names only plans that need nothing more."""
+    stack = find_blocks(model)
+    inner = _inside_block(stack, failed_in)
+    if inner is None:
+        return None
+
+    def kept(name: str) -> bool:
+        within = _inside_block(stack, name)
+        return within is None or not (within == inner or within.startswith(inner + "."))
+
+    if any(
+        kept(n) for n in [*derivation.local_attrs, *derivation.weights, *derivation.summed]
+    ) or any(kept(n) for n in derivation.summed_inputs):
+        return None
+    rest: dict[str, str] = {}
+    for name, style in derivation.plan.items():
+        within = _inside_block(stack, name)
+        if not kept(name):
+            continue
+        if not isinstance(style, str):
+            return None
+        rest[stack.qualified("*") + "." + within if within is not None else name] = style
+    return rest or None
+
+
+def _inside_block(stack: Any, name: str) -> str | None:
+    """`name` relative to the block holding it ("attn.c_attn"), None outside the blocks."""
+    for key in stack.keys:
+        block = stack.qualified(key)
+        if name == block:
+            return ""
+        if name.startswith(block + "."):
+            return name[len(block) + 1 :]
+    return None
 
 
 def _compare(
@@ -225,14 +286,17 @@ def _compare(
     inputs: Any,
     reference: list[torch.Tensor],
     scaled: list[nn.Parameter],
-) -> str:
-    """ "" when the split model reproduces tp rank 0's `reference` outputs on `inputs`,
-    else what differs (the same answer on every tp rank)."""
-    problem = ""
+) -> tuple[str, str | None]:
+    """("", None) when the split model reproduces tp rank 0's `reference` outputs on
+    `inputs`, else (what differs, the module whose forward failed or None): the same
+    answer on every tp rank."""
+    problem, failed_in = "", None
     try:
         got = _outputs(model, inputs, scaled)
     except Exception as error:  # the same code on every rank: all fail alike
-        problem = f"its forward failed: {type(error).__name__}: {_first_line(error)}"
+        failed_in = _failing_module(model, error)
+        where = f" in {failed_in!r}" if failed_in else ""
+        problem = f"its forward failed{where}: {type(error).__name__}: {_first_line(error)}"
     else:
         if mesh.get_local_rank() == 0:
             if len(got) != len(reference):
@@ -253,7 +317,7 @@ def _compare(
                         f"(of {scale:.3g}) on the traced input"
                     )
                     break
-    box = [problem]
+    box = [(problem, failed_in)]
     group = mesh.get_group()
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
