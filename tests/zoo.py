@@ -219,9 +219,19 @@ def _nanogpt_loss(outputs: tuple, targets: torch.Tensor) -> torch.Tensor:
     return outputs[1]  # the loss nanoGPT's forward computed from targets
 
 
-# nanoGPT's attention splits q|k|v by n_embd, the whole width, so tp cannot split it;
-# meshfit's refusal names this plan, which splits the MLP alone
+# nanoGPT's attention cuts q|k|v at n_embd, the whole width, so tp cannot split it: the
+# trial on meta keeps it whole, and without the trial the refusal names this plan
 NANOGPT_MLP_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+# ---- timm's VisionTransformer, as timm writes it (tests/timm_vit.py) ----------------------
+def timm_vit() -> nn.Module:
+    from timm_vit import VisionTransformer
+
+    return VisionTransformer(
+        img_size=8, patch_size=4, num_classes=5, embed_dim=16, depth=2, num_heads=2,
+        mlp_ratio=2.0, init_values=0.1,
+    )  # fmt: skip
 
 
 # ---- Keras 3 ---------------------------------------------------------------------------
@@ -297,6 +307,7 @@ FAMILIES: dict[str, Family] = {
     "keras_mlp": Family(keras_mlp, _vectors, lambda: F.cross_entropy, dtype="float32"),
     "gpt": Family(_own("gpt4"), _own_batch("gpt4"), _own_loss("gpt4")),
     "nanogpt": Family(nanogpt, _nanogpt_batch, lambda: _nanogpt_loss),
+    "timm_vit": Family(timm_vit, _images, lambda: F.cross_entropy),
     "titan": Family(
         _own("titan"), _own_batch("titan"), _own_loss("titan"), options={"blocks": "layers"}
     ),
@@ -330,6 +341,13 @@ def zoo_run(spec: dict) -> dict:
     with contextlib.ExitStack() as stack:
         if spec.get("experts_as_one_block"):  # the negative control of the experts' split
             stack.enter_context(_experts_split_as_one_block())
+        if spec.get("no_trial"):  # tp without its trial on meta: split, then checked
+            from unittest import mock
+
+            from meshfit.parallel.tensor import derive
+
+            no_op = mock.patch.object(derive, "keep_whole_what_cannot_split", lambda *a: None)
+            stack.enter_context(no_op)
         engine = mf.parallelize(
             model,
             spec.get("plan"),

@@ -34,6 +34,7 @@ from meshfit.parallel.tensor.trace import (
     _trace_blocks,
     _Weight,
 )
+from meshfit.parallel.tensor.trial import keep_whole_what_cannot_split
 
 
 def derive_tp_plan(model: nn.Module, example_inputs: Any = None) -> dict[str, str]:
@@ -113,6 +114,8 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
                 if type(groups) is int:  # q heads per k/v head: each rank's share of them
                     local_attrs.setdefault(owner, {})["num_key_value_groups"] = groups
         _note_weights(split, trace, block_plan, whole, prefix=f"{name}.")
+    split.inputs, split.local_attrs = inputs, local_attrs
+    keep_whole_what_cannot_split(model, split, tp if tp and tp > 1 else 2)
     if "rowwise" not in plan.values():
         kept = "".join(f"; {owner} kept whole: {why}" for owner, why in split.whole.items())
         raise _nothing_to_split(
@@ -121,7 +124,6 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
             f"input and feeds, through per-element or per-head steps only, one that writes back "
             f"to the block's output{kept}",
         )
-    split.inputs, split.local_attrs = inputs, local_attrs
     return split
 
 

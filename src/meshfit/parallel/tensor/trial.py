@@ -1,0 +1,196 @@
+"""A shape-only trial of one block's split, on meta, before anything is split.
+
+The trace finds which projections pair up; it cannot see how the model's own code sizes
+what they make. nanoGPT's attention cuts its fused q|k|v at `n_embd` and reshapes to the
+input's width `C`: split, its rank-local output has a third of the chunks the code
+expects, and no choice of local head counts helps. Splitting the model and checking it
+(check.py) would find that, but too late to split anything else: the model is split in
+place. So before that, a copy of the first block runs on meta with each projection
+narrowed to one rank's width (no values, no process group, no memory): where the
+unsplit copy runs and the narrowed one raises, the innermost sub-layer whose code raised
+is kept whole in every block (`whole`, said in the start-up line) and the rest is tried
+again. The split model is still checked on values afterwards, as before; this only
+decides what is worth splitting, for the engine and the planner alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.tensor.split import Split
+from meshfit.trees import call_model, map_tensors
+
+
+class _Captured(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args_, self.kwargs = args, kwargs
+
+
+def keep_whole_what_cannot_split(model: nn.Module, derivation: Any, tp: int) -> None:
+    """Drop from `derivation` (in place) every kind of sub-layer whose narrowed code
+    fails on the first block's input, recording why in `derivation.whole`. Not where tp
+    does not divide the plan's widths or head counts: that refusal names the cause."""
+    from meshfit.errors import MeshfitError
+    from meshfit.parallel.tensor.check import check_tp_plan
+    from meshfit.parallel.tensor.trace import _block_units
+
+    plain = {n: s for n, s in derivation.plan.items() if n not in derivation.weights}
+    try:  # a tp that does not divide a width or a head count is refused by name instead
+        check_tp_plan(model, plain, tp)
+    except MeshfitError:
+        return
+    first, block = _block_units(model, find_blocks(model))[0]
+    captured = None
+    for _ in range(8):  # each pass keeps one more kind of sub-layer whole
+        mine = _in_block(derivation.plan, first)
+        if not mine or _in_block(derivation.weights, first):
+            return  # nothing left, or experts' weights: not narrowed here
+        if captured is None:
+            captured = _block_input(model, block, derivation.inputs)
+            if captured is None:
+                return
+        failed = _failing_sublayer(
+            block, mine, _in_block(derivation.local_attrs, first), tp, captured
+        )
+        if failed is None:
+            return
+        layer, why = failed
+        _drop(derivation, model, layer)
+        derivation.whole[layer] = why
+
+
+def _in_block(table: dict[str, Any], block: str) -> dict[str, Any]:
+    prefix = block + "."
+    return {n[len(prefix) :]: v for n, v in table.items() if n.startswith(prefix)}
+
+
+def _block_input(model: nn.Module, block: nn.Module, inputs: Any) -> tuple | None:
+    """The first block's (args, kwargs) on `inputs`, on meta; None when not reached."""
+    if inputs is None:
+        return None
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Captured(args, kwargs)
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            call_model(model, inputs)
+    except _Captured as got:
+        to_meta = lambda t: t.detach().to("meta")  # noqa: E731
+        return map_tensors(got.args_, to_meta), map_tensors(got.kwargs, to_meta)
+    except Exception:  # the trace ran this forward already; no verdict
+        return None
+    finally:
+        handle.remove()
+        model.train(training)
+    return None
+
+
+def _failing_sublayer(
+    block: nn.Module,
+    plan: dict[str, Any],
+    local_attrs: dict[str, dict[str, int]],
+    tp: int,
+    captured: tuple,
+) -> tuple[str, str] | None:
+    """(the sub-layer, inside the block, whose narrowed code raised; why) or None: it ran,
+    or no verdict (the unsplit copy fails on meta too, or a layer is not narrowed here)."""
+    if _raised(_on_meta(block), captured) is not None:
+        return None
+    trial = _on_meta(block)
+    modules = dict(trial.named_modules())
+    for name, style in plan.items():
+        if not (isinstance(style, str) and _narrow(modules.get(name), style, tp)):
+            return None
+    names = sorted({a for attrs in local_attrs.values() for a in attrs})
+    sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
+    error = None
+    for chosen in (set(c) for k in sizes for c in itertools.combinations(names, k)):
+        for owner, attrs in local_attrs.items():
+            for attr, value in attrs.items():
+                setattr(modules[owner], attr, value // tp if attr in chosen else value)
+        raised = _raised(trial, captured)
+        if raised is None:
+            return None
+        error = error or raised
+    layer = _innermost(trial, error)
+    if layer in plan:  # a projection raised itself: keep its sub-layer whole
+        layer = layer.rpartition(".")[0]
+    if not layer:
+        return None
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return layer, f"its split forward fails ({type(error).__name__}: {first})"
+
+
+def _on_meta(block: nn.Module) -> nn.Module:
+    return copy.deepcopy(block).to_empty(device="meta").eval()
+
+
+def _narrow(module: nn.Module | None, style: str, tp: int) -> bool:
+    """Give a Linear one rank's widths under `style` (meta tensors); False for anything
+    else (its layout is not narrowed here)."""
+    split = Split.parse(style)
+    if not isinstance(module, nn.Linear) or split is None:
+        return False
+    out_features, in_features = module.weight.shape
+    if split.column:
+        if out_features % tp:
+            return False
+        module.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device="meta"))
+        if module.bias is not None:
+            module.bias = nn.Parameter(torch.empty(out_features // tp, device="meta"))
+        module.out_features = out_features // tp
+    else:
+        if in_features % tp:
+            return False
+        module.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device="meta"))
+        module.in_features = in_features // tp
+    return True
+
+
+def _raised(block: nn.Module, captured: tuple) -> BaseException | None:
+    args, kwargs = copy.deepcopy(captured)  # a cache the block appends to starts empty
+    try:
+        with torch.no_grad():
+            block(*args, **kwargs)
+    except Exception as error:
+        return error
+    return None
+
+
+def _innermost(block: nn.Module, error: BaseException) -> str:
+    """The name inside `block` of the innermost module whose own code raised ("" none)."""
+    names = {id(m): n for n, m in block.named_modules()}
+    found, tb = "", error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+def _drop(derivation: Any, model: nn.Module, layer: str) -> None:
+    """Remove `layer` (named inside a block) and what is in it from every block's share
+    of `derivation`."""
+    from meshfit.parallel.tensor.trace import _block_units
+
+    inside = [f"{unit}.{layer}" for unit, _ in _block_units(model, find_blocks(model))]
+
+    def within(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in inside)
+
+    for table in (derivation.plan, derivation.local_attrs, derivation.weights, derivation.owners):
+        for name in [n for n in table if within(n)]:
+            del table[name]
+    derivation.summed[:] = [n for n in derivation.summed if not within(n)]
+    derivation.summed_inputs[:] = [n for n in derivation.summed_inputs if not within(n)]
