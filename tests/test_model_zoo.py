@@ -1,5 +1,5 @@
-"""The model zoo matrix: every family of `zoo.py` (transformers, peft LoRA, Keras 3, nanoGPT, timm,
-vision code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
+"""The model zoo matrix: every family of `zoo.py` (transformers, peft LoRA, Keras 3,
+nanoGPT, timm, torchvision-style vision code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
 Every cell either trains the one-process run (losses and final weights) or is refused
 with one meshfit line naming the cause; none trains another run. Each column is one
 launch of workers running all its cells."""
