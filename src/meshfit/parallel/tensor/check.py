@@ -198,11 +198,7 @@ def _settle_local_sizes(
     matches tp rank 0's unsplit model is kept. None matching (a reshape the split cannot
     reach, a fused layout read another way) is refused on every tp rank alike."""
     modules = dict(model.named_modules())
-    names = sorted({attr for attrs in derivation.local_attrs.values() for attr in attrs})
-    # every subset when there are few candidates (one forward each on a tiny input);
-    # with many, all of them or none
-    sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
-    choices = [set(chosen) for k in sizes for chosen in itertools.combinations(names, k)]
+    choices = local_size_choices(derivation.local_attrs)
     tp = mesh.size()
     problem, failed_in = "", None
     for chosen in choices:
@@ -224,6 +220,15 @@ def _settle_local_sizes(
         f"tensor parallel split {type(model).__name__} as derived "
         f"({_plan_summary(derivation.plan)}) and {problem}; {fix}"
     )
+
+
+def local_size_choices(local_attrs: dict[str, dict[str, int]]) -> list[set[str]]:
+    """The sets of stored-size names to try as local values, most localised first: every
+    subset when there are few candidates (one forward each on a tiny input); with many,
+    all of them or none."""
+    names = sorted({attr for attrs in local_attrs.values() for attr in attrs})
+    sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
+    return [set(chosen) for k in sizes for chosen in itertools.combinations(names, k)]
 
 
 def _failing_module(model: nn.Module, error: BaseException) -> str | None:

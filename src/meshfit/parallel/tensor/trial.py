@@ -16,7 +16,6 @@ decides what is worth splitting, for the engine and the planner alike.
 from __future__ import annotations
 
 import copy
-import itertools
 from typing import Any
 
 import torch
@@ -111,10 +110,10 @@ def _failing_sublayer(
     for name, style in plan.items():
         if not (isinstance(style, str) and _narrow(modules.get(name), style, tp)):
             return None
-    names = sorted({a for attrs in local_attrs.values() for a in attrs})
-    sizes = range(len(names), -1, -1) if len(names) <= 4 else (len(names), 0)
+    from meshfit.parallel.tensor.check import _failing_module, local_size_choices
+
     error = None
-    for chosen in (set(c) for k in sizes for c in itertools.combinations(names, k)):
+    for chosen in local_size_choices(local_attrs):
         for owner, attrs in local_attrs.items():
             for attr, value in attrs.items():
                 setattr(modules[owner], attr, value // tp if attr in chosen else value)
@@ -122,7 +121,7 @@ def _failing_sublayer(
         if raised is None:
             return None
         error = error or raised
-    layer = _innermost(trial, error)
+    layer = _failing_module(trial, error) or ""  # "": the block itself
     if layer in plan:  # a projection raised itself: keep its sub-layer whole
         layer = layer.rpartition(".")[0]
     if not layer:
@@ -165,18 +164,6 @@ def _raised(block: nn.Module, captured: tuple) -> BaseException | None:
     except Exception as error:
         return error
     return None
-
-
-def _innermost(block: nn.Module, error: BaseException) -> str:
-    """The name inside `block` of the innermost module whose own code raised ("" none)."""
-    names = {id(m): n for n, m in block.named_modules()}
-    found, tb = "", error.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if owner is not None and id(owner) in names:
-            found = names[id(owner)]
-        tb = tb.tb_next
-    return found
 
 
 def _drop(derivation: Any, model: nn.Module, layer: str) -> None:
