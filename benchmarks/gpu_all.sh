@@ -15,6 +15,8 @@
 #   planner     the planner's step time and peak memory against measured, GPT
 #               125M / 405M / 1.3B, recomputation, eager / compiled (issue 12)  ~5 min
 #   overhead    the small demo GPT: hand-written vs engine vs fit     ~3 min
+#   meta        a 1.24B Llama built on the CPU / on meta / on meta + weights=: GPU peaks
+#               at build, over two steps and at save, values checked (issue 30)  ~3 min
 #
 # The machine needs meshfit's source (this checkout) and, for fp8, torchao: the lent GPUs
 # cannot download, so carry the wheel (pip download torchao==0.18.0 --no-deps -d wheels/)
@@ -39,10 +41,11 @@ part() {
         fp8) "$PY" benchmarks/gpu_fp8.py ;;
         planner) "$PY" benchmarks/planner_gpu.py ;;
         overhead) "$PY" benchmarks/overhead.py --rounds 7 --steps 200 ;;
-        *) echo "unknown part '$1': throughput, llama, fp8, planner, overhead" >&2; exit 2 ;;
+        meta) "$PY" benchmarks/gpu_meta_memory.py ;;
+        *) echo "unknown part '$1': throughput, llama, fp8, planner, overhead, meta" >&2; exit 2 ;;
     esac
 }
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(throughput llama fp8 planner overhead)
+[ ${#parts[@]} -eq 0 ] && parts=(throughput llama fp8 planner overhead meta)
 for p in "${parts[@]}"; do part "$p"; done

@@ -29,12 +29,16 @@ KINDS = ("gpt4", "llama", "gpt2", "bert", "t5", "qwen3")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_model_built_on_meta_gets_the_values_of_one_built_on_the_cpu(kind) -> None:
+def test_a_model_built_on_meta_gets_the_values_of_one_built_on_the_cpu(kind, monkeypatch) -> None:
     cpu, loss_fn, _ = meta_model(kind, on_meta=False)
     expected, random_after = cpu.state_dict(), torch.get_rng_state()
     model, loss_fn, init = meta_model(kind)
     assert all(p.is_meta for p in model.parameters())
+    given = _storage_to_empty_gives(monkeypatch)
     engine = mf.parallelize(model, None, loss_fn=loss_fn, init=init)
+    # storage for each tensor once: a tied head is not given a full tensor of its own
+    # first (on an H200 a 1.24B Llama's 1 GiB embedding was on the GPU twice)
+    assert given == [_distinct_bytes(cpu)], (given, _distinct_bytes(cpu))
     got = engine.user_model.state_dict()
     assert got.keys() == expected.keys()
     for name, value in expected.items():
@@ -44,6 +48,32 @@ def test_a_model_built_on_meta_gets_the_values_of_one_built_on_the_cpu(kind) -> 
     # a tied LM head is one parameter still (to_empty gave each module its own: GPT-2
     # then trained its embedding and head apart, a different run, in one process)
     assert _ties(engine.user_model) == _ties(cpu)
+
+
+def _distinct_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind a model's parameters and buffers."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _storage_to_empty_gives(monkeypatch) -> list[int]:
+    """Record, per Module.to_empty call, the storage the model holds right after it
+    (tensors a module holds under two names are one storage: counted once)."""
+    given: list[int] = []
+    original = torch.nn.Module.to_empty
+
+    def recording(module, *args, **kwargs):
+        out = original(module, *args, **kwargs)
+        every = [t for _, t in module.named_parameters(remove_duplicate=False)]
+        every += [t for _, t in module.named_buffers(remove_duplicate=False)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in every}
+        given.append(sum(storages.values()))
+        return out
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", recording)
+    return given
 
 
 def _ties(model: torch.nn.Module) -> list[list[str]]:
