@@ -13,10 +13,14 @@ one module:
   `post_init` applies it (a sub-model initialised where it is built).
 
 A call may write tensors of the module's descendants (GPT-2's and T5's `_init_weights`
-set their children's weights): which it writes is found once on meta, before any form.
-Every rank then makes every call (also for what another rank keeps, so the random numbers
-are drawn in one order everywhere) on full-size CPU scratch tensors, recording the
-random-number state before each, and materializes what it keeps: for each of its tensors
+set their children's weights): which it writes is found once, before any form, by making
+every call with its module's own tensors full-size CPU scratch and every other tensor a
+meta stand-in. That pass also records the random-number state before each call; where no
+call writes another module's tensors (so the pass drew what the real calls draw), and the
+rank's state is still the one the pass started from, the real run uses those states;
+otherwise every rank makes every call again (also for what another rank keeps, so the
+random numbers are drawn in one order everywhere) on full-size CPU scratch tensors,
+recording them. Each rank then materializes what it keeps: for each of its tensors
 it replays, from the recorded states, the calls that write it, and keeps its slice (the
 whole tensor for a replica, its shard under fsdp or tp, its stage's under pp). The extra memory
 is what one module's calls write. The random-number state starts from rank 0's and ends
@@ -87,6 +91,12 @@ class Initializer:
         default_factory=dict
     )  # {(id of module, name): (shape, dtype, requires_grad)} of every slot
     groups: list[list[Slot]] = field(default_factory=list)  # the holders of each tensor
+    # The random-number state before each call, as the pass that found the writes saw
+    # them from the state `starts_from`; None where that pass cannot stand for the real
+    # one (a call writes another module's tensor, which that pass left on meta, undrawn).
+    starts: list[torch.Tensor] | None = None
+    starts_from: torch.Tensor | None = None
+    starts_to: torch.Tensor | None = None  # the state after the last call
 
     def name_of(self, slot: Slot) -> str:
         module, _, name = slot
@@ -153,8 +163,15 @@ def _materialize(
     initializer: Initializer, model: nn.Module, device: torch.device, weights: WeightFiles | None
 ) -> None:
     _same_random_state()
-    starts = _record_random_states(initializer)
-    after = torch.get_rng_state()
+    if initializer.starts is not None and torch.equal(
+        torch.get_rng_state(), initializer.starts_from
+    ):
+        # the same calls from the same state: the same draws, and the state they end in
+        # (where one process's constructor leaves it)
+        starts, after = initializer.starts, initializer.starts_to
+    else:
+        starts = _record_random_states(initializer)
+        after = torch.get_rng_state()
     kept = {id(m) for m in model.modules()}
     stand_ins = _remove_stand_ins(model)
     _untie(initializer, kept)
@@ -322,7 +339,9 @@ def _same_random_state() -> None:
 
 def _record_random_states(initializer: Initializer) -> list[torch.Tensor]:
     """Make every call on scratch tensors, recording the random-number state before each:
-    the real run then replays the calls that write a tensor, alone."""
+    the real run then replays the calls that write a tensor, alone. Only where the pass
+    of `_find_writes` could not record them: a pass of draws over the whole model, a
+    third of a 159M Llama's build time on meta (measured: BENCHMARKS.md)."""
     starts = []
     for (_, fn, module), slots in zip(initializer.calls, initializer.writes, strict=True):
         starts.append(torch.get_rng_state())
@@ -345,19 +364,29 @@ def _find_writes(model: nn.Module, initializer: Initializer) -> list[list[Slot]]
             tensor = nn.Parameter(tensor, requires_grad=original.requires_grad)
         _table(module, kind)[name] = tensor
         stand_ins[tensor.untyped_storage()._cdata] = slot
-    writes = []
+    writes, starts = [], []
     random_state = torch.get_rng_state()  # the calls below must not draw for the real run
     try:
         for _, fn, module in initializer.calls:
             own = [slot for slot, _ in _own_slots(module)]
             spy = _Writes(stand_ins)
+            starts.append(torch.get_rng_state())
             with _swapped(initializer, own, {}), spy, torch.no_grad():
                 fn(module)
             writes.append(own + [s for s in spy.slots if s not in own])
+        ends = torch.get_rng_state()
     finally:
         for slot in every:
             _table(slot[0], slot[1])[slot[2]] = saved[_key(slot)]
         torch.set_rng_state(random_state)
+    # The calls drew here as they will for real if each wrote only its own tensors (those
+    # were full-size here, as they will be then); a write to another module's tensor was
+    # made on meta, drawing nothing: then the real run records its own states.
+    if all(
+        len(w) == len(_own_slots(m)) for w, (_, _, m) in zip(writes, initializer.calls, strict=True)
+    ):
+        initializer.starts, initializer.starts_from = starts, random_state
+        initializer.starts_to = ends
     return writes
 
 
