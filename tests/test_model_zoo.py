@@ -34,8 +34,11 @@ from meshfit.verify import tolerance, weight_differences  # noqa: E402
 REFUSED = {
     # CNNs: no matrix products to pair
     **{(f, "tp=2"): "tensor parallel finds nothing to split" for f in ("resnet", "bn_cnn")},
-    ("keras_mlp", "tp=2"): "tensor parallel finds nothing to split in Sequential",
-    **{("keras_mlp", p): "cannot find repeated blocks" for p in ("pp=2", "dp=2,pp=2")},
+    # Keras keeps its layers' weights in one table of the model: nothing to cut or split
+    ("keras_mlp", "tp=2"): "nothing to split in Sequential: it is a Keras model",
+    **{
+        ("keras_mlp", p): "blocks in Sequential: it is a Keras model" for p in ("pp=2", "dp=2,pp=2")
+    },
     # T5's first encoder block hands a position bias from its weights to the others
     **{
         ("t5", p): "block 'encoder.block.1' takes positional argument 3"

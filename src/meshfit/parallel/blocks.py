@@ -55,6 +55,17 @@ def use_blocks(model: nn.Module, path: str) -> BlockStack:
     return BlockStack(path, container, list(container._modules))
 
 
+KERAS_LAYERS = (
+    "it is a Keras model, whose layers keep their weights in one table of the model "
+    "(_torch_params), not in torch sub-modules"
+)
+
+
+def keras_model(model: nn.Module) -> bool:
+    """A Keras 3 model on the torch backend: an nn.Module whose layers are not modules."""
+    return type(model).__module__.startswith("keras.")
+
+
 def find_blocks(model: nn.Module) -> BlockStack:
     """The model's stack of repeated blocks: the container named with `use_blocks`, the
     model itself when it is an `nn.Sequential`, else the largest ModuleList /
@@ -77,6 +88,12 @@ def find_blocks(model: nn.Module) -> BlockStack:
             continue
         if best is None or len(module) > len(best.keys):
             best = BlockStack(name, module, list(module._modules))
+    if best is None and keras_model(model):
+        raise MeshfitError(
+            f"cannot find repeated blocks in {type(model).__name__}: {KERAS_LAYERS}; pipeline "
+            f"and tensor parallel cannot cut or split it: train it with dp or fsdp, which "
+            f"take it as it is"
+        )
     if best is None:
         raise MeshfitError(
             f"cannot find repeated blocks in {type(model).__name__}: meshfit looks for an "

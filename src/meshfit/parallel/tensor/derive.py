@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.blocks import KERAS_LAYERS, find_blocks, keras_model
 from meshfit.parallel.tensor.split import (
     ELEMENTWISE,
     HEAD_ATTRS,
@@ -75,6 +75,11 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
     try:
         stack = find_blocks(model)
     except MeshfitError:
+        if keras_model(model):
+            raise MeshfitError(
+                f"tensor parallel finds nothing to split in {type(model).__name__}: "
+                f"{KERAS_LAYERS}; train it with dp or fsdp, which take it as it is"
+            ) from None
         raise _nothing_to_split(model, "it has no stack of repeated blocks") from None
     plan: dict[str, str] = {}
     if all(type(b) is nn.Sequential for b in stack.blocks):
