@@ -32,6 +32,7 @@ GPT2_QKV_AS_ONE_BLOCK = {
 }
 # Refused at the first stage's first forward, on that rank alone (the other stages wait
 # for its activation): the launch fails with the refusal, so it gets a launch of its own.
+# (T5 under pp without example_inputs; with them it trains: the test below.)
 REFUSED_IN_THE_FIRST_STEP = {("t5", "pp")}
 
 
@@ -183,12 +184,20 @@ def _first_step_refusal(model: str, plan: str) -> bool:
 
 
 @pytest.mark.slow
-def test_t5_under_pp_is_refused_before_any_update() -> None:
-    # Its first encoder block computes a position bias from its own weights and hands
-    # it to the others: the second stage would recompute it as zeros (measured before
-    # the check: losses apart from step 0), so the first forward refuses it.
-    with pytest.raises(mf.MeshfitError, match=r"block 'encoder\.block\.1' takes positional"):
-        mf.launch(lm_run, nproc=2, args=({"model": "t5", "plan": "pp=2,microbatches=4"},))
+def test_t5_under_pp_sends_its_position_bias_across_the_cut() -> None:
+    """T5's first encoder block computes a position bias from its own weights and the
+    forward's loop hands it to the next blocks: the second stage recomputed it as zeros
+    (measured before any check: losses apart from step 0), then pp refused T5. Now the
+    check forward on example_inputs finds it, the stage before the cut sends it with the
+    hidden state and gets its gradient back: the one-process run, over 4 micro-batches.
+    Without example_inputs nothing has found it, so the cut refuses, before any update."""
+    spec = {"model": "t5", "plan": "pp=2,microbatches=4"}
+    example = sft_batch("t5", 2, 0)[0]
+    sent = mf.launch(lm_run, nproc=2, args=({**spec, "options": {"example_inputs": example}},))
+    assert_same_run(sent, lm_run({"model": "t5"}), _rtol("t5"))
+    unknown = r"cannot cut before block 'encoder\.block\.1'.* pass example_inputs="
+    with pytest.raises(mf.MeshfitError, match=unknown):
+        mf.launch(lm_run, nproc=2, args=(spec,))
 
 
 def test_a_mean_loss_over_ignored_targets_warns_once_with_the_fix() -> None:

@@ -39,11 +39,6 @@ REFUSED = {
     **{
         ("keras_mlp", p): "blocks in Sequential: it is a Keras model" for p in ("pp=2", "dp=2,pp=2")
     },
-    # T5's first encoder block hands a position bias from its weights to the others
-    **{
-        ("t5", p): "block 'encoder.block.1' takes positional argument 3"
-        for p in ("pp=2", "dp=2,pp=2")
-    },
 }
 
 

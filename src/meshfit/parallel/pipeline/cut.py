@@ -93,6 +93,10 @@ class PipelineSplit:
     # the last stage owns them (every stage keeps the modules, which run its prologue)
     head_state: frozenset[str] = frozenset()
     tail_state: frozenset[str] = frozenset()
+    # {block key: side inputs the block before hands it, computed from trained weights
+    # (T5's position bias)}: they cross a cut before that block with the hidden state.
+    # None: no forward looked (no example_inputs); a stage refuses any it meets.
+    carried: dict[str, list] | None = None
 
     @property
     def foreign_state(self) -> frozenset[str]:
@@ -177,38 +181,39 @@ def split_model(
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     tied = find_tied(head, tail, names)
 
+    counted: StageCosts | None = None
+    carried: dict[str, list] | None = None
+    if example_inputs is not None:
+        # Every rank must cut at the same place: rank 0 counts the FLOPs (the same on
+        # every rank; one forward is enough) and tells the others. Its forward also runs
+        # the checks a stage's first forward would run, so a model the cut would train
+        # wrongly is refused here, on every rank alike (at a stage's first forward only
+        # that stage's rank can refuse, and the others wait for its activation until the
+        # launcher stops them), and finds the side inputs that cross the cuts.
+        measures = _measures_with_rank0(model)
+        shared: list[Any] = [None]
+        if measures:
+            try:
+                with _checked(model, stack, head, tail) as found, _side_effects_undone(model):
+                    shared[0] = (count_costs(model, stack, example_inputs), found)
+            except MeshfitError as refusal:
+                shared[0] = str(refusal)
+            except Exception:  # noqa: BLE001 - see below
+                if not next(model.parameters()).is_meta:
+                    raise
+                # A model on meta whose forward reads values (a mask's .item()) cannot
+                # run there: its stages are balanced by parameter count (the start-up
+                # line says so), and each stage checks its first forward itself.
+                shared[0] = (parameter_costs(stack, head, tail), None)
+        dist.broadcast_object_list(shared, src=0)
+        if isinstance(shared[0], str):
+            raise MeshfitError(shared[0])
+        counted, carried = shared[0]
     if split is not None:
         starts = _check_split(split, n, num_stages)
         costs = parameter_costs(stack, head, tail)
     else:
-        if example_inputs is not None:
-            # Every rank must cut at the same place: rank 0 counts the FLOPs (the same
-            # on every rank; one forward is enough) and tells the others.
-            # Its forward also runs the checks a stage's first forward would run, so a
-            # model the cut would train wrongly is refused here, on every rank alike
-            # (at a stage's first forward only that stage's rank can refuse, and the
-            # others wait for its activation until the launcher stops them).
-            measures = _measures_with_rank0(model)
-            shared: list[Any] = [None]
-            if measures:
-                try:
-                    with _checked(model, stack, head, tail), _side_effects_undone(model):
-                        shared[0] = count_costs(model, stack, example_inputs)
-                except MeshfitError as refusal:
-                    shared[0] = str(refusal)
-                except Exception:  # noqa: BLE001 - see below
-                    if not next(model.parameters()).is_meta:
-                        raise
-                    # A model on meta whose forward reads values (a mask's .item()) cannot
-                    # run there: its stages are balanced by parameter count (the start-up
-                    # line says so), and each stage checks its first forward itself.
-                    shared[0] = parameter_costs(stack, head, tail)
-            dist.broadcast_object_list(shared, src=0)
-            if isinstance(shared[0], str):
-                raise MeshfitError(shared[0])
-            costs = shared[0]
-        else:
-            costs = parameter_costs(stack, head, tail)
+        costs = counted if counted is not None else parameter_costs(stack, head, tail)
         starts = balanced_starts(costs, num_stages)
     bounds = [*starts, n]
     stage_keys = [stack.keys[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -226,6 +231,7 @@ def split_model(
         pp=pp,
         head_state=head_state,
         tail_state=tail_state,
+        carried=carried,
     )
 
     owned = {k for s in mine for k in stage_keys[s]}
@@ -258,13 +264,16 @@ def split_model(
 def _checked(model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[tuple]):
     """The whole model's forward with the checks of a stage's first forward, over all
     the blocks (see stage._check_the_split)."""
-    from meshfit.parallel.pipeline.stage import _check_the_split, _modules_outside
+    from meshfit.parallel.pipeline.stage import _check_the_split, _modules_outside, _Threaded
 
     blocks = dict(zip(stack.keys, stack.blocks, strict=True))
     outside = _modules_outside(model, stack, head, tail)
-    handles = _check_the_split(blocks, stack, outside, model=model)
+    found: dict[str, list] = {}
+    handles = _check_the_split(
+        blocks, stack, outside, model=model, threaded=_Threaded(), found=found
+    )
     try:
-        yield
+        yield found
     finally:
         for handle in handles:
             handle.remove()

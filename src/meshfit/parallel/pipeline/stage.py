@@ -8,9 +8,12 @@ an activation after each block say, runs on the stage before the cut). So whatev
 the forward does before the blocks (embeddings, position tables, masks) is computed on
 every stage, and whatever it does after them (final norm, head) runs on the last one.
 The prologue runs on later stages too, but only for the values the blocks take besides
-the activation (masks, rotary tables), which must not depend on trained weights; a block
-input that does, or a module that runs on the other side of the blocks than where it is
-registered, is refused at the stage's first forward rather than trained wrongly.
+the activation (masks, rotary tables), which must not depend on trained weights. A side
+input that does and that the block before returned (T5's position bias) is sent with the
+activation (the cut's check forward finds them: PipelineSplit.carried); any other that
+does (a skip from the embeddings), or a module that runs on the other side of the blocks
+than where it is registered, is refused at the stage's first forward rather than trained
+wrongly.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class StageModule(nn.Module):
         outside: list[tuple[str, nn.Module, str]] = (),
         units: list[nn.Module] | None = None,
         next_key: str | None = None,
+        carried: dict[str, list[Where]] | None = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)
@@ -67,6 +71,12 @@ class StageModule(nn.Module):
         self.keys = keys
         self.is_first, self.is_last = is_first, is_last
         self.next_key = next_key  # the next stage's first block (None on the last stage)
+        # Side inputs of a block that an earlier block computes (T5's position bias): they
+        # cross the cut with the hidden state. {block key: where in its call}; None where
+        # no forward found them (no example_inputs): a stage then refuses any it meets.
+        self._carried = carried
+        self.carried_in = [] if carried is None or is_first else carried.get(keys[0], [])
+        self.carried_out = [] if carried is None or next_key is None else carried.get(next_key, [])
         if units is None:
             self.params = nn.ParameterList(params)
         else:
@@ -76,13 +86,13 @@ class StageModule(nn.Module):
         self._checked = False
         self.output_form = OutputForm()
 
-    def forward(self, hidden_or_inputs: Any, model_inputs: Any = None) -> Any:
+    def forward(self, hidden_or_inputs: Any, *carried: Any, model_inputs: Any = None) -> Any:
         if _in_torch_metadata_inference():
             with _side_effects_undone(self._model):
-                return self._forward(hidden_or_inputs, model_inputs)
-        return self._forward(hidden_or_inputs, model_inputs)
+                return self._forward(hidden_or_inputs, carried, model_inputs)
+        return self._forward(hidden_or_inputs, carried, model_inputs)
 
-    def _forward(self, hidden_or_inputs: Any, model_inputs: Any) -> Any:
+    def _forward(self, hidden_or_inputs: Any, carried: tuple, model_inputs: Any) -> Any:
         model, container = self._model, self._stack.container
         # The first stage takes the batch's inputs: from `model_inputs` when the runner
         # passes them (a mapping cannot be a stage's positional input), else positional.
@@ -94,16 +104,28 @@ class StageModule(nn.Module):
         if not self.is_first:
             handles.append(
                 blocks[self.keys[0]].register_forward_pre_hook(
-                    _replace_first_arg(hidden_or_inputs), with_kwargs=True
+                    _replace_first_args(
+                        hidden_or_inputs, dict(zip(self.carried_in, carried, strict=True))
+                    ),
+                    with_kwargs=True,
                 )
             )
         checking = not self._checked  # the first forward only: free afterwards
+        threaded = _Threaded()
         if checking:
             self._checked = True
-            handles += _check_the_split(blocks, self._stack, self._outside)
+            handles += _check_the_split(
+                blocks, self._stack, self._outside, threaded=threaded, given=set(self.carried_in)
+            )
         if not self.is_last:
             # In the next block's place: the loop calls it with the next stage's input.
-            blocks[self.next_key] = _NextStageInput(self._stack.qualified(self.next_key), checking)
+            name = self._stack.qualified(self.next_key)
+            check = (
+                _side_input_check(name, self.next_key, self._carried, threaded, at_cut=True)
+                if checking
+                else None
+            )
+            blocks[self.next_key] = _NextStageInput(name, self.carried_out, check)
         # The checks read requires_grad, so they need autograd on, also in an evaluation.
         untracked = checking and not torch.is_grad_enabled()
         container._modules = blocks  # the forward's loop sees only this stage's blocks
@@ -204,16 +226,55 @@ class OutputForm:
         return tree_unflatten(leaves, self.spec)
 
 
-def _replace_first_arg(hidden: torch.Tensor) -> Callable:
+# Where a side input sits in a block's call: ("arg", index in args) or ("kw", name).
+Where = tuple[str, "int | str"]
+
+
+def _side_inputs(args: tuple, kwargs: dict) -> list[tuple[Where, Any]]:
+    """A block call's inputs besides the hidden state (its first positional argument)."""
+    sides: list[tuple[Where, Any]] = [(("arg", i), a) for i, a in enumerate(args[1:], start=1)]
+    return sides + [(("kw", k), v) for k, v in kwargs.items()]
+
+
+def _described(where: Where) -> str:
+    kind, at = where
+    return f"positional argument {at + 1}" if kind == "arg" else f"keyword {at!r}"
+
+
+def _replace_first_args(hidden: torch.Tensor, carried: dict[Where, torch.Tensor]) -> Callable:
+    """The stage's first block gets the received hidden state, and the side inputs an
+    earlier stage's blocks computed, in place of what this stage's forward has there."""
+
     def hook(module, args, kwargs):
         if not args:
             raise MeshfitError(
                 f"pipeline parallel needs the blocks to take the hidden state as their "
                 f"first positional argument; {type(module).__name__} got keywords only"
             )
-        return (hidden, *args[1:]), kwargs
+        args, kwargs = [hidden, *args[1:]], dict(kwargs)
+        for (kind, at), value in carried.items():
+            if kind == "arg":
+                args[at] = value
+            else:
+                kwargs[at] = value
+        return tuple(args), kwargs
 
     return hook
+
+
+class _Threaded:
+    """The tensors the last block returned (held, compared by identity): a side input
+    among them is threaded from block to block by the forward's loop (T5's position
+    bias), so it can cross a cut with the hidden state."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def note(self, module, args, output) -> None:
+        self.outputs = tensors_in(output)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return any(tensor is t for t in self.outputs)
 
 
 def _check_the_split(
@@ -221,11 +282,17 @@ def _check_the_split(
     stack: BlockStack,
     outside: list[tuple[str, nn.Module, str]],
     model: nn.Module | None = None,
+    *,
+    threaded: _Threaded,
+    found: dict[str, list[Where]] | None = None,
+    given: set[Where] = frozenset(),
 ) -> list[Any]:
     """Hooks that refuse, at a stage's first forward (before any update), a model that
     the cut would train wrongly instead of letting it run: a module outside the blocks
     that runs on the other side of them than where it was registered, or a block input
-    besides the hidden state that carries gradients."""
+    besides the hidden state that carries gradients and does not come from the block
+    before it. Those that do are recorded in `found` (the whole model's check forward);
+    `given` are those this stage received with the hidden state, at its first block."""
     keys = list(blocks)
     phase = ["before"]
 
@@ -239,9 +306,11 @@ def _check_the_split(
     handles.append(blocks[keys[-1]].register_forward_hook(leave))
     if model is not None:  # checked over several forwards: each starts before the blocks
         handles.append(model.register_forward_pre_hook(lambda m, a: phase.__setitem__(0, "before")))
-    for key, block in blocks.items():
-        check = _refuse_trained_side_inputs(stack.qualified(key))
+    for i, (key, block) in enumerate(blocks.items()):
+        allowed = given if i == 0 else frozenset()
+        check = _side_input_check(stack.qualified(key), key, found, threaded, allowed=allowed)
         handles.append(block.register_forward_pre_hook(check, with_kwargs=True))
+        handles.append(block.register_forward_hook(threaded.note))
     for name, module, side in outside:
         handles.append(module.register_forward_pre_hook(_refuse_misplaced(name, side, phase)))
     return handles
@@ -266,25 +335,52 @@ def _refuse_misplaced(name: str, side: str, phase: list[str]) -> Callable:
     return hook
 
 
-def _refuse_trained_side_inputs(name: str) -> Callable:
-    """A block's inputs besides the hidden state must not carry gradients: a stage
-    receives only the hidden state, so a side input computed from trained weights (a
-    skip from the embeddings, a gate registered outside the blocks) would be recomputed
-    from another stage's placeholder and its gradient lost. Checked before any update."""
+def _side_input_check(
+    name: str,
+    key: str,
+    found: dict[str, list[Where]] | None,
+    threaded: _Threaded,
+    *,
+    at_cut: bool = False,
+    allowed: set[Where] = frozenset(),
+) -> Callable:
+    """A block's input besides the hidden state that carries gradients is right under
+    pp only if the block before it returned it (T5's position bias, made by the first
+    block from its weights and handed on by the loop): it then crosses a cut with the
+    hidden state. Any other (a skip from the embeddings, a gate registered outside the
+    blocks) would be recomputed on a later stage from another stage's placeholder, its
+    gradient lost: refused, before any update. The threaded ones are recorded in `found`
+    (the whole model's check forward); `at_cut` (where the next stage starts), `found`
+    is what the stages send, and one it does not list is refused too (no forward found
+    it before training, so it would not be sent)."""
 
     def hook(module, args, kwargs):
-        sides = [(f"positional argument {i}", a) for i, a in enumerate(args[1:], start=2)]
-        sides += [(f"keyword {k!r}", v) for k, v in kwargs.items()]
-        for where, value in sides:
-            if any(t.requires_grad for t in tensors_in(value)):
+        for where, value in _side_inputs(args, kwargs):
+            trained = [t for t in tensors_in(value) if t.requires_grad]
+            if not trained or where in allowed:
+                continue
+            if all(threaded.holds(t) for t in trained):
+                if not at_cut:  # inside a stage, the forward's loop hands it on
+                    if found is not None and where not in found.setdefault(key, []):
+                        found[key].append(where)
+                    continue
+                if found is not None and where in found.get(key, []):
+                    continue  # sent with the hidden state
                 raise MeshfitError(
-                    f"pipeline parallel cannot split this model: block {name!r} takes "
-                    f"{where} besides the hidden state, and it depends on trained weights "
-                    f"outside the block (e.g. a skip connection from the embeddings, or a "
-                    f"position bias an earlier block computes, as in T5); a pipeline stage "
-                    f"receives only the hidden state. Compute that input inside each "
-                    f"block, or train with dp/fsdp/tp instead of pp"
+                    f"pipeline parallel cannot cut before block {name!r}: the block before it "
+                    f"hands it {_described(where)} besides the hidden state, computed from "
+                    f"trained weights, and meshfit sends such inputs across a cut only when "
+                    f"one forward on example_inputs (one micro-batch of inputs) has found "
+                    f"them before training: pass example_inputs= to parallelize (fit does)"
                 )
+            raise MeshfitError(
+                f"pipeline parallel cannot split this model: block {name!r} takes "
+                f"{_described(where)} besides the hidden state, and it depends on trained "
+                f"weights outside the block (e.g. a skip connection from the embeddings); "
+                f"a pipeline stage receives the hidden state and what the block before "
+                f"returned, not this. Compute that input inside each block, or train with "
+                f"dp/fsdp/tp instead of pp"
+            )
         return None
 
     return hook
@@ -296,9 +392,9 @@ class _NextStageInput(nn.Module):
     Leaving after the stage's last block instead would lose what the loop does between
     two blocks (measured: a loop applying tanh after each block trained another run)."""
 
-    def __init__(self, name: str, checking: bool) -> None:
+    def __init__(self, name: str, carried: list[Where], check: Callable | None) -> None:
         super().__init__()
-        self.name, self.checking = name, checking
+        self.name, self.carried, self.check = name, carried, check
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not args:
@@ -306,9 +402,12 @@ class _NextStageInput(nn.Module):
                 "pipeline parallel needs the blocks to take the hidden state as their "
                 "first positional argument; the model's forward passes keywords only"
             )
-        if self.checking:  # what the next block gets besides the hidden state stays here
-            _refuse_trained_side_inputs(self.name)(self, args, kwargs)
-        raise _StageExit(args[0])
+        if self.check is not None:  # what the next block gets besides the hidden state
+            self.check(self, args, kwargs)
+        if not self.carried:
+            raise _StageExit(args[0])
+        sides = dict(_side_inputs(args, kwargs))
+        raise _StageExit((args[0], *(sides[where] for where in self.carried)))
 
 
 def _modules_outside(
@@ -346,4 +445,5 @@ def build_stage_module(
         autocast=autocast,
         outside=_modules_outside(model, split.stack, split.head, split.tail),
         next_key=None if stage == split.num_stages - 1 else split.stage_keys[stage + 1][0],
+        carried=split.carried,
     )
