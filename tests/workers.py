@@ -1510,3 +1510,37 @@ def gpt2_tp_resume(plan: str, path: str, load: bool, steps: int) -> list[float]:
     if not load:
         engine.save(path)
     return losses
+
+
+def unseeded_runs(specs: list[dict]) -> list[dict]:
+    """Each spec trained with the workers' models drawn apart, as when no seed is set
+    before the build: rank 0 keeps build()'s values (the one-process reference), the
+    others redraw theirs. `keep_own` (negative control): meshfit does not copy rank 0's."""
+    import warnings
+
+    from meshfit.parallel import same_start
+
+    results = []
+    for spec in specs:
+        model, loss_fn = build(spec["model"])
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0:
+            generator = torch.Generator().manual_seed(99 + rank)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.1)
+        original = same_start.start_from_rank0
+        if spec.get("keep_own"):
+            same_start.start_from_rank0 = lambda model: False
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine = mf.parallelize(
+                    model, spec["plan"], loss_fn=loss_fn, optimizer=optimizer_factory("sgd")
+                )
+        finally:
+            same_start.start_from_rank0 = original
+        losses = [float(engine.step(make_batch(spec["model"], 16, step))) for step in range(3)]
+        warned = [str(w.message) for w in caught if "initial weights" in str(w.message)]
+        results.append({"losses": losses, "state": engine.full_state_dict(), "warned": warned})
+    return results

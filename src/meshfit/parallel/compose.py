@@ -117,6 +117,10 @@ def apply_plan(
         )
     if files is not None and not meta:  # a model with values: whole here anyway
         load_weights(model, files, own_hooks)
+    if mesh is not None and not meta and not is_placed(model):
+        from meshfit.parallel.same_start import start_from_rank0
+
+        start_from_rank0(model)  # where the workers built other initial weights (no seed)
     if not is_placed(model) and not meta:
         model = model.to(device)
     if sync_batchnorm:
