@@ -330,6 +330,45 @@ def test_pipeline_refuses_a_model_its_cut_would_train_wrongly() -> None:
         assert torch.equal(last(hidden, model_inputs=tokens), model(tokens))
 
 
+class _NormEverywhere(_NormRegisteredFirst):
+    """The norm runs where `where` says: between the blocks, or before and after them."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        if self.where == "both":
+            h = self.norm(h)
+        for i, block in enumerate(self.blocks):
+            h = block(self.norm(h) if self.where == "between" and i == 2 else h)
+        return self.head(self.norm(h))
+
+
+def test_the_check_forward_places_outside_modules_where_they_run() -> None:
+    """The cut's check forward (on example_inputs) reads where each module outside the
+    blocks runs: a norm registered before the blocks and run after them goes to the last
+    stage (OPT's final_layer_norm; the zoo trains OPT under pp); one run between the
+    blocks, or on both sides, cannot live on one stage and is refused."""
+    from meshfit.parallel.blocks import find_blocks
+    from meshfit.parallel.pipeline.cut import _checked, _head_tail_parameters
+
+    def check(model: torch.nn.Module) -> dict[str, str]:
+        stack = find_blocks(model)
+        with _checked(model, stack, *_head_tail_parameters(model, stack)) as found:
+            model(torch.randn(4, 8))
+        return found.moved
+
+    assert check(_NormRegisteredFirst()) == {"norm": "after"}
+    for where, words in (
+        ("between", "runs between the blocks"),
+        ("both", "runs before and after them"),
+    ):
+        with pytest.raises(mf.MeshfitError, match=f"'norm' {words}"):
+            check(_NormEverywhere(where))
+
+
 def test_tp_plan_patterns_are_checked_like_names() -> None:
     """A pattern key, as meshfit's own error message recommends, gets the same size and
     head checks as a plain name."""

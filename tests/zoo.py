@@ -117,6 +117,24 @@ def hf_mixtral() -> nn.Module:  # mixture of experts: 4 experts, 2 per token
     )
 
 
+def hf_opt() -> nn.Module:  # final_layer_norm registered before the layers, run after
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM(
+        OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            word_embed_proj_dim=16,
+            ffn_dim=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=LENGTH,
+            dropout=0.0,  # as the other families: the runs compare without random masks
+            attention_dropout=0.0,
+        )
+    )
+
+
 def hf_qwen3() -> nn.Module:  # per-head q_norm / k_norm, shared by all heads
     return _lm("qwen3")
 
@@ -300,6 +318,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(hf_qwen3, _lm_batch, _causal),
     "qwen3_moe": Family(hf_qwen3_moe, _lm_batch, _causal, dtype="float32"),  # as mixtral
     "t5": Family(hf_t5, _t5_batch, _masked),
+    "opt": Family(hf_opt, _lm_batch, _causal),
     "bert": Family(hf_bert, lambda b, s: _lm_batch(b, s, masked_lm=True), _masked),
     "vit": Family(hf_vit, _vit_batch, lambda: _logits_loss),
     "resnet": Family(SmallResNet, _images, lambda: F.cross_entropy),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -195,7 +195,8 @@ def split_model(
         if measures:
             try:
                 with _checked(model, stack, head, tail) as found, _side_effects_undone(model):
-                    shared[0] = (count_costs(model, stack, example_inputs), found)
+                    counted = count_costs(model, stack, example_inputs)
+                shared[0] = (counted, found.carried, found.moved)
             except MeshfitError as refusal:
                 shared[0] = str(refusal)
             except Exception:  # noqa: BLE001 - see below
@@ -204,11 +205,15 @@ def split_model(
                 # A model on meta whose forward reads values (a mask's .item()) cannot
                 # run there: its stages are balanced by parameter count (the start-up
                 # line says so), and each stage checks its first forward itself.
-                shared[0] = (parameter_costs(stack, head, tail), None)
+                shared[0] = (parameter_costs(stack, head, tail), None, {})
         dist.broadcast_object_list(shared, src=0)
         if isinstance(shared[0], str):
             raise MeshfitError(shared[0])
-        counted, carried = shared[0]
+        counted, carried, moved = shared[0]
+        if moved:  # weights go where their module runs (its registration said otherwise)
+            head, tail = _by_execution(head, tail, moved, names)
+            head_state, tail_state = _state_by_execution(head_state, tail_state, moved)
+            tied = find_tied(head, tail, names)
     if split is not None:
         starts = _check_split(split, n, num_stages)
         costs = parameter_costs(stack, head, tail)
@@ -260,23 +265,65 @@ def split_model(
     return result
 
 
+@dataclass
+class CheckFound:
+    """What the check forward found: the side inputs that cross each cut ({block key:
+    where in its call}) and the modules outside the blocks that run on the other side
+    of them than they are registered ({name: "before" / "after"})."""
+
+    carried: dict[str, list] = field(default_factory=dict)
+    moved: dict[str, str] = field(default_factory=dict)
+
+
+def _by_execution(
+    head: list[tuple], tail: list[tuple], moved: dict[str, str], names: dict[int, str]
+) -> tuple[list[tuple], list[tuple]]:
+    """head / tail with the parameters of the `moved` modules on the side they run."""
+    new_head = [e for e in head if moved.get(names[id(e[0])], "before") == "before"]
+    new_tail = [e for e in tail if moved.get(names[id(e[0])], "after") == "after"]
+    new_head += [e for e in tail if moved.get(names[id(e[0])]) == "before"]
+    new_tail += [e for e in head if moved.get(names[id(e[0])]) == "after"]
+    return new_head, new_tail
+
+
+def _state_by_execution(
+    head: frozenset[str], tail: frozenset[str], moved: dict[str, str]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """head_state / tail_state with the keys of the `moved` modules on the side they run."""
+    side = {key: moved.get(key.rpartition(".")[0]) for key in head | tail}
+    new_head = {k for k in head if side[k] in (None, "before")} | {
+        k for k in tail if side[k] == "before"
+    }
+    new_tail = {k for k in tail if side[k] in (None, "after")} | {
+        k for k in head if side[k] == "after"
+    }
+    return frozenset(new_head), frozenset(new_tail)
+
+
 @contextlib.contextmanager
 def _checked(model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[tuple]):
     """The whole model's forward with the checks of a stage's first forward, over all
     the blocks (see stage._check_the_split)."""
-    from meshfit.parallel.pipeline.stage import _check_the_split, _modules_outside, _Threaded
+    from meshfit.parallel.pipeline.stage import (
+        _check_the_split,
+        _modules_outside,
+        _Threaded,
+        settle_sides,
+    )
 
     blocks = dict(zip(stack.keys, stack.blocks, strict=True))
     outside = _modules_outside(model, stack, head, tail)
-    found: dict[str, list] = {}
+    found = CheckFound()
+    runs: dict[str, set[str]] = {}
     handles = _check_the_split(
-        blocks, stack, outside, model=model, threaded=_Threaded(), found=found
+        blocks, stack, outside, model=model, threaded=_Threaded(), found=found.carried, runs=runs
     )
     try:
         yield found
     finally:
         for handle in handles:
             handle.remove()
+    found.moved = settle_sides(outside, runs)
 
 
 def _side_effects_undone(model: nn.Module) -> Any:

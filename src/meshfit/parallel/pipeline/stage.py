@@ -286,13 +286,17 @@ def _check_the_split(
     threaded: _Threaded,
     found: dict[str, list[Where]] | None = None,
     given: set[Where] = frozenset(),
+    runs: dict[str, set[str]] | None = None,
 ) -> list[Any]:
     """Hooks that refuse, at a stage's first forward (before any update), a model that
     the cut would train wrongly instead of letting it run: a module outside the blocks
     that runs on the other side of them than where it was registered, or a block input
     besides the hidden state that carries gradients and does not come from the block
     before it. Those that do are recorded in `found` (the whole model's check forward);
-    `given` are those this stage received with the hidden state, at its first block."""
+    `given` are those this stage received with the hidden state, at its first block.
+    With `runs` (the whole model's check forward), where each module outside the blocks
+    runs is recorded there instead ({name: phases}), for the cut to place it by
+    (`settle_sides`)."""
     keys = list(blocks)
     phase = ["before"]
 
@@ -312,8 +316,36 @@ def _check_the_split(
         handles.append(block.register_forward_pre_hook(check, with_kwargs=True))
         handles.append(block.register_forward_hook(threaded.note))
     for name, module, side in outside:
-        handles.append(module.register_forward_pre_hook(_refuse_misplaced(name, side, phase)))
+        if runs is None:
+            hook = _refuse_misplaced(name, side, phase)
+        else:
+            hook = lambda m, a, name=name: runs.setdefault(name, set()).add(phase[0])  # noqa: E731
+        handles.append(module.register_forward_pre_hook(hook))
     return handles
+
+
+def settle_sides(
+    outside: list[tuple[str, nn.Module, str]], runs: dict[str, set[str]]
+) -> dict[str, str]:
+    """The modules outside the blocks whose weights go to the other end than their
+    registration says: those that run only on the other side of the blocks (OPT's
+    final_layer_norm, registered before its layers and run after them), {name: side}.
+    One that runs between the blocks, or on both sides, is refused."""
+    moved = {}
+    for name, _, side in outside:
+        phases = runs.get(name, set())
+        if not phases or phases == {side}:
+            continue
+        if len(phases) == 1 and "between" not in phases:
+            moved[name] = next(iter(phases))
+            continue
+        where = "between the blocks" if "between" in phases else "before and after them"
+        raise MeshfitError(
+            f"pipeline parallel cannot split this model: {name!r} runs {where}, and "
+            f"its weights can live on one stage only (the first, before the blocks, or "
+            f"the last, after them); train with dp/fsdp/tp instead of pp"
+        )
+    return moved
 
 
 def _refuse_misplaced(name: str, side: str, phase: list[str]) -> Callable:
@@ -328,8 +360,9 @@ def _refuse_misplaced(name: str, side: str, phase: list[str]) -> Callable:
                 f"pipeline parallel cannot split this model: {name!r} is registered "
                 f"{side} the blocks, so its weights go to the "
                 f"{'first' if side == 'before' else 'last'} stage, but it runs {where}. "
-                f"Assign it {fix} the block stack in __init__ (meshfit reads the side from "
-                f"the order of registration), or train with dp/fsdp/tp instead of pp"
+                f"Pass example_inputs= (one micro-batch of inputs; fit does) so that "
+                f"meshfit reads the side from one forward, or assign it {fix} the block "
+                f"stack in __init__, or train with dp/fsdp/tp instead of pp"
             )
 
     return hook
