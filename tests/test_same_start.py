@@ -17,7 +17,12 @@ def test_workers_that_drew_other_weights_train_rank0s_run_under_every_form() -> 
     plans = ["fsdp=2", "tp=2", "pp=2,microbatches=2", "dp=2"]
     specs = [{"model": "gpt4", "plan": p} for p in plans]
     specs.append({"model": "gpt4", "plan": "fsdp=2", "keep_own": True})  # negative control
-    *runs, own = mf.launch(unseeded_runs, nproc=2, args=(specs,))
+    # another model on one worker: refused on every rank, nothing broadcast into it
+    specs.append({"model": "mlp", "plan": "fsdp=2", "model_on_rank1": "deep_mlp"})
+    *runs, own, other = mf.launch(unseeded_runs, nproc=2, args=(specs,))
+    assert other["refused"].startswith(
+        "the workers built different models: rank 1's has '4.weight (32, 32)"
+    ), other
     reference = unseeded_runs([{"model": "gpt4", "plan": None}])[0]
     assert reference["warned"] == []
     for got in runs:

@@ -1522,8 +1522,16 @@ def unseeded_runs(specs: list[dict]) -> list[dict]:
 
     results = []
     for spec in specs:
-        model, loss_fn = build(spec["model"])
         rank = int(os.environ.get("RANK", "0"))
+        model, loss_fn = build(
+            spec.get("model_on_rank1", spec["model"]) if rank == 1 else spec["model"]
+        )
+        if "model_on_rank1" in spec:  # another model on rank 1: refused on every rank
+            try:
+                mf.parallelize(model, spec["plan"], loss_fn=loss_fn)
+            except mf.MeshfitError as refusal:
+                results.append({"refused": str(refusal)})
+            continue
         if rank != 0:
             generator = torch.Generator().manual_seed(99 + rank)
             with torch.no_grad():

@@ -23,20 +23,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit.errors import MeshfitError
+
 SAMPLES = 64  # elements per tensor in the fingerprint
 
 
-def fingerprint(model: nn.Module) -> str:
-    """A digest of `SAMPLES` evenly spaced elements of each parameter and buffer (names
-    included), exact: no float arithmetic."""
+def fingerprint(model: nn.Module) -> tuple[list[str], str]:
+    """The model's tensors (name, shape, dtype of each parameter and buffer) and a digest
+    of `SAMPLES` evenly spaced elements of each, exact: no float arithmetic."""
     digest = hashlib.blake2b(digest_size=16)
+    structure = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        structure.append(f"{name} {tuple(tensor.shape)} {tensor.dtype}")
         flat = tensor.detach().reshape(-1)
         picks = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), SAMPLES))
         sample = flat[picks.long().to(flat.device)].cpu().contiguous()
-        digest.update(name.encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return structure, digest.hexdigest()
 
 
 def start_from_rank0(model: nn.Module) -> bool:
@@ -44,8 +47,24 @@ def start_from_rank0(model: nn.Module) -> bool:
     ones; True where they did (rank 0 then warns once)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return False
-    prints: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(prints, fingerprint(model))
+    gathered: list[tuple[list[str], str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, fingerprint(model))
+    mine = gathered[0][0]
+    for rank, (structure, _) in enumerate(gathered):
+        if structure != mine:  # every rank sees this and refuses alike
+            first = next(
+                (
+                    f"{a!r} where rank 0 has {b!r}"
+                    for a, b in zip(structure, mine, strict=False)
+                    if a != b
+                ),
+                f"{len(structure)} tensors where rank 0 has {len(mine)}",
+            )
+            raise MeshfitError(
+                f"the workers built different models: rank {rank}'s has {first}; every "
+                f"worker must build the same model (the same code and config)"
+            )
+    prints = [digest for _, digest in gathered]
     if all(p == prints[0] for p in prints):
         return False
     with torch.no_grad():
