@@ -35,10 +35,13 @@ def fingerprint(model: nn.Module) -> tuple[list[str], str]:
     structure = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         structure.append(f"{name} {tuple(tensor.shape)} {tensor.dtype}")
-        flat = tensor.detach().reshape(-1)
-        picks = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), SAMPLES))
-        sample = flat[picks.long().to(flat.device)].cpu().contiguous()
-        digest.update(sample.view(torch.uint8).numpy().tobytes())
+        try:
+            flat = tensor.detach().reshape(-1)
+            picks = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), SAMPLES))
+            sample = flat[picks.long().to(flat.device)].cpu().contiguous()
+            digest.update(sample.view(torch.uint8).numpy().tobytes())
+        except (RuntimeError, TypeError):  # a layout without plain elements (sparse, ...)
+            continue
     return structure, digest.hexdigest()
 
 
