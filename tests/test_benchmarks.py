@@ -158,3 +158,12 @@ def test_meta_memory_benchmark_quick(tmp_path) -> None:
         meta = max(r["peak"] for r in rows["fsdp=2", how]["ranks"])
         cpu = min(r["peak"] for r in rows["fsdp=2", "cpu"]["ranks"])
         assert meta < cpu, (how, meta, cpu)
+
+
+def test_gpu_meta_memory_benchmark_quick(tmp_path) -> None:
+    """The script behind the H200 table (a tiny Llama here, on the CPU): three rows, and
+    its value checks hold exactly (meta = CPU-built, weights= = what was saved)."""
+    written = _run_quick("gpu_meta_memory.py", tmp_path, timeout=300)[1]
+    assert [r["how"] for r in written["rows"]] == ["cpu", "meta", "meta+weights"]
+    assert all(value == 0 for value in written["checks"].values()), written["checks"]
+    assert "model.safetensors.index.json" in written["rows"][0]["save_files"]
