@@ -45,28 +45,40 @@ def fingerprint(model: nn.Module) -> tuple[list[str], str]:
     return structure, digest.hexdigest()
 
 
-def start_from_rank0(model: nn.Module) -> bool:
-    """Make every rank's parameters and buffers rank 0's where the ranks built different
-    ones; True where they did (rank 0 then warns once)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return False
-    gathered: list[tuple[list[str], str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, fingerprint(model))
-    mine = gathered[0][0]
-    for rank, (structure, _) in enumerate(gathered):
-        if structure != mine:  # every rank sees this and refuses alike
+def _refuse_other_models(structure: list[str]) -> None:
+    """Every rank (all of them get here): name the first tensor where a rank's model
+    differs from rank 0's, and refuse."""
+    every: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, structure)
+    mine = every[0]
+    for rank, theirs in enumerate(every):
+        if theirs != mine:
             first = next(
                 (
                     f"{a!r} where rank 0 has {b!r}"
-                    for a, b in zip(structure, mine, strict=False)
+                    for a, b in zip(theirs, mine, strict=False)
                     if a != b
                 ),
-                f"{len(structure)} tensors where rank 0 has {len(mine)}",
+                f"{len(theirs)} tensors where rank 0 has {len(mine)}",
             )
             raise MeshfitError(
                 f"the workers built different models: rank {rank}'s has {first}; every "
                 f"worker must build the same model (the same code and config)"
             )
+
+
+def start_from_rank0(model: nn.Module) -> bool:
+    """Make every rank's parameters and buffers rank 0's where the ranks built different
+    ones; True where they did (rank 0 then warns once)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    structure, values = fingerprint(model)
+    shape_digest = hashlib.blake2b("\n".join(structure).encode(), digest_size=16).hexdigest()
+    # digests only (32 bytes a rank): the whole list of names travels only to name a difference
+    gathered: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (shape_digest, values))
+    if any(shape != gathered[0][0] for shape, _ in gathered):
+        _refuse_other_models(structure)
     prints = [digest for _, digest in gathered]
     if all(p == prints[0] for p in prints):
         return False
