@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU table BENCHMARKS.md waits for (issues 12 and 16), on one lent GPU.
 #
-#   bash benchmarks/gpu_all.sh            # every part, in order (about 25 minutes on an H100)
+#   bash benchmarks/gpu_all.sh            # every part, in order (about 28 minutes on an H100)
 #   bash benchmarks/gpu_all.sh fp8 llama  # some parts: each stays under 10 minutes, so a
 #                                         # device call per part fits the tool's limit
 #
