@@ -183,6 +183,7 @@ def _materialize(
         for slot in slots:
             writers.setdefault(_key(slot), []).append(index)
     problem = ""
+    released = _release(initializer, kept)
     for holders in initializer.groups:
         targets = [
             current
@@ -193,10 +194,12 @@ def _materialize(
         ]
         if not targets:
             continue
+        distinct = list({id(t): t for t in targets}.values())  # a tie kept as one object
         first = holders[0]
         stored = weights.name_in_file(initializer, holders) if weights is not None else None
         if stored is not None:
-            for current in {id(t): t for t in targets}.values():
+            for current in distinct:
+                _regrow(current, released)
                 weights.read_into(stored, current)
             continue
         value = _replayed(initializer, writers.get(_key(first), []), starts, first)
@@ -208,9 +211,14 @@ def _materialize(
         if value is None or _unwritten(value):
             problem = problem or _unwritten_line(initializer, first)
             continue
-        for current in {id(t): t for t in targets}.values():  # a tie kept as one object
+        for current in distinct:
+            if len(distinct) == 1 and _adopt(current, value, released):
+                continue  # the value's storage is the tensor's now: no copy
+            _regrow(current, released)
             _fill(current, value)
         del value  # before the next group's scratch: one module's tensors at a time
+    for current in list(released.values()):  # never filled (refused below): whole again
+        _regrow(current, released)
     torch.set_rng_state(after)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover and not problem:
@@ -471,6 +479,60 @@ def _unwritten_line(initializer: Initializer, slot: Slot) -> str:
         f"which on meta did not happen; pass init=fn(module) that sets it, or build the "
         f"model on the CPU"
     )
+
+
+def _release(initializer: Initializer, kept: set[int]) -> dict[int, torch.Tensor]:
+    """Give back the storage to_empty just gave each whole (not sharded) tensor that a
+    value will fill, keeping its shape: {id: tensor}. Each gets its storage when its value
+    is made (_adopt: the value's own; _regrow: its own again), so no tensor's empty
+    storage and its full value are alive together. Why: a whole tensor and its value
+    both alive cost its size twice; the tp twin (meta.py), all whole, peaked at the twin
+    plus its largest tensor's value (64.3 MiB a rank under fsdp=2,tp=2 against a target
+    of 57.4), and one process on meta at the model plus its largest tensor."""
+    released: dict[int, torch.Tensor] = {}
+    for holders in initializer.groups:
+        for module, _, name in holders:
+            current = _current(module, name) if id(module) in kept else None
+            if (
+                current is not None
+                and not isinstance(current, DTensor)
+                and not _is_stand_in(current)
+                and current.numel()
+                and current.untyped_storage().nbytes()
+            ):
+                released[id(current)] = current
+    for current in released.values():
+        current.untyped_storage().resize_(0)
+    return released
+
+
+def _adopt(current: torch.Tensor, value: torch.Tensor, released: dict[int, torch.Tensor]) -> bool:
+    """Make a released `current` hold `value` by taking its storage (moved to
+    current's device first), when `value` is a whole tensor of the same layout that
+    nothing else holds (the replay's scratch); False where it cannot."""
+    if id(current) not in released or isinstance(value, DTensor):
+        return False
+    if value.dtype != current.dtype or value.shape != current.shape:
+        return False
+    value = value.to(current.device)
+    whole = value.storage_offset() == 0 and value.untyped_storage().nbytes() == (
+        value.numel() * value.element_size()
+    )
+    if not whole or value.stride() != current.stride():
+        return False
+    with torch.no_grad():
+        current.set_(value)
+    del released[id(current)]
+    return True
+
+
+def _regrow(current: torch.Tensor, released: dict[int, torch.Tensor]) -> None:
+    """Give a released `current` storage of its own again (to be written in place)."""
+    if released.pop(id(current), None) is not None:
+        span = current.storage_offset() + sum(
+            (n - 1) * st for n, st in zip(current.shape, current.stride(), strict=True)
+        )
+        current.untyped_storage().resize_((span + 1) * current.element_size())
 
 
 def _fill(current: torch.Tensor, value: torch.Tensor) -> None:

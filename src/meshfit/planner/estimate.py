@@ -187,18 +187,20 @@ def estimate_profile(
 
 def build_bytes(profile: ModelProfile, ranks: list[MemoryEstimate], tp: int = 1) -> float:
     """Peak bytes of one rank while the engine is built. On meta a rank materializes
-    only its part, one parameter at a time beside it (materialize.py); under tp it first
-    traces the split on a twin of the model with one block, materialized whole and
-    freed before its own part (parallel/tensor/meta.py). A model built on the device is
-    whole on every rank first."""
+    only its part, a split parameter's full value beside it (a whole one takes its
+    value's storage: materialize.py); under tp it first traces the split on a twin of
+    the model with one block, materialized whole, beside which the backward check keeps
+    that block's gradients, and frees it before its own part (parallel/tensor/meta.py).
+    A model built on the device is whole on every rank first."""
     if profile.built_on_meta:
-        share = max(r.parameters + r.host for r in ranks)
+        share = max(r.parameters + r.host for r in ranks) + profile.largest_param * (
+            profile.param_bytes
+        )
         if tp > 1 and profile.blocks:
-            twin = (
-                profile.total_params - profile.block_params + max(b.params for b in profile.blocks)
-            )
-            share = max(share, twin * profile.param_bytes)
-        return share + profile.largest_param * profile.param_bytes
+            block = max(b.params for b in profile.blocks)
+            twin = profile.total_params - profile.block_params + block
+            share = max(share, (twin + block) * profile.param_bytes)
+        return share
     return float(profile.total_params * profile.param_bytes)
 
 

@@ -5,6 +5,7 @@ replicated parts identical on the tp ranks, check the split, and return what was
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,11 @@ from meshfit.parallel.tensor.check import (
     _check_weight_sizes,
     _checked_gradients,
     _column_weights,
-    _gradients,
     _outputs,
     _settle_local_sizes,
     check_tp_plan,
+    narrow,
+    reference_gradients,
 )
 from meshfit.parallel.tensor.derive import _Derivation, _derive
 from meshfit.parallel.tensor.report import TPReport, tp_share
@@ -87,8 +89,10 @@ def split_and_check(
         if not all(bool(t.isfinite().all()) for t in reference):  # fp16 overflow: unscaled
             scale = False
             reference = _outputs(model, derivation.inputs)
-        gradients = _gradients(model, derivation.inputs, _checked_gradients(model, derivation))
-    split(model, mesh, styles, derivation)
+        names = _checked_gradients(model, derivation)
+        gradients = reference_gradients(model, derivation.inputs, names)
+    after_each = (lambda name: narrow(model, gradients, name)) if gradients else None
+    split(model, mesh, styles, derivation, after_each)
     if derivation is not None:
         if reference is not None:
             # the split model's own parameters (sharding replaced the objects)
@@ -128,7 +132,6 @@ def split_styles(model: nn.Module, chosen: Chosen) -> dict[str, ParallelStyle]:
     styles: dict[str, ParallelStyle] = {}
     if derivation is not None:
         styles.update(_weight_styles(derivation))
-        styles.update({name: ColwiseParallel(output_layouts=Replicate()) for name in chosen.heads})
     for name, style in chosen.plan.items():
         if derivation is not None and name in derivation.weights:
             continue  # split with the module holding it (_weight_styles)
@@ -145,6 +148,8 @@ def split_styles(model: nn.Module, chosen: Chosen) -> dict[str, ParallelStyle]:
                 f"tp_plan[{name!r}] = {style!r}: use 'colwise', 'rowwise' or a "
                 f"torch.distributed.tensor.parallel ParallelStyle"
             )
+    # the LM heads last: the blocks' reference gradients are narrowed by then (split)
+    styles.update({name: ColwiseParallel(output_layouts=Replicate()) for name in chosen.heads})
     return styles
 
 
@@ -153,12 +158,19 @@ def split(
     mesh: DeviceMesh,
     styles: dict[str, ParallelStyle],
     derivation: _Derivation | None,
+    after_each: Callable[[str], None] | None = None,
 ) -> None:
     """Split `model` by `styles`; the replicated parts made identical on the tp ranks
     (a model on meta has no values yet: materialize.py gives every rank the same), the
-    random-number state shared, the partial gradients of `derivation.summed` summed."""
-    # DTensor shards each weight from tp rank 0's copy (src_data_rank=0).
-    parallelize_module(model, mesh, styles)
+    random-number state shared, the partial gradients of `derivation.summed` summed.
+    `after_each(name)` runs as soon as module `name` is split."""
+    # DTensor shards each weight from tp rank 0's copy (src_data_rank=0). One module at a
+    # time (parallelize_module does the same with the whole dict), so after_each can free
+    # what the split module no longer needs.
+    for name, style in styles.items():
+        parallelize_module(model, mesh, {name: style})
+        if after_each is not None:
+            after_each(name)
     if not any(p.is_meta for p in model.parameters()):
         _broadcast_replicated(model, mesh)
     _share_random_state(mesh)
