@@ -324,6 +324,9 @@ def test_meta_models_match_one_process_under_2d_plans(tmp_path) -> None:
         {"model": "llama", "plan": "fsdp=2,tp=2"},  # FSDP2's own strided layout over tp's
         {"model": "llama", "plan": "dp=2,tp=2"},
         {"model": "llama", "plan": "pp=2,tp=2"},
+        # 2 k/v heads under tp=4: whole on every rank, each keeping the head it reads
+        # (derive._shared_kv_projections), derived on the one-block twin
+        {"model": "llama", "plan": "tp=4"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -176,6 +176,7 @@ def split(
     _share_random_state(mesh)
     if derivation is not None:
         _sum_gradients_over_tp(model, mesh, derivation.summed)
+        _keep_own_kv_head(model, mesh, derivation.kv_slices)
         modules = dict(model.named_modules())
         group = mesh.get_group()
         rebind_forwards(
@@ -285,6 +286,29 @@ def _sum_gradients_over_tp(model: nn.Module, mesh: DeviceMesh, names: list[str])
         modules[owner]._tp_summed_gradients = tuple(leaves)
     group = mesh.get_group()
     rebind_forwards([modules[o] for o in owners], lambda inner: _summing(inner, group))
+
+
+def _keep_own_kv_head(
+    model: nn.Module, mesh: DeviceMesh, kv_slices: dict[str, tuple[int, int]]
+) -> None:
+    """Each whole k/v projection of `kv_slices` keeps, of its output, the one head this
+    tp rank's q heads read: rank r holds q heads [r H/tp, (r+1) H/tp), which read k/v
+    head r // (tp / heads) (tp a multiple of heads: derive._shared_kv_projections)."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    modules = dict(model.named_modules())
+    for name, (heads, head_dim) in kv_slices.items():
+        start = rank // (tp // heads) * head_dim
+
+        def own_head(
+            module: nn.Module,
+            args: Any,
+            output: torch.Tensor,
+            start: int = start,
+            width: int = head_dim,
+        ) -> torch.Tensor:
+            return output.narrow(-1, start, width)
+
+        modules[name].register_forward_hook(own_head)
 
 
 @torch.no_grad()

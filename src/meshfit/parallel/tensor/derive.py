@@ -62,12 +62,15 @@ class _Derivation:
     # whole layers each rank runs for its own heads (multi-query attention's k and v):
     # their input's gradient is each rank's part, summed over the tp ranks
     summed_inputs: list[str] = field(default_factory=list)
+    # {whole k/v projection holding fewer heads than tp ranks, more than one: (its head
+    # count, head_dim)}: each rank keeps, of its output, the one head its q heads read
+    kv_slices: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None) -> _Derivation:
     """The plan (a Sequential's pairs, else from one traced forward), with what the split
-    model is checked against. With `tp` known, a single key/value head is replicated
-    instead of split (_replicate_one_kv_head)."""
+    model is checked against. With `tp` known, key/value heads fewer than the tp ranks
+    are replicated instead of split (_replicate_shared_kv)."""
     if type(model) is nn.Sequential:
         plan = _sequential_pairs(model, prefix="")
         if plan:
@@ -105,19 +108,25 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
         if trace is None:
             continue
         whole: dict[str, str] = {}
-        one_head = _one_head_projections(trace, modules, tp) if tp and tp > 1 else []
-        trace.across_width -= set(one_head)  # kept whole: a norm over its width is fine
+        shared = _shared_kv_projections(trace, modules, tp) if tp and tp > 1 else {}
+        trace.across_width -= set(shared)  # kept whole: a norm over its width is fine
         block_plan = _classify(trace, whole)
-        replicated = _replicate_one_kv_head(trace, block_plan, modules, one_head, whole)
-        split.summed_inputs += [n for n in one_head if f"{n}.weight" in replicated]
+        replicated = _replicate_shared_kv(trace, block_plan, modules, shared, whole, tp or 1)
+        kept = [n for n in shared if f"{n}.weight" in replicated]
+        split.summed_inputs += kept
+        split.kv_slices.update(
+            {n: (shared[n], _dims(modules[n])[1] // shared[n]) for n in kept if shared[n] > 1}
+        )
         plan.update(block_plan)
         split.summed += _partial_gradients(trace, block_plan) + replicated
         local_attrs.update(_stored_sizes(modules, block_plan))
-        if replicated:
-            for owner in {n.rsplit(".", 2)[0] for n in replicated if n.count(".") >= 2}:
-                groups = getattr(modules.get(owner), "num_key_value_groups", None)
-                if type(groups) is int:  # q heads per k/v head: each rank's share of them
-                    local_attrs.setdefault(owner, {})["num_key_value_groups"] = groups
+        for owner in {n.rsplit(".", 1)[0] for n in kept}:
+            groups = getattr(modules.get(owner), "num_key_value_groups", None)
+            heads = max(shared[n] for n in kept if n.rsplit(".", 1)[0] == owner)
+            if type(groups) is int:
+                # q heads per k/v head: each rank's H/tp q heads read one k/v head, so
+                # the value divided by tp (_settle_local_sizes) is the q head count H
+                local_attrs.setdefault(owner, {})["num_key_value_groups"] = groups * heads
         _note_weights(split, trace, block_plan, whole, prefix=f"{name}.")
     split.inputs, split.local_attrs = inputs, local_attrs
     keep_whole_what_cannot_split(model, split, tp if tp and tp > 1 else 2)
@@ -235,44 +244,65 @@ def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[s
     return plan
 
 
-def _one_head_projections(trace: _BlockTrace, modules: dict[str, nn.Module], tp: int) -> list[str]:
-    """Multi-query attention (one key/value head shared by every query head: Falcon,
-    Gemma-2B, ...): the block's projections one head wide (`head_dim` of the module
-    holding them) beside a wider one, which `tp` ranks cannot cut into heads."""
+def _shared_kv_projections(
+    trace: _BlockTrace, modules: dict[str, nn.Module], tp: int
+) -> dict[str, int]:
+    """{k/v projection: its head count} for attention whose key/value heads are fewer
+    than the `tp` ranks (multi-query attention: Falcon, Gemma-2B; grouped-query with 2
+    k/v heads under tp=4): the block's projections some heads wide (`head_dim` of the
+    module holding them) beside a wider one whose heads the ranks share out. With one
+    k/v head, any tp; with several, tp must be a multiple of their count (each rank's q
+    heads then read one k/v head)."""
     by_owner: dict[str, list[str]] = {}
     for call in trace.calls:
         module = modules.get(call.name)
         if call.chunks == 1 and module is not None and _is_projection(module):
             by_owner.setdefault(call.name.rsplit(".", 1)[0], []).append(call.name)
-    found: list[str] = []
+    found: dict[str, int] = {}
     for owner, names in by_owner.items():
         head_dim = getattr(modules.get(owner), "head_dim", None)
         if type(head_dim) is not int or head_dim <= 0:
             continue
         widths = {n: _dims(modules[n])[1] for n in names}
         widest = max(widths.values())
-        if head_dim * tp <= widest:  # q has a head for every rank
-            found += [n for n, w in widths.items() if w == head_dim < widest]
+        for name, width in widths.items():
+            heads, rest = divmod(width, head_dim)
+            if rest or width >= widest or heads >= tp:
+                continue
+            if heads == 1 and head_dim * tp <= widest:  # q has a head for every rank
+                found[name] = 1
+            elif heads > 1 and tp % heads == 0 and widest % (head_dim * tp) == 0:
+                found[name] = heads
     return found
 
 
-def _replicate_one_kv_head(
+def _replicate_shared_kv(
     trace: _BlockTrace,
     plan: dict[str, str],
     modules: dict[str, nn.Module],
-    one_head: list[str],
+    shared: dict[str, int],
     whole: dict[str, str],
+    tp: int,
 ) -> list[str]:
-    """The one key/value head stays whole on every tp rank, as Megatron and
-    transformers keep it, while q and o are split: `one_head`'s projections leave
-    `plan`. Each rank's q heads then read the whole k/v, so the gradients of those
-    projections, and of every parameter on their path (a k_norm), are each rank's part:
-    returned, to be summed over the tp ranks."""
-    kept = [n for n in one_head if n in plan]
+    """Key/value heads fewer than the tp ranks stay whole on every tp rank, as Megatron
+    and transformers keep them, while q and o are split: `shared`'s projections leave
+    `plan`. Megatron keeps on each rank only the k/v head its q heads read; here each
+    rank runs the whole (small) projection and keeps that head of its output
+    (_Derivation.kv_slices), so the weights stay one tensor in the checkpoint. Each
+    rank's q heads then read their k/v head, so the gradients of those projections, and
+    of every parameter on their path (a k_norm), are each rank's part: returned, to be
+    summed over the tp ranks."""
+    kept = [n for n in shared if n in plan]
     summed: list[str] = []
     for name in kept:
         del plan[name]
-        whole[name] = "one key/value head, on every tp rank"
+        heads = shared[name]
+        whole[name] = (
+            "one key/value head, on every tp rank"
+            if heads == 1
+            else f"{heads} key/value heads for tp={tp}, on every tp rank (each uses the "
+            f"one its query heads read)"
+        )
         summed += [f"{name}.{p}" for p, _ in modules[name].named_parameters(recurse=False)]
     summed += [
         param

@@ -76,6 +76,7 @@ def apply_on_meta(
         whole=dict(derivation.whole),
         summed=[full for name in derivation.summed for full in _renamed(name, kinds)],
         summed_inputs=[f for name in derivation.summed_inputs for f in _renamed(name, kinds)],
+        kv_slices=_renamed_dict(derivation.kv_slices, kinds),
     )
     chosen = Chosen(mapped.plan, mapped, dict(checked.heads))  # heads: outside the blocks
     # freed now, not at the next collection: the split left reference cycles in it (its

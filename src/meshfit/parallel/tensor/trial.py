@@ -55,7 +55,12 @@ def keep_whole_what_cannot_split(model: nn.Module, derivation: Any, tp: int) -> 
             if captured is None:
                 return
         failed = _failing_sublayer(
-            block, mine, _in_block(derivation.local_attrs, first), tp, captured
+            block,
+            mine,
+            _in_block(derivation.local_attrs, first),
+            tp,
+            captured,
+            _in_block(derivation.kv_slices, first),
         )
         if failed is None:
             return
@@ -100,15 +105,21 @@ def _failing_sublayer(
     local_attrs: dict[str, dict[str, int]],
     tp: int,
     captured: tuple,
+    kv_slices: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[str, str] | None:
     """(the sub-layer, inside the block, whose narrowed code raised; why) or None: it ran,
-    or no verdict (the unsplit copy fails on meta too, or a layer is not narrowed here)."""
+    or no verdict (the unsplit copy fails on meta too, or a layer is not narrowed here).
+    A whole k/v projection whose heads the ranks share (`kv_slices`) is narrowed to the
+    one head each rank keeps of its output."""
     if _raised(_on_meta(block), captured) is not None:
         return None
     trial = _on_meta(block)
     modules = dict(trial.named_modules())
     for name, style in plan.items():
         if not (isinstance(style, str) and _narrow(modules.get(name), style, tp)):
+            return None
+    for name, (heads, _) in (kv_slices or {}).items():
+        if not _narrow(modules.get(name), "colwise", heads):
             return None
     from meshfit.parallel.tensor.check import _failing_module, local_size_choices
 
@@ -181,3 +192,5 @@ def _drop(derivation: Any, model: nn.Module, layer: str) -> None:
             del table[name]
     derivation.summed[:] = [n for n in derivation.summed if not within(n)]
     derivation.summed_inputs[:] = [n for n in derivation.summed_inputs if not within(n)]
+    for name in [n for n in derivation.kv_slices if within(n)]:
+        del derivation.kv_slices[name]
