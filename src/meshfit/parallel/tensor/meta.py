@@ -13,8 +13,10 @@ are carried to every block of that kind, and the model on meta is split by them 
 values (materialize.py fills each rank's shards later, as it does for fsdp).
 
 Extra memory while this runs: the twin (the embeddings, the layers outside the blocks
-and one block of each kind), freed before the model's own parts are materialized. A twin whose forward fails (a model that indexes its blocks by a count it
-keeps elsewhere) is refused in one line.
+and one block of each kind) and the backward check's unsplit gradients of its first
+block (narrowed to this rank's part as each module is split: check.narrow), freed
+before the model's own parts are materialized. A twin whose forward fails (a model that
+indexes its blocks by a count it keeps elsewhere) is refused in one line.
 """
 
 from __future__ import annotations
