@@ -1,5 +1,6 @@
-"""The model zoo matrix: every family of `zoo.py` (transformers, peft LoRA, Keras 3,
-nanoGPT, timm, torchvision-style vision code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
+"""The model zoo matrix: every family of `zoo.py` (transformers, among them Qwen2-MoE,
+Mamba, Whisper and ConvNeXt; peft LoRA, Keras 3, nanoGPT, timm, torchvision-style vision
+code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
 Every cell either trains the one-process run (losses and final weights) or is refused
 with one meshfit line naming the cause; none trains another run. Each column is one
 launch of workers running all its cells."""
@@ -36,6 +37,8 @@ REFUSED = {
     **{(f, "tp=2"): "tensor parallel finds nothing to split" for f in ("resnet", "bn_cnn")},
     # Keras keeps its layers' weights in one table of the model: nothing to cut or split
     ("keras_mlp", "tp=2"): "nothing to split in Sequential: it is a Keras model",
+    # a state-space block: its scan reads every channel through exp(A_log), no pair to cut
+    ("mamba", "tp=2"): "nothing to split in MambaForCausalLM",
     **{
         ("keras_mlp", p): "blocks in Sequential: it is a Keras model" for p in ("pp=2", "dp=2,pp=2")
     },

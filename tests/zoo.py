@@ -4,7 +4,8 @@ is trained with. Dropout is off in every config: with it on, no two runs share r
 numbers, in one process or many.
 
 Sources: Hugging Face transformers (causal LMs, an encoder-decoder, a masked-LM encoder,
-a vision transformer, mixtures of experts, per-head q/k norms), peft LoRA, Keras 3 (torch
+a vision transformer, mixtures of experts, per-head q/k norms, a state-space model
+(Mamba), a speech encoder-decoder (Whisper), a channels-last CNN (ConvNeXt)), peft LoRA, Keras 3 (torch
 backend), torchvision-style vision code (BatchNorm CNNs, a ResNet whose stages differ in
 width), nanoGPT's model.py as people copy it (tests/nanogpt.py) and meshfit's own.
 """
@@ -182,6 +183,92 @@ def _vit_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
     return {"pixel_values": images}, labels
 
 
+def hf_qwen2_moe() -> nn.Module:  # experts as nn.Linear per expert, and a shared expert
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=LENGTH,
+        )
+    )
+
+
+def hf_mamba() -> nn.Module:  # a state-space model: no attention, a causal conv and a scan
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM(
+        MambaConfig(
+            vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2
+        )
+    )
+
+
+def hf_whisper() -> nn.Module:  # speech encoder-decoder: log-mel features in, tokens out
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration(
+        WhisperConfig(
+            vocab_size=VOCAB,
+            num_mel_bins=8,
+            d_model=16,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_source_positions=8,
+            max_target_positions=LENGTH,
+            pad_token_id=0,
+            decoder_start_token_id=1,
+            eos_token_id=2,
+            bos_token_id=1,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        )
+    )
+
+
+def _whisper_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
+    """As transformers' speech collator yields it: log-mel input_features (batch, mel
+    bins, 2 x max_source_positions frames), decoder ids shifted right from the labels
+    (-100 padding)."""
+    g = torch.Generator().manual_seed(60_000 + step)
+    features = torch.randn(batch, 8, 16, generator=g)
+    _, labels = _lm_batch(batch, step)
+    decoder_ids = torch.ones_like(labels)  # decoder_start_token_id
+    decoder_ids[:, 1:] = labels[:, :-1].clamp_min(0)
+    return {"input_features": features, "decoder_input_ids": decoder_ids}, labels
+
+
+def hf_convnext() -> nn.Module:  # a CNN with channels-last LayerNorms in its blocks
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    return ConvNextForImageClassification(
+        ConvNextConfig(
+            num_channels=3,
+            patch_size=2,
+            num_stages=2,
+            hidden_sizes=[8, 16],
+            depths=[2, 2],
+            num_labels=5,
+            image_size=8,
+            drop_path_rate=0.0,
+        )
+    )
+
+
 # ---- torchvision-style vision code -----------------------------------------------------
 class BasicBlock(nn.Module):
     """torchvision's ResNet BasicBlock, small: conv-BN-ReLU-conv-BN plus a shortcut
@@ -327,6 +414,11 @@ FAMILIES: dict[str, Family] = {
     "gpt": Family(_own("gpt4"), _own_batch("gpt4"), _own_loss("gpt4")),
     "nanogpt": Family(nanogpt, _nanogpt_batch, lambda: _nanogpt_loss),
     "timm_vit": Family(timm_vit, _images, lambda: F.cross_entropy),
+    "qwen2_moe": Family(hf_qwen2_moe, _lm_batch, _causal, dtype="float32"),  # as mixtral
+    # float32: its blocks keep the residual stream in float32 (residual_in_fp32)
+    "mamba": Family(hf_mamba, _lm_batch, _causal, dtype="float32"),
+    "whisper": Family(hf_whisper, _whisper_batch, _masked),
+    "convnext": Family(hf_convnext, _vit_batch, lambda: _logits_loss),
     "titan": Family(
         _own("titan"), _own_batch("titan"), _own_loss("titan"), options={"blocks": "layers"}
     ),

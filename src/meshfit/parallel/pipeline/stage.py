@@ -102,6 +102,8 @@ class StageModule(nn.Module):
         everything = container._modules
         handles = []
         if not self.is_first:
+            hidden_or_inputs = map_tensors(hidden_or_inputs, _with_contiguous_gradient)
+            carried = tuple(map_tensors(carried, _with_contiguous_gradient))
             handles.append(
                 blocks[self.keys[0]].register_forward_pre_hook(
                     _replace_first_args(
@@ -141,6 +143,26 @@ class StageModule(nn.Module):
         if self.is_last:
             output = self.output_form.flatten(output)
         return map_tensors(output, torch.Tensor.detach) if untracked else output
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient: a later stage's
+    input gradient is what it sends back, and torch's backward metadata (2.13) takes its
+    strides for the earlier stage's receive buffer. ConvNeXt's first layer on a stage
+    (a conv) gave a channels-last gradient, and the earlier stage's receive failed with
+    "input tensor has to be contiguous"."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _with_contiguous_gradient(t: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGradient.apply(t) if t.requires_grad else t
 
 
 def _sendable(output: Any) -> Any:

@@ -191,8 +191,9 @@ def gathered_heads(
     """({LM head tp splits over its outputs: its output count}, {one it keeps whole: why}).
 
     Megatron-LM's column-parallel LM head with its output gathered. A head here is an
-    nn.Linear outside the blocks, run after them on `inputs`, that widens what they made
-    (out_features > in_features: a vocabulary); it is the largest layer left outside the
+    nn.Linear outside the blocks, run after them on `inputs` with no other Linear after
+    it, that widens what they made (out_features > in_features: a vocabulary); it is the
+    largest layer left outside the
     blocks (Llama 3 8B: 0.5B of 8B parameters, 6% of the FLOPs). Each tp rank keeps 1/tp
     of its weights, gradients and optimizer state and computes 1/tp of its outputs; one
     all-gather makes the output whole (the logits, as before), and the gradient of its
@@ -204,13 +205,12 @@ def gathered_heads(
     """
     units = _block_units(model, find_blocks(model))
     inside = tuple(f"{name}." for name, _ in units)
-    wide = {
+    outside = {
         name: module
         for name, module in model.named_modules()
-        if type(module) is nn.Linear
-        and not name.startswith(inside)
-        and module.out_features > module.in_features
+        if type(module) is nn.Linear and not name.startswith(inside)
     }
+    wide = {n: m for n, m in outside.items() if m.out_features > m.in_features}
     if not wide:
         return {}, {}
     owners: dict[int, list[str]] = {}
@@ -218,7 +218,7 @@ def gathered_heads(
         owners.setdefault(id(param), []).append(name.rsplit(".", 1)[0])
     heads: dict[str, int] = {}
     kept: dict[str, str] = {}
-    for name in _run_after_blocks(model, units, wide, inputs):
+    for name in _run_after_blocks(model, units, wide, outside, inputs):
         module = wide[name]
         others = [o for o in owners.get(id(module.weight), []) if o != name]
         if others:
@@ -232,14 +232,20 @@ def gathered_heads(
 
 @torch.no_grad()
 def _run_after_blocks(
-    model: nn.Module, units: list[tuple[str, nn.Module]], layers: dict[str, nn.Module], inputs: Any
+    model: nn.Module,
+    units: list[tuple[str, nn.Module]],
+    layers: dict[str, nn.Module],
+    others: dict[str, nn.Module],
+    inputs: Any,
 ) -> list[str]:
     """Those of `layers` whose first call on `inputs` (eval mode) comes after the last
-    block's: the head, not an input projection."""
+    block's, with none of `others` (the other Linears outside the blocks) called after
+    it: the head, not an input projection, nor a layer of a second stack the blocks do
+    not include (Whisper's decoder, after its encoder's blocks: its fc1 widens too)."""
     calls: list[str] = []
     first: dict[str, int] = {}
     handles = [b.register_forward_hook(lambda *_: calls.append("")) for _, b in units]
-    for name, layer in layers.items():
+    for name, layer in {**others, **layers}.items():
 
         def seen(*_: Any, name: str = name) -> None:
             first.setdefault(name, len(calls))
@@ -255,7 +261,12 @@ def _run_after_blocks(
         for handle in handles:
             handle.remove()
     last_block = max((i for i, c in enumerate(calls) if c == ""), default=-1)
-    return [name for name in layers if first.get(name, -1) > last_block]
+    narrow_after = [i for i, c in enumerate(calls) if c and c not in layers]
+    return [
+        name
+        for name in layers
+        if first.get(name, -1) > last_block and not any(i > first[name] for i in narrow_after)
+    ]
 
 
 def _weight_styles(derivation: _Derivation) -> dict[str, ParallelStyle]:
