@@ -324,7 +324,10 @@ def _equal_last_dim_parts(func: Any, x: torch.Tensor, out: Any) -> int:
 @torch.no_grad()
 def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
     """(qualified name, block) of every block of the stack's type, in every container
-    holding only such blocks: an encoder-decoder's two stacks (T5) both split."""
+    holding only such blocks: an encoder-decoder's two stacks (T5) both split. Then the
+    blocks of every other stack outside them: a container of two or more modules of
+    one other type, each holding two or more projections (Whisper's decoder layers,
+    beside its encoder's): each kind is traced, split and reported as the first."""
     kind = type(stack.blocks[0])
     units = []
     for name, container in model.named_modules():
@@ -332,7 +335,20 @@ def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
             continue
         if all(type(child) is kind for child in container.children()):
             units += [(f"{name}.{k}" if name else k, b) for k, b in container._modules.items()]
-    return units or [(stack.qualified(k), b) for k, b in zip(stack.keys, stack.blocks, strict=True)]
+    if not units:
+        return [(stack.qualified(k), b) for k, b in zip(stack.keys, stack.blocks, strict=True)]
+    for name, container in model.named_modules():
+        inside = tuple(f"{unit}." for unit, _ in units)
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+            continue
+        if f"{name}.".startswith(inside) or name + "." in inside:
+            continue
+        children = list(container.children())
+        if len({type(c) for c in children}) != 1 or type(children[0]) is kind:
+            continue
+        if all(sum(_is_projection(m) for m in c.modules()) >= 2 for c in children):
+            units += [(f"{name}.{k}" if name else k, b) for k, b in container._modules.items()]
+    return units
 
 
 def _trace_blocks(
