@@ -115,6 +115,23 @@ def test_every_family_under_a_2d_plan_matches_one_process_or_is_refused() -> Non
 
 
 @pytest.mark.slow
+def test_tp_without_example_inputs_traces_vision_and_speech_models_on_made_up_inputs() -> None:
+    """parallelize(model, "tp=2") with no example_inputs: tp traces on an input it makes
+    up. Hugging Face's own dummy_inputs are token ids for every model, which a ViT,
+    ConvNeXt or Whisper does not take (they were refused, "pass example_inputs"); now
+    their main input is shaped by the config, and timm's ViT gets images of its
+    patch embedding's img_size. Each trains the one-process run."""
+    specs = [
+        {"model": f, "plan": "tp=2", "no_example": True}
+        for f in ("vit", "convnext", "whisper", "timm_vit")
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_zoo_runs, nproc=2, args=(specs,))
+    _check(specs, results, {})
+
+
+@pytest.mark.slow
 def test_mixtral_experts_split_under_tp_and_their_checkpoint_loads_in_one_process(
     tmp_path,
 ) -> None:

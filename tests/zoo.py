@@ -464,7 +464,7 @@ def zoo_run(spec: dict) -> dict:
             spec.get("plan"),
             loss_fn=loss_fn,
             optimizer=zoo_optimizer,
-            example_inputs=example,
+            example_inputs=None if spec.get("no_example") else example,
             **(family.options or {}),
             **spec.get("options", {}),
         )

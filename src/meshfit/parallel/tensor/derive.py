@@ -164,20 +164,82 @@ def _nothing_to_split(model: nn.Module, reason: str) -> MeshfitError:
     )
 
 
+def _main_inputs(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """For a Hugging Face model whose main input is not token ids, a tiny batch of it,
+    shaped by its config: `pixel_values` (vision: num_channels x image_size^2) or
+    `input_features` (speech: num_mel_bins x 2 max_source_positions frames), with
+    `decoder_input_ids` for an encoder-decoder. Its `dummy_inputs` are token ids for
+    every model (transformers 5), which a ViT, ConvNeXt or Whisper does not take. None
+    where the config does not say the shape."""
+    name = getattr(model, "main_input_name", "input_ids")
+    config = getattr(model, "config", None)
+    if name == "input_ids" or config is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if name == "pixel_values":
+        size = getattr(config, "image_size", None)
+        channels = getattr(config, "num_channels", None)
+        if isinstance(size, int):
+            size = (size, size)
+        if not (isinstance(size, (tuple, list)) and len(size) == 2 and isinstance(channels, int)):
+            return None
+        shape = (2, channels, *size)
+    elif name == "input_features":
+        bins = getattr(config, "num_mel_bins", None)
+        frames = getattr(config, "max_source_positions", None)
+        if not (isinstance(bins, int) and isinstance(frames, int)):
+            return None
+        shape = (2, bins, 2 * frames)
+    else:
+        return None
+    inputs = {name: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)}
+    if getattr(config, "is_encoder_decoder", False):
+        vocab = getattr(config, "vocab_size", None)
+        if not isinstance(vocab, int):
+            return None
+        inputs["decoder_input_ids"] = torch.randint(0, vocab, (2, 4), generator=g)
+    return inputs
+
+
+def _image_size(model: nn.Module) -> tuple[int, int] | None:
+    """The (height, width) a module of `model` keeps as `img_size` or `image_size`."""
+    for module in model.modules():
+        for attr in ("img_size", "image_size"):
+            size = getattr(module, attr, None)
+            if isinstance(size, int) and size > 0:
+                return size, size
+            if isinstance(size, (tuple, list)) and len(size) == 2:
+                if all(isinstance(n, int) and n > 0 for n in size):
+                    return size[0], size[1]
+    return None
+
+
 def _dummy_inputs(model: nn.Module) -> Any:
-    """A tiny input to trace `model` on: Hugging Face's own `dummy_inputs`, else token ids
-    for a model whose first layer is an Embedding, else features for a first Linear."""
-    dummy = getattr(model, "dummy_inputs", None)
+    """A tiny input to trace `model` on: a Hugging Face model's main input shaped by its
+    config (_main_inputs), else its own `dummy_inputs`, else token ids for a model whose
+    first layer is an Embedding, images for a first Conv2d (of the size a module keeps
+    as `img_size` / `image_size`, as timm's patch embedding does; else 64 x 64), else
+    features for a first Linear. A wrong guess fails the trace, which then asks for
+    example_inputs."""
+    dummy = _main_inputs(model)
+    if dummy is None:
+        dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, Mapping) and dummy:
         device = next(model.parameters()).device
         return {k: v.to(device) for k, v in dummy.items()}
-    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
+    kinds = (nn.Embedding, nn.Linear, nn.Conv2d)
+    first = next((m for m in model.modules() if isinstance(m, kinds)), None)
     if first is None:
         raise _nothing_to_split(model, "meshfit cannot make an input to trace it with")
     g = torch.Generator().manual_seed(0)
     device = first.weight.device
     if isinstance(first, nn.Embedding):
         return torch.randint(0, first.num_embeddings, (2, 4), generator=g).to(device)
+    if isinstance(first, nn.Conv2d):
+        shape = (2, first.in_channels, *(_image_size(model) or (64, 64)))
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+        return x.to(device=device, dtype=first.weight.dtype)
     x = torch.randn(2, first.in_features, generator=g, dtype=torch.float64)
     return x.to(device=device, dtype=first.weight.dtype)
 
