@@ -370,8 +370,18 @@ def _trace_blocks(
             if not isinstance(hidden, torch.Tensor):
                 return
             # the residual stream, and a decoder's view of the encoder output (passed by
-            # name, or positionally with the same shape): replicated on every tp rank
-            streams = [t for t in tensors_in(args) if t.shape == hidden.shape]
+            # name, or positionally with the same batch and width: Whisper's encoder
+            # output has its own length): replicated on every tp rank
+            streams = [
+                t
+                for t in tensors_in(args)
+                if t.shape == hidden.shape
+                or (
+                    t.ndim == hidden.ndim >= 2
+                    and t.shape[0] == hidden.shape[0]
+                    and t.shape[-1] == hidden.shape[-1]
+                )
+            ]
             streams += [v for k, v in kwargs.items() if "hidden_states" in k]
             for t in tensors_in(streams):
                 if t.is_floating_point():
