@@ -207,9 +207,7 @@ def hf_mamba() -> nn.Module:  # a state-space model: no attention, a causal conv
     from transformers import MambaConfig, MambaForCausalLM
 
     return MambaForCausalLM(
-        MambaConfig(
-            vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2
-        )
+        MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2)
     )
 
 
