@@ -115,6 +115,19 @@ def test_pipeline_stages_send_activations_that_are_not_contiguous() -> None:
     assert "batch" not in str(caught.value)
 
 
+def test_a_second_stack_of_another_kind_splits_what_its_code_can_follow() -> None:
+    """tp splits every stack of blocks, the second of another kind too (Whisper's decoder
+    beside its encoder), and tries the first block of each kind on meta: nanoGPT's
+    attention in the second stack is kept whole there while its MLP splits; the first
+    stack splits whole. Trains the one-process run."""
+    specs = [make_spec("two_stacks", "tp=2")]
+    results = mf.launch(many_engine_runs, nproc=2, args=(specs,))
+    check_against_one_process(specs, results)
+    split = results[0]["tp_split"]
+    assert "of TitanBlock parameters" in split and "of Block parameters" in split, split
+    assert "attn kept whole: its split forward fails" in split, split
+
+
 def test_dropout_under_tp_draws_the_same_masks_on_every_tp_rank() -> None:
     """The tp ranks compute the same replicated activations, so their dropout must draw
     the same masks: fit seeded each rank apart, and a script seeding by rank did too,

@@ -69,6 +69,8 @@ def _build(kind: str) -> tuple[torch.nn.Module, object]:
         return bn_cnn(), F.cross_entropy
     if kind == "titan":  # layers in a ModuleDict, and a larger stack that is not them
         return TitanStyle(), F.cross_entropy
+    if kind == "two_stacks":  # a second stack of another kind, whose attention cannot split
+        return TwoStacks(), next_token_loss
     if kind == "global_heads":
         return GlobalHeads(), next_token_loss
     if kind == "named_heads":
@@ -85,6 +87,31 @@ class TitanBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class TwoStacks(torch.nn.Module):
+    """Three MLP blocks, then two blocks of nanoGPT's model.py (its attention cuts q|k|v at
+    the whole width, so it cannot follow a tp split): two stacks of two kinds, as an
+    encoder and a decoder of other types are (Whisper's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from nanogpt import Block
+        from nanogpt import GPTConfig as NanoConfig
+
+        width = TINY_GPT.n_embd
+        config = NanoConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=width)
+        config.bias = False
+        self.embed = torch.nn.Embedding(TINY_GPT.vocab_size, width)
+        self.first = torch.nn.ModuleList(TitanBlock(width) for _ in range(3))
+        self.second = torch.nn.ModuleList(Block(config) for _ in range(2))
+        self.head = torch.nn.Linear(width, TINY_GPT.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in [*self.first, *self.second]:
+            x = block(x)
+        return self.head(x)
 
 
 class TitanStyle(torch.nn.Module):
@@ -318,6 +345,7 @@ def engine_run(spec: dict) -> dict:
         "buffer_bytes": buffer_bytes,
         # {parameter: its local shape} where tensor parallel split one outside the blocks
         "split_outside": _split_outside_blocks(model),
+        "tp_split": engine.tp_report and engine.tp_report.describe(),
         "float8_layers": _on_every_rank(
             sum(type(m).__name__ == "Float8Linear" for m in model.modules())
         )

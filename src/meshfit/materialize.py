@@ -462,11 +462,21 @@ def _unwritten_int(dtype: torch.dtype) -> int:
 
 
 def _unwritten(value: torch.Tensor) -> bool:
+    """Whether `value` still holds the mark an unwritten tensor starts with (NaN, or its
+    integer type's smallest value), checked a million elements at a time: a whole
+    tensor's test made a temporary of a byte per element beside it (4 MiB of the one
+    process's meta build peak on a 16 MiB embedding, BENCHMARKS.md)."""
     if value.dtype == torch.bool:
         return False  # compared between two starts instead (materialize)
-    if value.is_floating_point():
-        return bool(value.isnan().any())
-    return bool((value == _unwritten_int(value.dtype)).any())
+    flat = value.reshape(-1)
+    for chunk in flat.split(1 << 20):
+        if value.is_floating_point():
+            found = chunk.isnan().any()
+        else:
+            found = (chunk == _unwritten_int(value.dtype)).any()
+        if bool(found):
+            return True
+    return False
 
 
 def _unwritten_line(initializer: Initializer, slot: Slot) -> str:

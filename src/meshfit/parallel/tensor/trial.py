@@ -5,11 +5,11 @@ what they make. nanoGPT's attention cuts its fused q|k|v at `n_embd` and reshape
 input's width `C`: split, its rank-local output has a third of the chunks the code
 expects, and no choice of local head counts helps. Splitting the model and checking it
 (check.py) would find that, but too late to split anything else: the model is split in
-place. So before that, a copy of the first block runs on meta with each projection
-narrowed to one rank's width (no values, no process group, no memory): where the
-unsplit copy runs and the narrowed one raises, the innermost sub-layer whose code raised
-is kept whole in every block (`whole`, said in the start-up line) and the rest is tried
-again. The split model is still checked on values afterwards, as before; this only
+place. So before that, a copy of the first block of each kind runs on meta with each
+projection narrowed to one rank's width (no values, no process group, no memory): where
+the unsplit copy runs and the narrowed one raises, the innermost sub-layer whose code
+raised is kept whole in every block of that kind (`whole`, said in the start-up line)
+and the rest is tried again. The split model is still checked on values afterwards, as before; this only
 decides what is worth splitting, for the engine and the planner alike.
 """
 
@@ -33,7 +33,8 @@ class _Captured(Exception):  # noqa: N818 - control flow, not an error
 
 def keep_whole_what_cannot_split(model: nn.Module, derivation: Any, tp: int) -> None:
     """Drop from `derivation` (in place) every kind of sub-layer whose narrowed code
-    fails on the first block's input, recording why in `derivation.whole`. Not where tp
+    fails on the input of the first block of its kind, recording why in
+    `derivation.whole`. Not where tp
     does not divide the plan's widths or head counts: that refusal names the cause."""
     from meshfit.errors import MeshfitError
     from meshfit.parallel.tensor.check import check_tp_plan
@@ -44,7 +45,20 @@ def keep_whole_what_cannot_split(model: nn.Module, derivation: Any, tp: int) -> 
         check_tp_plan(model, plain, tp)
     except MeshfitError:
         return
-    first, block = _block_units(model, find_blocks(model))[0]
+    units = _block_units(model, find_blocks(model))
+    firsts: dict[type, tuple[str, nn.Module]] = {}
+    for name, block in units:  # the first block of each kind (Whisper: encoder, decoder)
+        firsts.setdefault(type(block), (name, block))
+    for kind, (first, block) in firsts.items():
+        kind_units = [name for name, b in units if type(b) is kind]
+        _try_kind(model, derivation, tp, first, block, kind_units)
+
+
+def _try_kind(
+    model: nn.Module, derivation: Any, tp: int, first: str, block: nn.Module, units: list[str]
+) -> None:
+    """keep_whole_what_cannot_split for one kind of block: tried on its `first`, what
+    fails is kept whole in every block of its kind (`units`)."""
     captured = None
     for _ in range(8):  # each pass keeps one more kind of sub-layer whole
         mine = _in_block(derivation.plan, first)
@@ -65,7 +79,7 @@ def keep_whole_what_cannot_split(model: nn.Module, derivation: Any, tp: int) -> 
         if failed is None:
             return
         layer, why = failed
-        _drop(derivation, model, layer)
+        _drop(derivation, units, layer)
         derivation.whole[layer] = why
 
 
@@ -177,12 +191,10 @@ def _raised(block: nn.Module, captured: tuple) -> BaseException | None:
     return None
 
 
-def _drop(derivation: Any, model: nn.Module, layer: str) -> None:
-    """Remove `layer` (named inside a block) and what is in it from every block's share
-    of `derivation`."""
-    from meshfit.parallel.tensor.trace import _block_units
-
-    inside = [f"{unit}.{layer}" for unit, _ in _block_units(model, find_blocks(model))]
+def _drop(derivation: Any, units: list[str], layer: str) -> None:
+    """Remove `layer` (named inside a block) and what is in it from the share of
+    `derivation` of every block in `units` (the blocks of one kind)."""
+    inside = [f"{unit}.{layer}" for unit in units]
 
     def within(name: str) -> bool:
         return any(name == p or name.startswith(p + ".") for p in inside)
