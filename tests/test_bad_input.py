@@ -499,3 +499,34 @@ def test_a_peer_lost_in_the_first_step_is_not_reported_as_the_batch() -> None:
     with pytest.raises(mf.MeshfitError, match="failed inside the model or loss_fn"):
         with explain_first_failure(True, "training step", torch.zeros(2, 3), None):
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
+
+
+def test_a_kernel_refusing_the_model_s_dtype_names_the_model_s_dtype() -> None:
+    """transformers' Qwen2-MoE built in float64, one process: its experts' grouped
+    matmul takes no float64, and the first step's error said only "give batches the
+    model and loss_fn take", though the batch is fine. It now names the model's dtype
+    and the fix beside the batch's."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = Qwen2MoeForCausalLM(config).double()
+    engine = mf.parallelize(model, None, loss_fn=mf.losses.cross_entropy(shift=True))
+    ids = torch.randint(0, 32, (2, 6))
+    with pytest.raises(mf.MeshfitError) as raised:
+        engine.step(({"input_ids": ids}, ids))
+    message = str(raised.value)
+    assert "(the model's parameters in float64)" in message, message
+    assert "build the model in a dtype its layers take, if one refuses float64" in message
+    assert "\n" not in message

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
@@ -40,9 +41,14 @@ _INPUT_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError, Attr
 
 
 @contextlib.contextmanager
-def explain_first_failure(first: bool, what: str, inputs: Any, targets: Any) -> Iterator[None]:
+def explain_first_failure(
+    first: bool, what: str, inputs: Any, targets: Any, model_dtype: torch.dtype | None = None
+) -> Iterator[None]:
     """Inside, on the first call (`first`), turn an error of the model or loss into a
-    MeshfitError that describes the batch; `what` names the call ("training step")."""
+    MeshfitError that describes the batch; `what` names the call ("training step").
+    Where the error names a dtype, the model's own (`model_dtype`) is said beside the
+    batch's: a kernel that refuses the model's dtype (Qwen2-MoE's grouped matmul in
+    float64) is no batch problem."""
     if not first:
         yield
         return
@@ -68,11 +74,23 @@ def explain_first_failure(first: bool, what: str, inputs: Any, targets: Any) -> 
                 f"model, loss or batch; please report it with this traceback"
             )
             raise
+        fix = "give batches the model and loss_fn take (shapes, dtypes, keys)"
+        model = ""
+        if model_dtype is not None and _DTYPE_WORDS.search(str(exc)):
+            name = str(model_dtype).removeprefix("torch.")
+            model = f" (the model's parameters in {name})"
+            fix += f", or build the model in a dtype its layers take, if one refuses {name}"
         raise MeshfitError(
             f"the first {what} failed inside the model or loss_fn on inputs "
-            f"{describe(inputs)} and targets {describe(targets)}: {one_line(exc)}; give "
-            f"batches the model and loss_fn take (shapes, dtypes, keys)"
+            f"{describe(inputs)} and targets {describe(targets)}{model}: {one_line(exc)}; "
+            f"{fix}"
         ) from exc
+
+
+# An error naming a dtype: PyTorch's kernels say "Double", "Float", "BFloat16", ...
+_DTYPE_WORDS = re.compile(
+    r"\b(Double|Float|Half|BFloat16|float64|float32|float16|bfloat16|dtype)\b"
+)
 
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep

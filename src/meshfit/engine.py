@@ -60,6 +60,10 @@ class Engine:
         self.grad_clip = options.grad_clip
         self.fingerprint = model_fingerprint(model)  # before wrapping: global shapes, user names
         self.num_parameters = sum(p.numel() for p in model.parameters())  # whole model
+        # said beside the batch when the first step fails on a dtype (batch_errors.py)
+        self._model_dtype = next(
+            (p.dtype for p in model.parameters() if p.is_floating_point()), None
+        )
         self.planned: Any = None  # plan="auto": the planner's choice and its prediction
         self.precision = Precision(self.plan.precision, self.device)
         self.model_loss = ModelOwnLoss(model) if options.loss_fn == "model" else None
@@ -153,7 +157,9 @@ class Engine:
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         check_microbatches(batch_size(inputs, "inputs"), self.plan.num_microbatches, self.dp_size)
         try:
-            with explain_first_failure(not self._batch_checked, "training step", inputs, targets):
+            with explain_first_failure(
+                not self._batch_checked, "training step", inputs, targets, self._model_dtype
+            ):
                 loss, count = self.runner.train(inputs, targets)
         except BaseException:
             # Gradients of micro-batches that ran before the failure: the next step
@@ -209,7 +215,9 @@ class Engine:
         self.parallel_model.eval()
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         try:
-            with explain_first_failure(not self._evaluated, "evaluation", inputs, targets):
+            with explain_first_failure(
+                not self._evaluated, "evaluation", inputs, targets, self._model_dtype
+            ):
                 loss, count = self.runner.evaluate(inputs, targets)
         finally:
             self.parallel_model.train()
