@@ -507,21 +507,9 @@ def test_a_kernel_refusing_the_model_s_dtype_names_the_model_s_dtype() -> None:
     model and loss_fn take", though the batch is fine. It now names the model's dtype
     and the fix beside the batch's."""
     pytest.importorskip("transformers")
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from zoo import hf_qwen2_moe  # the zoo's family, as transformers builds it
 
-    config = Qwen2MoeConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        shared_expert_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = Qwen2MoeForCausalLM(config).double()
+    model = hf_qwen2_moe().double()
     engine = mf.parallelize(model, None, loss_fn=mf.losses.cross_entropy(shift=True))
     ids = torch.randint(0, 32, (2, 6))
     with pytest.raises(mf.MeshfitError) as raised:
