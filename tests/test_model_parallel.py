@@ -585,7 +585,7 @@ def test_tp_splits_every_experts_mlp_of_a_mixture_of_experts() -> None:
         _derive(_ExpertsModel(), torch.zeros(2, 3, dtype=torch.long))
 
 
-def test_tp_refuses_a_cnn_with_the_plans_that_fit() -> None:
+def test_tp_refuses_a_cnn_whose_blocks_hold_no_pair_with_the_plans_that_fit() -> None:
     class Stage(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -605,12 +605,32 @@ def test_tp_refuses_a_cnn_with_the_plans_that_fit() -> None:
                 x = stage(x)
             return x.mean((2, 3))
 
+    # one convolution per block, its output added to the block's input: no pair
     with pytest.raises(
         mf.MeshfitError,
-        match=r"tensor parallel finds nothing to split in CNN: its blocks hold no "
-        r"matrix-product layer \(Linear\), only BatchNorm2d, Conv2d, Stage; use dp, fsdp or pp",
+        match=r"tensor parallel finds nothing to split in CNN: no matrix product in its "
+        r"blocks \('stages'\) reads the block's input and feeds, .* one that writes back",
     ):
-        derive_tp_plan(CNN())
+        derive_tp_plan(CNN(), torch.zeros(2, 4, 6, 6))
+
+    class Depthwise(torch.nn.Module):  # grouped convolutions mix no channels: no product
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = torch.nn.ModuleList(
+                torch.nn.Conv2d(4, 4, 3, padding=1, groups=4) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for stage in self.stages:
+                x = x + stage(x)
+            return x.mean((2, 3))
+
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"tensor parallel finds nothing to split in Depthwise: its blocks hold no "
+        r"matrix-product layer \(Linear, convolution\), only Conv2d; use dp, fsdp or pp",
+    ):
+        derive_tp_plan(Depthwise())
 
     class Unpaired(torch.nn.Module):  # a Linear per block, its output the block output
         def __init__(self) -> None:

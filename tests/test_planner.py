@@ -215,7 +215,8 @@ def test_profile_of_a_hugging_face_model_on_meta():
 
 
 def test_a_model_tensor_parallel_cannot_split_is_planned_without_tp():
-    cnn = nn.Sequential(*[nn.Conv2d(3, 3, 3, padding=1) for _ in range(4)])
+    # depthwise convolutions: no channels mixed, nothing to pair
+    cnn = nn.Sequential(*[nn.Conv2d(3, 3, 3, padding=1, groups=3) for _ in range(4)])
     p = profile_model(cnn, torch.zeros(2, 3, 8, 8))
     assert p.tp_error and "nothing to split" in p.tp_error
     result = plan_search(p, 4, batch_size=8, hardware="cpu")

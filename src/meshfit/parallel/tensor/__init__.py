@@ -4,7 +4,8 @@ The plan is derived from the computation, not from names: the model runs once on
 input (Hugging Face's `dummy_inputs`, token ids or features for a first Embedding /
 Linear, or the user's `example_inputs`) while every tensor computed inside a block is
 labelled with where it came from: the block's input (the residual stream) and the
-projections (nn.Linear, HF's Conv1D) it was computed from. A projection that reads only
+projections (nn.Linear, HF's Conv1D, plain convolutions: their channels are the
+features) it was computed from. A projection that reads only
 replicated values becomes column-parallel; one that reads only column-parallel outputs
 (through per-element and per-head steps: activations, attention) row-parallel, its
 all-reduce making the residual stream whole again: one all-reduce after attention and
@@ -25,8 +26,10 @@ gate_up_proj / down_proj) are followed through the views taken of them to the pr
 that multiply them, split per chunk / row-wise, and run on their local shards with one
 all-reduce after all experts (_WeightShard); the router stays whole. The split model is
 checked on that input before training: a split that changes it is refused, as is a
-model with nothing to pair (a CNN). For an `nn.Sequential` model, Linears separated
-only by element-wise layers pair up.
+model with nothing to pair. A BatchNorm between a column-parallel convolution and its
+row-parallel partner is split by channel with them (_ChannelShard: weights and running
+statistics). For an `nn.Sequential` model, Linears (or convolutions) separated only by
+element-wise layers (for convolutions, BatchNorm and pooling too) pair up.
 
 Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
 "colwise:N" (fused, N chunks) | "rowwise" | a torch ParallelStyle}``.

@@ -37,8 +37,14 @@ from meshfit.parallel.tensor.check import (
 )
 from meshfit.parallel.tensor.derive import _Derivation, _derive
 from meshfit.parallel.tensor.report import TPReport, tp_share
-from meshfit.parallel.tensor.split import STYLES, Split, TPPlan
-from meshfit.parallel.tensor.styles import _LocalShard, _summing, _summing_inputs, _WeightShard
+from meshfit.parallel.tensor.split import STYLES, Split, TPPlan, _is_channel_layer
+from meshfit.parallel.tensor.styles import (
+    _ChannelShard,
+    _LocalShard,
+    _summing,
+    _summing_inputs,
+    _WeightShard,
+)
 from meshfit.parallel.tensor.trace import _block_units
 from meshfit.trees import call_model
 
@@ -141,7 +147,9 @@ def split_styles(model: nn.Module, chosen: Chosen) -> dict[str, ParallelStyle]:
             module = modules.get(name)
             if isinstance(module, (nn.Linear, nn.Embedding)) and style == split.kind:
                 styles[name] = STYLES[split.kind]()
-            else:  # Conv1D, or a fused projection split chunk by chunk
+            elif module is not None and _is_channel_layer(module) and split.column:
+                styles[name] = _ChannelShard()
+            else:  # Conv1D, a convolution, or a fused projection split chunk by chunk
                 styles[name] = _LocalShard(split.kind, split.chunks)
         else:
             raise MeshfitError(

@@ -30,6 +30,7 @@ from meshfit.parallel.tensor.split import (
     QKV_NAMES,
     Split,
     _dims,
+    _is_channel_layer,
     _is_projection,
 )
 from meshfit.parallel.tensor.styles import _LocalShard
@@ -54,6 +55,14 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
                 raise MeshfitError(
                     f"tp={tp} does not divide {name}'s {module.embedding_dim} columns (a "
                     f"per-head table, split with the heads); use a tp that divides them"
+                )
+            continue
+        if module is not None and _is_channel_layer(module) and split is not None:
+            if module.num_features % tp:
+                raise MeshfitError(
+                    f"tp={tp} does not divide {name}'s {module.num_features} channels (a "
+                    f"per-channel layer, split with the convolutions around it); use a tp "
+                    f"that divides them"
                 )
             continue
         if module is None or not _is_projection(module) or split is None:

@@ -23,6 +23,8 @@ from meshfit.parallel.tensor.split import (
     KV_HEAD_ATTRS,
     Split,
     _dims,
+    _is_channel_layer,
+    _is_conv,
     _is_projection,
 )
 from meshfit.parallel.tensor.trace import (
@@ -95,7 +97,9 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
             {type(m).__name__ for b in stack.blocks for m in b.modules()} - {"Sequential"}
         )
         raise _nothing_to_split(
-            model, f"its blocks hold no matrix-product layer (Linear), only {', '.join(kinds)}"
+            model,
+            f"its blocks hold no matrix-product layer (Linear, convolution), only "
+            f"{', '.join(kinds)}",
         )
     inputs = example_inputs if example_inputs is not None else _dummy_inputs(model)
     units = _block_units(model, stack)
@@ -111,6 +115,7 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
         shared = _shared_kv_projections(trace, modules, tp) if tp and tp > 1 else {}
         trace.across_width -= set(shared)  # kept whole: a norm over its width is fine
         block_plan = _classify(trace, whole)
+        block_plan.update(_channel_layers(trace, block_plan, modules))
         replicated = _replicate_shared_kv(trace, block_plan, modules, shared, whole, tp or 1)
         kept = [n for n in shared if f"{n}.weight" in replicated]
         split.summed_inputs += kept
@@ -306,6 +311,26 @@ def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[s
     return plan
 
 
+def _channel_layers(
+    trace: _BlockTrace, plan: dict[str, str], modules: dict[str, nn.Module]
+) -> dict[str, str]:
+    """{per-channel layer (BatchNorm): "colwise"} for those whose input is the output of
+    column-parallel projections only, as wide as they are (ResNet's bn1 between conv1
+    and conv2): each rank holds some channels, so the layer is split by channel with
+    them (styles._ChannelShard)."""
+    found = {}
+    for name, labels in trace.channel_layers.items():
+        width = getattr(modules.get(name), "num_features", None)
+        if labels and all(
+            plan.get(label) == "colwise"
+            and _is_projection(modules[label])
+            and _dims(modules[label])[1] == width
+            for label in labels
+        ):
+            found[name] = "colwise"
+    return found
+
+
 def _shared_kv_projections(
     trace: _BlockTrace, modules: dict[str, nn.Module], tp: int
 ) -> dict[str, int]:
@@ -464,7 +489,7 @@ def _stored_sizes(modules: dict[str, nn.Module], plan: dict[str, str]) -> dict[s
         module = modules.get(owner)
         if module is None:
             continue
-        read = _attributes_read(type(module))
+        read = _attributes_read(type(module)) | _attributes_read_by_helpers(module)
         attrs = {}
         for attr in read:
             value = getattr(module, attr, None)
@@ -490,18 +515,58 @@ def _attributes_read(cls: type) -> set[str]:
     return set(re.findall(r"\bself\.([A-Za-z_]\w*)\b(?!\s*\()", source))
 
 
+def _attributes_read_by_helpers(module: nn.Module) -> set[str]:
+    """`<module>.<name>` reads in the `__call__` of a helper object the module keeps and
+    hands itself to (diffusers' attention processors: `processor(attn, hidden_states)`
+    reads `attn.heads`, which the module's own forward never names)."""
+    found: set[str] = set()
+    for value in vars(module).values():
+        if isinstance(value, (nn.Module, type)) or not callable(value):
+            continue
+        call = type(value).__call__
+        if not inspect.isfunction(call):  # a builtin's: no source to read
+            continue
+        try:
+            params = list(inspect.signature(call).parameters)
+            source = inspect.getsource(call)
+        except (OSError, TypeError, ValueError):
+            continue
+        if len(params) < 2:
+            continue
+        found |= set(re.findall(rf"\b{re.escape(params[1])}\.([A-Za-z_]\w*)\b(?!\s*\()", source))
+    return found
+
+
 def _sequential_pairs(seq: nn.Sequential, prefix: str) -> dict[str, str]:
-    """Pair Linears in a Sequential that only element-wise layers separate."""
+    """Pair Linears (or convolutions) in a Sequential that only element-wise layers
+    separate, and for convolutions per-channel ones too: BatchNorm (split by channel
+    with the pair) and pooling (it acts on each channel alone)."""
     plan: dict[str, str] = {}
-    pending: str | None = None  # a Linear waiting for its row-parallel partner
+    pending: str | None = None  # a layer waiting for its row-parallel partner
+    between: list[str] = []  # per-channel layers after it, split with it
     for key, child in seq._modules.items():
-        if isinstance(child, nn.Linear):
-            if pending is None:
-                pending = key
+        held = seq._modules[pending] if pending is not None else None
+        if isinstance(child, nn.Linear) or _is_conv(child):
+            if held is None or type(held) is not type(child):
+                pending, between = key, []
             else:
                 plan[prefix + pending] = "colwise"
+                plan.update({prefix + k: "colwise" for k in between})
                 plan[prefix + key] = "rowwise"
                 pending = None
+        elif held is not None and _is_channel_layer(child):
+            if child.num_features != _dims(held)[1]:
+                pending = None
+            else:
+                between.append(key)
+        elif held is not None and _is_conv(held) and isinstance(child, _POOLING):
+            continue
         elif not isinstance(child, ELEMENTWISE):
             pending = None
     return plan
+
+
+# Pooling acts on each channel alone: a column-parallel convolution's output channels
+# pass through it to the row-parallel one unchanged.
+_POOLING = (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+            nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)  # fmt: skip

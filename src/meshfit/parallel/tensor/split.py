@@ -1,5 +1,6 @@
 """What a split is and which layers take one: the plan's styles, the projection layers
-(nn.Linear, Hugging Face's Conv1D) and the attribute names that hold head counts.
+(nn.Linear, Hugging Face's Conv1D, plain convolutions), the per-channel layers split
+with them (BatchNorm) and the attribute names that hold head counts.
 """
 
 from __future__ import annotations
@@ -61,7 +62,24 @@ STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
+    return isinstance(module, nn.Linear) or _is_conv1d(module) or _is_conv(module)
+
+
+def _is_conv(module: nn.Module) -> bool:
+    """A plain convolution (nn.Conv1d/2d/3d, not grouped, not transposed): a matrix
+    product over its input channels at each position, which Megatron's pairs split as a
+    Linear's features (weight (out, in, *kernel): output channels on dim 0, input
+    channels on dim 1). A grouped or depthwise one mixes no channels across groups."""
+    return (
+        isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and module.groups == 1
+    )
+
+
+def _is_channel_layer(module: nn.Module) -> bool:
+    """A layer that acts on each channel alone with per-channel parameters and
+    statistics (BatchNorm): between a column-parallel convolution and its row-parallel
+    partner, it is split by channel with them."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -74,5 +92,7 @@ def _dims(module: nn.Module) -> tuple[int, int]:
     """(input features, output features) of a projection."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
+    if _is_conv(module):
+        return module.in_channels, module.out_channels
     rows, cols = module.weight.shape  # Conv1D: (in, out)
     return rows, cols

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
 )
 
-from meshfit.parallel.tensor.split import _is_conv1d
+from meshfit.parallel.tensor.split import _is_conv, _is_conv1d
 from meshfit.trees import map_tensors
 
 
@@ -90,7 +90,8 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _LocalShard(ParallelStyle):
     """Column- or row-parallel for what torch's styles do not take: HF's Conv1D (weight
-    stored (in, out)), and fused projections whose output is N chunks (q|k|v) each
+    stored (in, out)), convolutions (split over output / input channels, the same
+    weight dimensions as a Linear's features), and fused projections whose output is N chunks (q|k|v) each
     split over the ranks. A fused weight is a DTensor with `_StridedShard(dim, N)`: rank
     r holds [q_r, k_r, v_r], and its full tensor is the one-process layout, so gathered
     state dicts keep it. The forward runs on the local shards with Megatron's f / g."""
@@ -122,13 +123,20 @@ class _LocalShard(ParallelStyle):
                 distribute_tensor(bias.data, device_mesh, layout), bias.requires_grad
             )
         group = device_mesh.get_group()
+        conv = _is_conv(module)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight.to_local()
             b = module.bias.to_local() if module.bias is not None else None
             if col:
                 x = _CopyToTP.apply(x, group)
-            y = x @ weight if conv1d else x @ weight.t()
+            if conv:  # its own padding and stride; a column split's bias added inside
+                y = module._conv_forward(x, weight, b if col else None)
+                if col or b is None:
+                    return y if col else _ReduceFromTP.apply(y, group)
+                b = b.view(-1, *[1] * (weight.ndim - 2))  # per channel: (C, 1, 1)
+            else:
+                y = x @ weight if conv1d else x @ weight.t()
             if not col:
                 y = _ReduceFromTP.apply(y, group)
             return y if b is None else y + b
@@ -139,6 +147,45 @@ class _LocalShard(ParallelStyle):
     def __repr__(self) -> str:
         chunks = f", chunks={self.chunks}" if self.chunks > 1 else ""
         return f"_LocalShard({self.style}{chunks})"
+
+
+class _ChannelShard(ParallelStyle):
+    """A per-channel layer (BatchNorm) between a column-parallel convolution and its
+    row-parallel partner, split by channel with them: its weight, bias and running
+    statistics sharded on dim 0, its own forward run on the local channels. Each rank
+    normalises its channels over the whole batch, as one process does: no
+    communication, and the running statistics stay exact (each rank updates its own)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                sharded = distribute_tensor(p.data, device_mesh, [Shard(0)])
+                module._parameters[name] = nn.Parameter(sharded, p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.ndim == 1:  # not num_batches_tracked
+                module._buffers[name] = distribute_tensor(b, device_mesh, [Shard(0)])
+        original = module.forward
+        params = tuple(n for n, p in module._parameters.items() if p is not None)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            held = dict(module._buffers)
+            try:
+                with torch.no_grad():  # updated in place: the local tensors themselves
+                    for n, b in held.items():
+                        if isinstance(b, DTensor):
+                            module._buffers[n] = b._local_tensor
+                with _local_weights(module, params):
+                    return original(*args, **kwargs)
+            finally:
+                module._buffers.update(held)
+
+        module.forward = forward
+        return module
+
+    def __repr__(self) -> str:
+        return "_ChannelShard()"
 
 
 class _WeightShard(ParallelStyle):

@@ -14,7 +14,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel.tensor.split import _is_projection
+from meshfit.parallel.tensor.split import _is_channel_layer, _is_conv, _is_projection
 from meshfit.trees import call_model, tensors_in
 
 
@@ -59,6 +59,8 @@ class _BlockTrace:
     owner_outputs: dict[str, list[frozenset[str]]] = field(default_factory=dict)
     # {parameter of the block: the labels of the values it was combined with}
     partners: dict[str, set[str]] = field(default_factory=dict)
+    # {per-channel layer (BatchNorm): the labels of its input}
+    channel_layers: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 class _Flow(TorchFunctionMode):
@@ -80,6 +82,8 @@ class _Flow(TorchFunctionMode):
         self.alive: list[torch.Tensor] = []  # keeps ids unique while tracing
         self.fresh: dict[int, _Call] = {}  # projection outputs not read yet
         self.widths: dict[str, set[int]] = {}  # each projection's output (and chunk) width
+        # convolutions' outputs: their features (channels) are dimension 1, not the last
+        self.channels_first: set[str] = set()
         self.across_width: set[str] = set()
         # {id of a weight parameter or a view of it: (parameter name, which parameter
         # dimension each of the view's dimensions is)}
@@ -142,10 +146,13 @@ class _Flow(TorchFunctionMode):
             call.chunks, call.read = chunks, True
             if call.chunks > 1:
                 self.widths[call.name].add(args[0].shape[-1] // call.chunks)
-        if args and isinstance(args[0], torch.Tensor) and _reduces_last_dim(func, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
             x = args[0]
             for label in self.labels.get(id(x), frozenset()):
-                if x.shape[-1] > 1 and x.shape[-1] in self.widths.get(label, ()):
+                at = 1 if label in self.channels_first and x.ndim > 2 else -1
+                if not _reduces_dim(func, args, kwargs, at):
+                    continue
+                if x.shape[at] > 1 and x.shape[at] in self.widths.get(label, ()):
                     self.across_width.add(label)
         if name in _FRESH:  # a new buffer of the input's shape holds none of its values
             return out
@@ -288,7 +295,9 @@ _REDUCTIONS = {"mean", "sum", "var", "std", "norm", "vector_norm", "amax", "amin
 _NORMS = {"layer_norm", "rms_norm", "group_norm"}
 
 
-def _reduces_last_dim(func: Any, args: tuple, kwargs: dict) -> bool:
+def _reduces_dim(func: Any, args: tuple, kwargs: dict, at: int) -> bool:
+    """Whether `func` combines values along dimension `at` of its first argument (the
+    features: the last, or a convolution's channels)."""
     name = getattr(func, "__name__", "")
     if name in _NORMS:
         return True
@@ -297,9 +306,9 @@ def _reduces_last_dim(func: Any, args: tuple, kwargs: dict) -> bool:
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     if dim is None:
         return True  # over every dimension
-    ndim = args[0].ndim
+    ndim = max(args[0].ndim, 1)
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-    return any(isinstance(d, int) and d % max(ndim, 1) == ndim - 1 for d in dims)
+    return any(isinstance(d, int) and d % ndim == at % ndim for d in dims)
 
 
 def _in_place(func: Any) -> bool:
@@ -423,7 +432,11 @@ def _trace_blocks(
         call = trace.calls[-1]
         flow.set(output, frozenset({call.name}))
         if isinstance(output, torch.Tensor):
-            flow.widths[call.name] = {output.shape[-1]}
+            features = -1
+            if _is_conv(module) and output.ndim > 2:  # (batch, channels, *positions)
+                features = 1
+                flow.channels_first.add(call.name)
+            flow.widths[call.name] = {output.shape[features]}
             flow.fresh[id(output)] = call
 
     def after_owner(module: nn.Module, args: tuple, output: Any) -> None:
@@ -432,6 +445,13 @@ def _trace_blocks(
             trace.modules[names[id(module)]] = module
             labels = [flow.label(t) for t in tensors_in(output) if t.is_floating_point()]
             trace.owner_outputs[names[id(module)]] = labels
+
+    def after_channel_layer(module: nn.Module, args: tuple, output: Any) -> None:
+        if current:
+            _, flow, trace = current[-1]
+            name = names[id(module)]
+            trace.modules[name] = module
+            trace.channel_layers[name] = flow.label(args)
 
     def after_table(module: nn.Module, args: tuple, output: Any) -> None:
         if current:
@@ -449,6 +469,8 @@ def _trace_blocks(
                 handles.append(module.register_forward_hook(after_projection))
             elif isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(after_table))
+            elif _is_channel_layer(module):
+                handles.append(module.register_forward_hook(after_channel_layer))
             elif _own_weights(module):
                 handles.append(module.register_forward_hook(after_owner))
     training = model.training
