@@ -201,6 +201,29 @@ def test_tp_splits_cnns_by_channel_and_a_resnet_checkpoint_loads_in_one_process(
 
 
 @pytest.mark.slow
+def test_cnns_split_by_channel_under_2d_plans_and_on_meta_match_one_process() -> None:
+    """The channel split composes: under dp x tp the BatchNorm between the split
+    convolutions normalises over the global batch (SyncBatchNorm over the dp ranks
+    holding the same channels), under fsdp x tp FSDP2 shards its channel shards, and a
+    ResNet built on meta gets its values with its running statistics split from the
+    start. Each against one process (for the meta build: built on meta in one process,
+    which gives the values of a CPU build in float64)."""
+    specs = [
+        *(
+            {"model": m, "plan": p}
+            for m in ("resnet", "bn_cnn")
+            for p in ("dp=2,tp=2", "fsdp=2,tp=2")
+        ),
+        {"model": "resnet", "plan": "dp=2,tp=2", "meta": True},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_zoo_runs, nproc=4, args=(specs,))
+    _check(specs[:-1], results[:-1], {})
+    _check(specs[-1:], results[-1:], {})  # its reference: one process, built on meta
+
+
+@pytest.mark.slow
 def test_diffusers_unet_trains_the_one_process_run_or_is_refused_in_one_line() -> None:
     """diffusers' UNet2DConditionModel, unchanged, fed as a diffusion loop feeds it
     (noisy latents, timesteps, text states; the noise as target): dp, fsdp and tp train

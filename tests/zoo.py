@@ -465,7 +465,16 @@ def zoo_run(spec: dict) -> dict:
     family = FAMILIES.get(spec["model"]) or OTHERS[spec["model"]]
     torch.manual_seed(1234)
     dtype = getattr(torch, family.dtype)
-    model = family.build().to(dtype)
+    if spec.get("meta"):  # built on meta in its dtype, as a user builds a large model
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = family.build()
+        finally:
+            torch.set_default_dtype(default)
+    else:
+        model = family.build().to(dtype)
 
     def batch(step: int) -> Any:
         inputs, targets = family.batch(8, step)
