@@ -524,12 +524,14 @@ def _adopt(current: torch.Tensor, value: torch.Tensor, released: dict[int, torch
         return False
     if value.dtype != current.dtype or value.shape != current.shape:
         return False
-    value = value.to(current.device)
-    whole = value.storage_offset() == 0 and value.untyped_storage().nbytes() == (
+    if value.stride() != current.stride():
+        return False  # checked before any transfer: a refused value moves once, in _fill
+    if value.device != current.device:
+        value = value.to(current.device)  # a fresh tensor of the same strides: whole
+    elif value.storage_offset() or value.untyped_storage().nbytes() != (
         value.numel() * value.element_size()
-    )
-    if not whole or value.stride() != current.stride():
-        return False
+    ):
+        return False  # a view of a larger tensor
     with torch.no_grad():
         current.set_(value)
     del released[id(current)]

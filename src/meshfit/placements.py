@@ -32,6 +32,12 @@ def _strided(p: object) -> bool:
     return type(p).__name__ == "_StridedShard"
 
 
+def _shard(p: object) -> bool:
+    """A placement that splits a tensor dimension: a Shard, or tp's chunk-by-chunk
+    `_StridedShard` (not a Shard subclass in every torch release)."""
+    return isinstance(p, Shard) or _strided(p)
+
+
 def _nested(t: DTensor) -> tuple[int, int] | None:
     """(tp's mesh dim, the data-parallel shard's mesh dim) when `t` is tp's chunk-by-chunk
     split sharded again by FSDP2 on the same tensor dimension; else None."""
@@ -43,7 +49,7 @@ def _nested(t: DTensor) -> tuple[int, int] | None:
     if not _strided(tp_placement):
         return None
     for i, p in enumerate(t.placements):
-        if i != tp and (isinstance(p, Shard) or _strided(p)) and p.dim == tp_placement.dim:
+        if i != tp and _shard(p) and p.dim == tp_placement.dim:
             return tp, i
     return None
 
@@ -89,7 +95,7 @@ def local_part(t: DTensor, full: torch.Tensor) -> torch.Tensor:
     if _nested(t) is None and not chunk_by_chunk(t):
         return full[local_window(t)]
     part = full
-    for dim in sorted({p.dim for p in t.placements if isinstance(p, Shard) or _strided(p)}):
+    for dim in sorted({p.dim for p in t.placements if _shard(p)}):
         part = part.index_select(dim, _local_indices(t, dim, full.device))
     return part
 
@@ -106,10 +112,7 @@ def _local_indices(t: DTensor, dim: int, device: torch.device) -> torch.Tensor:
         index = mesh.get_local_rank(shard)
         indices = chunks[index] if index < len(chunks) else tp_part[:0]
     else:
-        placements = [
-            p if (isinstance(p, Shard) or _strided(p)) and p.dim == dim else Replicate()
-            for p in t.placements
-        ]
+        placements = [p if _shard(p) and p.dim == dim else Replicate() for p in t.placements]
         indices = _split_indices(length, t.device_mesh, placements, dim)
     return indices.to(device)
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -35,7 +35,7 @@ from meshfit.parallel.tensor.split import (
 )
 from meshfit.parallel.tensor.styles import _LocalShard
 from meshfit.parallel.tensor.trace import _block_units, _first_line
-from meshfit.placements import local_part
+from meshfit.placements import _shard, local_part
 from meshfit.trees import call_model, tensors_in
 
 
@@ -394,8 +394,7 @@ def _gradients(model: nn.Module, inputs: Any, names: list[str]) -> dict[str, tor
 def _pending(t: torch.Tensor) -> bool:
     """Whether `t` is a DTensor with a placement other than a shard or a replica."""
     return isinstance(t, DTensor) and not all(
-        isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard"
-        for p in t.placements
+        _shard(p) or isinstance(p, Replicate) for p in t.placements
     )
 
 

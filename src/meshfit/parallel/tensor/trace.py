@@ -346,8 +346,8 @@ def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
             units += [(f"{name}.{k}" if name else k, b) for k, b in container._modules.items()]
     if not units:
         return [(stack.qualified(k), b) for k, b in zip(stack.keys, stack.blocks, strict=True)]
+    inside = tuple(f"{unit}." for unit, _ in units)
     for name, container in model.named_modules():
-        inside = tuple(f"{unit}." for unit, _ in units)
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
             continue
         if f"{name}.".startswith(inside) or name + "." in inside:
@@ -356,7 +356,9 @@ def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
         if len({type(c) for c in children}) != 1 or type(children[0]) is kind:
             continue
         if all(sum(_is_projection(m) for m in c.modules()) >= 2 for c in children):
-            units += [(f"{name}.{k}" if name else k, b) for k, b in container._modules.items()]
+            added = [(f"{name}.{k}" if name else k, b) for k, b in container._modules.items()]
+            units += added
+            inside += tuple(f"{unit}." for unit, _ in added)
     return units
 
 
