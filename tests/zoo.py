@@ -458,6 +458,15 @@ OTHERS: dict[str, Family] = {
 }
 
 
+# Spec flags that replace a step of tp's derivation (derive.<name>) for a control run:
+# BatchNorm left unsplit between the CNN's split convolutions; no trial on meta (split,
+# then checked).
+_CONTROLS = {
+    "batchnorm_whole": ("_channel_layers", lambda *a: {}),
+    "no_trial": ("keep_whole_what_cannot_split", lambda *a: None),
+}
+
+
 def zoo_run(spec: dict) -> dict:
     """Train family `spec["model"]` under `spec["plan"]` for 3 SGD steps on batches of
     8; its losses and final weights (a Keras model's by position: Keras names layers
@@ -494,20 +503,13 @@ def zoo_run(spec: dict) -> dict:
     with contextlib.ExitStack() as stack:
         if spec.get("experts_as_one_block"):  # the negative control of the experts' split
             stack.enter_context(_experts_split_as_one_block())
-        if spec.get("batchnorm_whole"):  # the control of the CNN split: BatchNorm unsplit
-            from unittest import mock
+        for flag, (name, stand_in) in _CONTROLS.items():
+            if spec.get(flag):
+                from unittest import mock
 
-            from meshfit.parallel.tensor import derive
+                from meshfit.parallel.tensor import derive
 
-            whole = mock.patch.object(derive, "_channel_layers", lambda *a: {})
-            stack.enter_context(whole)
-        if spec.get("no_trial"):  # tp without its trial on meta: split, then checked
-            from unittest import mock
-
-            from meshfit.parallel.tensor import derive
-
-            no_op = mock.patch.object(derive, "keep_whole_what_cannot_split", lambda *a: None)
-            stack.enter_context(no_op)
+                stack.enter_context(mock.patch.object(derive, name, stand_in))
         engine = mf.parallelize(
             model,
             spec.get("plan"),

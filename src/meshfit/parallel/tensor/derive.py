@@ -512,7 +512,12 @@ def _attributes_read(cls: type) -> set[str]:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return set()
-    return set(re.findall(r"\bself\.([A-Za-z_]\w*)\b(?!\s*\()", source))
+    return _reads_of(source, "self")
+
+
+def _reads_of(source: str, holder: str) -> set[str]:
+    """The attributes `source` reads as `<holder>.<name>` (not method calls)."""
+    return set(re.findall(rf"\b{re.escape(holder)}\.([A-Za-z_]\w*)\b(?!\s*\()", source))
 
 
 def _attributes_read_by_helpers(module: nn.Module) -> set[str]:
@@ -533,7 +538,7 @@ def _attributes_read_by_helpers(module: nn.Module) -> set[str]:
             continue
         if len(params) < 2:
             continue
-        found |= set(re.findall(rf"\b{re.escape(params[1])}\.([A-Za-z_]\w*)\b(?!\s*\()", source))
+        found |= _reads_of(source, params[1])
     return found
 
 

@@ -132,9 +132,10 @@ class _LocalShard(ParallelStyle):
                 x = _CopyToTP.apply(x, group)
             if conv:  # its own padding and stride; a column split's bias added inside
                 y = module._conv_forward(x, weight, b if col else None)
-                if col or b is None:
-                    return y if col else _ReduceFromTP.apply(y, group)
-                b = b.view(-1, *[1] * (weight.ndim - 2))  # per channel: (C, 1, 1)
+                if col:
+                    return y
+                if b is not None:
+                    b = b.view(-1, *[1] * (weight.ndim - 2))  # per channel: (C, 1, 1)
             else:
                 y = x @ weight if conv1d else x @ weight.t()
             if not col:
