@@ -1,6 +1,8 @@
 """The model zoo matrix: every family of `zoo.py` (transformers, among them Qwen2-MoE,
 Mamba, Whisper and ConvNeXt; peft LoRA, Keras 3, nanoGPT, timm, torchvision-style vision
-code, meshfit's own) under dp, fsdp, tp, pp and a 2-D plan, against one process.
+code, meshfit's own; and losses that couple the samples of a batch: CLIP, SigLIP,
+sentence pairs with in-batch negatives, Qwen3-MoE and Mixtral with their load-balancing
+loss) under dp, fsdp, tp, pp and a 2-D plan, against one process.
 Every cell either trains the one-process run (losses and final weights) or is refused
 with one meshfit line naming the cause; none trains another run. Each column is one
 launch of workers running all its cells."""
@@ -40,6 +42,21 @@ REFUSED = {
     ("mamba", "tp=2"): "nothing to split in MambaForCausalLM",
     **{
         ("keras_mlp", p): "blocks in Sequential: it is a Keras model" for p in ("pp=2", "dp=2,pp=2")
+    },
+    # two towers, the text tower's blocks cut: the vision tower's embeddings (computed
+    # before the blocks, on the first stage) are read by the loss after them
+    **{("clip", p): "'visual_projection' runs before the blocks" for p in ("pp=2", "dp=2,pp=2")},
+    **{("siglip", p): "'vision_model.head' runs before the blocks" for p in ("pp=2", "dp=2,pp=2")},
+    # the encoder runs twice per forward (anchor, positive): its embedding before and after
+    **{
+        ("sentence_pairs", p): "'encoder.embeddings.word_embeddings' runs before and after"
+        for p in ("pp=2", "dp=2,pp=2")
+    },
+    # the load-balancing loss reads every layer's router statistics
+    **{
+        (m, p): "a pipeline stage holds only its own layers"
+        for m in ("qwen3_moe_aux", "mixtral_aux")
+        for p in ("pp=2", "dp=2,pp=2")
     },
 }
 

@@ -82,3 +82,29 @@ def qwen3_with_unsummed_norm_gradients() -> tuple:
     derive._partial_gradients = lambda *_: []
     apply._check_gradients = lambda *_: None
     return qwen3_and_batch()
+
+
+def qwen3_moe_and_batch() -> tuple:
+    """A small transformers Qwen3-MoE with its load-balancing loss on (float32: its
+    grouped matmul takes no float64), a collator's batch with labels, its own loss."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from zoo import FAMILIES
+
+    family = FAMILIES["qwen3_moe_aux"]
+    return family.build, family.batch(8, 0), "model"
+
+
+def qwen3_moe_balanced_per_rank() -> tuple:
+    """qwen3_moe_and_batch with the load-balancing statistics of each rank's own tokens,
+    as meshfit formed them before issue 43 (and the coupling probe, which would refuse
+    that, off): the MoE run that verify's fixed float32 tolerance called the same. Each
+    process calls this itself; the workers alone are patched (one process has nothing
+    to sum over)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from meshfit.coupling import batch, moe
+
+        moe._summed = lambda *sums: sums
+        batch.BatchCoupling.check_first_batch = lambda *a, **k: None
+    return qwen3_moe_and_batch()

@@ -267,6 +267,119 @@ def hf_convnext() -> nn.Module:  # a CNN with channels-last LayerNorms in its bl
     )
 
 
+# ---- losses that couple the samples of a batch -------------------------------------------
+def hf_qwen3_moe_aux() -> nn.Module:  # its load-balancing loss on, as MoE fine-tunes train it
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+            max_position_embeddings=LENGTH, moe_intermediate_size=8, num_experts=4,
+            num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+        )
+    )  # fmt: skip
+
+
+def hf_mixtral_aux() -> nn.Module:  # as hf_mixtral, its load-balancing loss on
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=LENGTH,
+            output_router_logits=True, router_aux_loss_coef=0.02,
+        )
+    )  # fmt: skip
+
+
+def _lm_labels_batch(batch: int, step: int) -> dict:
+    """A collator's dict with the labels in it: what loss_fn="model" trains on."""
+    inputs, labels = _lm_batch(batch, step)
+    return {**inputs, "labels": labels}
+
+
+def _text_and_images(batch: int, step: int) -> dict:
+    """As CLIPProcessor yields a batch (captions padded, pixel values), with return_loss:
+    the model's own contrastive loss over every caption against every image."""
+    g = torch.Generator().manual_seed(80_000 + step)
+    inputs, _ = _lm_batch(batch, step)
+    return {**inputs, "pixel_values": torch.randn(batch, 3, 8, 8, generator=g), "return_loss": True}
+
+
+def hf_clip() -> nn.Module:  # contrastive: text x image similarities over the batch
+    from transformers import CLIPConfig, CLIPModel
+
+    towers = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    return CLIPModel(
+        CLIPConfig(
+            text_config=dict(vocab_size=VOCAB, max_position_embeddings=LENGTH, **towers),
+            vision_config=dict(image_size=8, patch_size=4, **towers),
+            projection_dim=8,
+        )
+    )
+
+
+def hf_siglip() -> nn.Module:  # pairwise sigmoid loss over every text and image of the batch
+    from transformers import SiglipConfig, SiglipModel
+
+    towers = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    return SiglipModel(
+        SiglipConfig(
+            text_config=dict(vocab_size=VOCAB, max_position_embeddings=LENGTH, **towers),
+            vision_config=dict(image_size=8, patch_size=4, **towers),
+        )
+    )
+
+
+class SentencePairs(nn.Module):
+    """A sentence-embedding model as sentence-transformers builds one: a transformers
+    encoder and mean pooling over the real tokens, called on (anchor, positive) pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        self.encoder = BertModel(
+            BertConfig(
+                vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=32, max_position_embeddings=LENGTH, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            ),
+            add_pooling_layer=False,
+        )  # fmt: skip
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        states = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(states.dtype)
+        return (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+    def forward(self, anchor_ids, anchor_mask, positive_ids, positive_mask) -> tuple:
+        return self.embed(anchor_ids, anchor_mask), self.embed(positive_ids, positive_mask)
+
+
+def _sentence_pairs(batch: int, step: int) -> tuple[dict, torch.Tensor]:
+    anchor, _ = _lm_batch(batch, step)
+    positive, _ = _lm_batch(batch, step + 1000)
+    inputs = {
+        "anchor_ids": anchor["input_ids"], "anchor_mask": anchor["attention_mask"],
+        "positive_ids": positive["input_ids"], "positive_mask": positive["attention_mask"],
+    }  # fmt: skip
+    return inputs, torch.arange(batch)  # the targets: each anchor's own positive
+
+
+def _in_batch_negatives(outputs: tuple, _targets: torch.Tensor) -> torch.Tensor:
+    """sentence-transformers' MultipleNegativesRankingLoss as its code writes it: cosine
+    similarity of every anchor to every positive in the batch (util.cos_sim:
+    torch.mm(a, b.transpose(0, 1)) of the normalised embeddings), scaled by 20, each
+    anchor's own positive the right answer."""
+    a, b = outputs
+    scores = torch.mm(F.normalize(a, p=2, dim=1), F.normalize(b, p=2, dim=1).transpose(0, 1))
+    labels = torch.arange(len(scores), dtype=torch.long, device=scores.device)
+    return F.cross_entropy(scores * 20.0, labels)
+
+
 # ---- diffusers ---------------------------------------------------------------------------
 def diffusers_unet() -> nn.Module:  # a conditional UNet: skip connections down to up
     from diffusers import UNet2DConditionModel
@@ -448,6 +561,14 @@ FAMILIES: dict[str, Family] = {
     "titan": Family(
         _own("titan"), _own_batch("titan"), _own_loss("titan"), options={"blocks": "layers"}
     ),
+    # losses that couple the samples of a batch (coupling/): the model's own contrastive
+    # loss, in-batch negatives in the loss_fn, load-balancing losses over the batch
+    "clip": Family(hf_clip, _text_and_images, lambda: "model"),
+    "siglip": Family(hf_siglip, _text_and_images, lambda: "model"),
+    "sentence_pairs": Family(SentencePairs, _sentence_pairs, lambda: _in_batch_negatives),
+    # float32 (torch._grouped_mm takes no float64), as mixtral and qwen3_moe
+    "qwen3_moe_aux": Family(hf_qwen3_moe_aux, _lm_labels_batch, lambda: "model", dtype="float32"),
+    "mixtral_aux": Family(hf_mixtral_aux, _lm_labels_batch, lambda: "model", dtype="float32"),
 }
 
 
@@ -486,15 +607,20 @@ def zoo_run(spec: dict) -> dict:
         model = family.build().to(dtype)
 
     def batch(step: int) -> Any:
-        inputs, targets = family.batch(8, step)
-        as_dtype = mf.trees.map_tensors(
-            inputs, lambda t: t.to(dtype) if t.is_floating_point() else t
-        )
-        return as_dtype, targets
+        made = family.batch(8, step)
+        in_dtype = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        if isinstance(made, dict):  # the model's own loss: the mapping it takes
+            return mf.trees.map_tensors(made, in_dtype)
+        inputs, targets = made
+        return mf.trees.map_tensors(inputs, in_dtype), targets
 
     # As fit does: an example micro-batch, on which pp times the blocks (and checks the
     # cut before any rank trains).
-    example = mf.trees.map_tensors(batch(0)[0], lambda t: t[:2])
+    first = batch(0)
+    first = (
+        {k: v for k, v in first.items() if k != "labels"} if isinstance(first, dict) else first[0]
+    )
+    example = mf.trees.map_tensors(first, lambda t: t[:2])
     loss_fn = family.loss()
     if "grad_scale" in spec:  # the negative control: a deliberately wrong gradient
         from workers import scaled_gradient

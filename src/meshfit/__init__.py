@@ -11,6 +11,7 @@ from meshfit.callbacks import (
     LearningRateMonitor,
     TensorBoardLogger,
 )
+from meshfit.coupling import batch_sum, gather_batch
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
 from meshfit.fit import History, fit
@@ -41,8 +42,10 @@ __all__ = [
     "WandbLogger",
     "WorkerError",
     "__version__",
+    "batch_sum",
     "estimate",
     "fit",
+    "gather_batch",
     "launch",
     "losses",
     "metrics",

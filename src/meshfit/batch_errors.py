@@ -112,8 +112,8 @@ def meshfit_frame(tb: TracebackType | None) -> str | None:
         tb = tb.tb_next
     for frame in reversed(frames):
         filename = os.path.abspath(frame.f_code.co_filename)
-        if filename.startswith(_TORCH):
-            continue
+        if filename.startswith(_TORCH) or frame.f_code.co_name == "__torch_function__":
+            continue  # torch, or a mode of meshfit's that passes the call on
         if not filename.startswith(_MESHFIT) or frame.f_code.co_name in _CALLS_USER_CODE:
             return None
         return f"{os.path.relpath(filename, os.path.dirname(_PACKAGE))}:{frame.f_lineno} in {frame.f_code.co_name}"

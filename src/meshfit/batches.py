@@ -39,16 +39,26 @@ def check_microbatches(size: int, microbatches: int, dp_size: int) -> None:
 
 def split_batch(batch: Any, model_loss: bool = False) -> tuple[Any, Any]:
     """(inputs, targets) of a batch: a pair as it is; for loss_fn="model" the mapping the
-    model takes (inputs) and its labels (targets, for counting)."""
+    model takes (inputs) and its labels (targets, for counting), or, for a model that
+    computes its loss without labels (CLIP with return_loss=True), a stand-in of one
+    zero per sample (the model's output without a loss is refused by the loss)."""
     if model_loss:
-        if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
+        if not isinstance(batch, Mapping):
             raise MeshfitError(
                 f"with loss_fn='model' a batch is the mapping the model takes, labels "
                 f"included (e.g. a data collator's dict with input_ids, attention_mask and "
                 f"labels), not {type(batch).__name__}"
-                + ("" if not isinstance(batch, Mapping) else " without 'labels'")
             )
-        return batch, batch["labels"]
+        labels = batch.get("labels")
+        if isinstance(labels, torch.Tensor):
+            return batch, labels
+        found = tensors_in(batch)
+        if not found or found[0].ndim == 0:
+            raise MeshfitError(
+                "with loss_fn='model' a batch is the mapping the model takes, with tensors "
+                "whose first dimension is the batch (input_ids, attention_mask, labels)"
+            )
+        return batch, torch.zeros(found[0].shape[0], dtype=torch.long, device=found[0].device)
     return unpack_batch(batch)
 
 

@@ -33,6 +33,7 @@ from meshfit.checkpoint import (
     model_fingerprint,
     save_checkpoint,
 )
+from meshfit.coupling.batch import BatchCoupling
 from meshfit.errors import MeshfitError
 from meshfit.losses import ModelOwnLoss, global_token_mean, normalise_by_count
 from meshfit.metrics import MetricTap, reduce_metrics
@@ -72,6 +73,8 @@ class Engine:
         self.metric_tap = MetricTap(loss_fn, options.metrics) if options.metrics else None
         loss_fn = self.metric_tap or loss_fn
         self.last_metrics: dict[str, torch.Tensor] = {}  # of the last step / evaluation
+        # what couples the samples of a batch, and the scope each micro-batch runs in
+        self.coupling = BatchCoupling(model, topology, self.model_loss)
         self.parallel_model, self.runner, self.tp_report, self.own_hooks = apply_plan(
             model,
             topology,
@@ -84,6 +87,7 @@ class Engine:
             compile=options.compile,
             init=options.init,
             weights=options.weights,
+            coupling=self.coupling,
         )
         self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
         self.lr_scheduler = _build_scheduler(options.lr_scheduler, self.optimizer)
@@ -156,6 +160,9 @@ class Engine:
             self.parallel_model.train()
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         check_microbatches(batch_size(inputs, "inputs"), self.plan.num_microbatches, self.dp_size)
+        if not self._batch_checked:
+            self._check_coupling(inputs, targets)
+        self.coupling.count_step(inputs, targets, self.plan.num_microbatches)
         try:
             with explain_first_failure(
                 not self._batch_checked, "training step", inputs, targets, self._model_dtype
@@ -184,6 +191,20 @@ class Engine:
             loss = normalise_by_count(loss, count, self.topology, self.parallel_model, divisor)
         self._optimizer_step()
         return loss
+
+    def _check_coupling(self, inputs: Any, targets: Any) -> None:
+        """The coupling probe on this rank's first samples (coupling/probe.py): a loss
+        that couples the samples of the batch is made global or refused before training;
+        what was made global is said once."""
+        loss_of = self.runner.probe_loss()
+        if loss_of is None:
+            return
+        low = self.plan.precision != "fp32" or self._model_dtype in (torch.bfloat16, torch.float16)
+        with explain_first_failure(True, "training step", inputs, targets, self._model_dtype):
+            self.coupling.check_first_batch(self.user_model, loss_of, inputs, targets, low)
+        note = self.coupling.note()
+        if note and self.rank == 0:
+            print(f"meshfit: {note}", flush=True)
 
     def _optimizer_step(self) -> None:
         if self._measure_gradients:
@@ -214,6 +235,7 @@ class Engine:
     def _evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
         self.parallel_model.eval()
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        self.coupling.count_step(inputs, targets, self.runner.eval_microbatches)
         try:
             with explain_first_failure(
                 not self._evaluated, "evaluation", inputs, targets, self._model_dtype

@@ -99,6 +99,12 @@ class ModelOwnLoss:
         """What meshfit adds to the model's keyword arguments."""
         return {"num_items_in_batch": 1} if self.sums else {}
 
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        """The items the model's summed loss covers in `labels`: those that are not -100
+        (shifted by one for a causal LM, as the model shifts them)."""
+        counted = labels[..., 1:] if self.shifted else labels
+        return (counted != -100).sum()
+
     def __call__(self, outputs: Any, labels: torch.Tensor) -> Any:
         loss = getattr(outputs, "loss", None)
         if loss is None:
@@ -113,8 +119,7 @@ class ModelOwnLoss:
             )
         if not self.sums:
             return loss
-        counted = labels[..., 1:] if self.shifted else labels
-        return loss, (counted != -100).sum()
+        return loss, self.count(labels)
 
 
 def _token_loss_kind(model: Any) -> str | None:

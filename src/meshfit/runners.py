@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from meshfit.coupling.batch import BatchCoupling
 from meshfit.losses import split_loss
 from meshfit.precision import Precision
 from meshfit.trees import call_model, map_tensors
@@ -75,6 +76,12 @@ class Runner(Protocol):
         """A start-up line on how this runner splits the model (None: nothing to say)."""
         ...
 
+    def probe_loss(self) -> Callable[[Any, Any], LocalLoss] | None:
+        """The loss of some of this rank's samples, run as one micro-batch, for the
+        coupling probe (coupling/probe.py); None where a step cannot run a part of a
+        micro-batch on its own (the pipeline schedule)."""
+        ...
+
 
 class GradientSync(Protocol):
     """How the data-parallel form defers its gradient reduction to a step's last
@@ -113,14 +120,19 @@ class LocalRunner:
         precision: Precision,
         microbatches: int,
         gradient_sync: GradientSync | None = None,
+        coupling: BatchCoupling | None = None,
+        eager_forward_loss: Callable[[nn.Module, Any, Any], Any] | None = None,
     ) -> None:
         self.model = model
         self.gradient_sync = gradient_sync or NoGradientSync()
         # what computes a micro-batch's loss: the model's forward and loss_fn together
         # (compiled, when asked)
         self.forward_loss = forward_loss
+        # the same, never compiled: the coupling probe runs it on parts of a micro-batch
+        self.eager_forward_loss = eager_forward_loss or forward_loss
         self.precision = precision
         self.microbatches = microbatches
+        self.coupling = coupling
 
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
         micro = self.microbatches
@@ -172,8 +184,18 @@ class LocalRunner:
     def describe(self) -> str | None:
         return None
 
+    def probe_loss(self) -> Callable[[Any, Any], LocalLoss]:
+        def loss_of(inputs: Any, targets: Any) -> LocalLoss:
+            with self.precision.autocast():
+                return split_loss(self.eager_forward_loss(self.model, inputs, targets))
+
+        return loss_of
+
     def _loss(self, inputs: Any, targets: Any) -> LocalLoss:
-        return split_loss(self.forward_loss(self.model, inputs, targets))
+        if self.coupling is None:
+            return split_loss(self.forward_loss(self.model, inputs, targets))
+        with self.coupling.running(_batch_len(inputs)):
+            return split_loss(self.forward_loss(self.model, inputs, targets))
 
 
 def reported(loss: torch.Tensor) -> torch.Tensor:

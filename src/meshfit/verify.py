@@ -451,7 +451,72 @@ def _reference_run(
                 f"{str(dtype).removeprefix('torch.')} ({type(error).__name__}: "
                 f"{(str(error).splitlines() or [''])[0]})"
             )
-    return _reference_in(source.recipe(seed), plan, batches, None, note)
+    reference = _reference_in(source.recipe(seed), plan, batches, None, note)
+    if reference["dtype"] == torch.float32 and precision == "fp32":
+        _judge_by_measured_noise(reference, source, plan, batches, seed)
+    return reference
+
+
+# A plan's float32 run differs from one process's by reassociation, as the one-process
+# run does from itself with its batch's rows in another order: measured on the zoo's
+# float32 models (Mixtral, Qwen3-MoE; 3 SGD steps), the rows reversed moved the weights
+# by 1.5e-8 to 2.4e-8 relative, and dp=2 / tp=2 by 1.2e-8 to 2.5e-8. A run is the same
+# within NOISE_FACTOR times the measured distance (a plan reassociates other sums than a
+# permutation does), at least _AMPLIFICATION roundoffs (1.0e-5: a distance measured at 0
+# says little) and at most the fixed tolerance. The load-balancing loss formed per rank
+# (the silent bug of issue 43) moved the weights by 1.7e-4 and 1.9e-4.
+NOISE_FACTOR = 100
+
+
+def _judge_by_measured_noise(
+    reference: dict[str, Any],
+    source: _Objects | _Target,
+    plan: Plan | None,
+    batches: list[Any],
+    seed: int,
+) -> None:
+    """A float32 comparison judged against float32's noise on this model and batch: the
+    one-process run again with every batch's rows reversed (the same samples, its sums in
+    another order), whose distance from the first is the floor a same run stays within
+    (fixed at 1e-3, float32 let through a gradient wrongly formed on every rank)."""
+    from meshfit.verification.report import _AMPLIFICATION, _ROUNDOFF
+
+    try:
+        again = _train(source.recipe(seed), plan, [_reversed_rows(b) for b in batches], True)
+    except Exception:  # noqa: BLE001 - the fixed tolerance stands, and the note says why
+        reference["note"] = _joined(
+            reference["note"], "float32 judged at its fixed tolerance (the rows reversed failed)"
+        )
+        return
+    losses = [
+        abs(a - b) / abs(b) if b else abs(a - b)
+        for a, b in zip(again["losses"], reference["losses"], strict=True)
+    ]
+    weights = weight_differences(again["state"], reference["state"]).values()
+    noise = max([*losses, *weights, 0.0])
+    floor = _AMPLIFICATION * _ROUNDOFF[torch.float32]
+    rtol = min(reference["rtol"], max(NOISE_FACTOR * noise, floor))
+    reference["rtol"] = reference["loss_rtol"] = rtol
+    reference["note"] = _joined(
+        reference["note"],
+        f"float32 judged at {NOISE_FACTOR} x its measured noise on this model and batch "
+        f"(the one-process run with the rows reversed: {noise:.1e} relative), at least "
+        f"{floor:.1e}",
+    )
+
+
+def _reversed_rows(batch: Any) -> Any:
+    """The batch with its samples in reverse order: every tensor whose first dimension is
+    the batch's."""
+    from meshfit.trees import tensors_in
+
+    found = tensors_in(batch)
+    size = found[0].shape[0] if found and found[0].ndim else 0
+    return map_tensors(batch, lambda t: t.flip(0) if t.ndim and t.shape[0] == size else t)
+
+
+def _joined(note: str | None, more: str) -> str:
+    return more if note is None else f"{note}; {more}"
 
 
 def _reference_in(

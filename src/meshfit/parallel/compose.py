@@ -31,6 +31,7 @@ from meshfit.topology import Topology
 from meshfit.trees import call_model, map_tensors
 
 if TYPE_CHECKING:
+    from meshfit.coupling.batch import BatchCoupling
     from meshfit.parallel.tensor import TPPlan, TPReport
 
 LossFn = Callable[[Any, Any], Any]
@@ -72,6 +73,7 @@ def apply_plan(
     compile: bool = False,
     init: Any = None,
     weights: str | None = None,
+    coupling: BatchCoupling | None = None,
 ) -> Parallelized:
     """Parallelize `model` as `topology.plan` says; return what runs forward (the model,
     wrapped for data parallel, or this rank's pruned model under pp) and its runner.
@@ -168,6 +170,7 @@ def apply_plan(
             example_inputs=example_inputs,
             compile_blocks=compile,
             materialize=materialize,
+            coupling=coupling,
         )
         made = Parallelized(model, runner, tp_report, own_hooks)
     else:
@@ -183,6 +186,8 @@ def apply_plan(
             precision,
             plan.num_microbatches,
             _gradient_sync(wrapped, topology),
+            coupling=coupling,
+            eager_forward_loss=forward_loss,
         )
         made = Parallelized(wrapped, runner, tp_report, own_hooks)
     if checkpoint is not None:
@@ -203,6 +208,7 @@ def _apply_pipeline(
     example_inputs: Any,
     compile_blocks: bool,
     materialize: Callable[[], None] | None,
+    coupling: BatchCoupling | None = None,
 ) -> tuple[nn.Module, Runner]:
     """Cut first, then replicate / shard what this rank keeps, stage by stage (as
     torchtitan's pipeline_llm does), then build the schedule over the stages."""
@@ -247,6 +253,7 @@ def _apply_pipeline(
         microbatches=plan.num_microbatches,
         loss_fn=loss_fn,
         device=device,
+        coupling=coupling,
     )
     return model, runner
 

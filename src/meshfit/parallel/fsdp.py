@@ -65,6 +65,10 @@ def shard_part(
     module that holds no units (a parameter registered on the model itself) stays as it
     is."""
     options = _options(plan, precision, device)
+    scalars = _scalar_parameters(units, make_module)
+    if scalars:
+        options["ignored_params"] = scalars
+        _average_gradients(scalars, mesh)
     gathered = {**options, "reshard_after_forward": False}
     sharded = [u for u in units if any(True for _ in u.parameters())]
     for i, unit in enumerate(sharded):
@@ -79,6 +83,48 @@ def shard_part(
         del options["reshard_after_forward"]  # FSDP2's root default: kept gathered
     fully_shard(module, mesh=mesh, **options)
     return module
+
+
+def _scalar_parameters(
+    units: list[nn.Module], make_module: Callable[[], nn.Module]
+) -> set[nn.Parameter]:
+    """The 0-dim parameters of the part (CLIP's logit_scale): FSDP2 refuses to shard
+    them ("fully_shard doesn't support scalar parameters"), and a user's model must not
+    be changed to suit it, so they stay whole on every rank (`ignored_params`), their
+    gradients averaged by `_average_gradients`. Found before the part's module is made
+    (its units are sharded first), so the units' and the module's are looked at."""
+    found = {p for u in units for p in u.parameters() if p.ndim == 0}
+    for p in _module_parameters(make_module):
+        if p.ndim == 0:
+            found.add(p)
+    return found
+
+
+def _module_parameters(make_module: Callable[[], nn.Module]) -> list[nn.Parameter]:
+    """The parameters of the part's module, where making it has no effect (a whole
+    model's make_module returns the model; a pipeline stage's builds a fresh wrapper)."""
+    module = make_module()
+    return list(module.parameters())
+
+
+def _average_gradients(params: set[nn.Parameter], mesh: DeviceMesh) -> None:
+    """The gradients of parameters FSDP2 leaves whole, averaged over its mesh (as FSDP2
+    averages the ones it shards): a hook on each incoming gradient, before it is
+    accumulated. A handful of scalars: one all-reduce of one number each per backward."""
+    import torch.distributed as dist
+
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    size = mesh.size()
+
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        for group in groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total / size
+
+    for p in params:
+        if p.requires_grad:
+            p.register_hook(average)
 
 
 class ReducedPerBlock(nn.Module):

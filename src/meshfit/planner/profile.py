@@ -138,6 +138,10 @@ def profile_model(
         )
         return profile
     profile.pp_error = _pipeline_refusal(model, stack, example_inputs)
+    if profile.pp_error is None:
+        from meshfit.coupling.moe import refused_under_pipeline
+
+        profile.pp_error = refused_under_pipeline(model)
     if profile.own_weights_error:
         profile.tp_error = profile.own_weights_error
     elif tp:

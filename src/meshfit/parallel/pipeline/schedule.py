@@ -7,6 +7,7 @@ modules, picks the schedule class and runs one pass of it per step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_map_only
 
+from meshfit.coupling.batch import BatchCoupling
 from meshfit.losses import split_loss
 from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
 from meshfit.parallel.pipeline.cut import PipelineSplit
@@ -59,6 +61,7 @@ class PipelineRunner:
     microbatches: int
     stage_loss: _StageLoss
     tied: TiedWeights | None = None  # weights the first and the last stage both hold
+    coupling: BatchCoupling | None = None  # the scope each step's forward and loss run in
     pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
     foreign_state: frozenset[str] = frozenset()  # state keys another stage owns
 
@@ -105,6 +108,9 @@ class PipelineRunner:
         if self.tied is not None:
             self.tied.sum_gradients()
         return result
+
+    def probe_loss(self) -> None:
+        return None  # the schedule runs whole micro-batches only
 
     def counted_elsewhere(self) -> set[int]:
         """The last stage's copies of tied weights: the first stage counts their gradient
@@ -160,10 +166,12 @@ class PipelineRunner:
         # stage cannot take a mapping positionally).
         args = (tensors_in(inputs)[0],) if self.has_first else ()
         target = targets if self.has_last else None
-        if train:
-            self.schedule.step(*args, target=target, losses=losses, model_inputs=inputs)
-        else:
-            self.schedule.eval(*args, target=target, losses=losses, model_inputs=inputs)
+        rows = tensors_in(inputs)[0].shape[0] // self.microbatches
+        with self.coupling.running(rows) if self.coupling else contextlib.nullcontext():
+            if train:
+                self.schedule.step(*args, target=target, losses=losses, model_inputs=inputs)
+            else:
+                self.schedule.eval(*args, target=target, losses=losses, model_inputs=inputs)
         # Only the last stage sees the loss: it broadcasts [loss, count] (count -1 for a
         # mean loss) in float64, which holds counts exactly.
         summary = torch.zeros(2, device=self.stages[0].device, dtype=torch.float64)
@@ -188,6 +196,7 @@ def build_pipeline(
     microbatches: int,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     device: torch.device,
+    coupling: BatchCoupling | None = None,
 ) -> PipelineRunner:
     """The PipelineStages of this rank's `stage_modules` (one per stage in split.mine,
     already replicated or sharded) and the schedule that runs them."""
@@ -220,6 +229,7 @@ def build_pipeline(
         stage_loss=checked_loss,
         tied=split.tied,
         foreign_state=split.foreign_state,
+        coupling=coupling,
     )
 
 

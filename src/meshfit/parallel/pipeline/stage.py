@@ -343,6 +343,64 @@ def _check_the_split(
         else:
             hook = lambda m, a, name=name: runs.setdefault(name, set()).add(phase[0])  # noqa: E731
         handles.append(module.register_forward_pre_hook(hook))
+    if model is not None:
+        handles += _refuse_prologue_read_after(model, blocks, outside, phase)
+    return handles
+
+
+def _refuse_prologue_read_after(
+    model: nn.Module,
+    blocks: dict[str, nn.Module],
+    outside: list[tuple[str, nn.Module, str]],
+    phase: list[str],
+) -> list[Any]:
+    """Hooks for the whole model's check forward: a module outside the blocks that runs
+    before them lives on the first stage, and on later stages it runs on stand-in weights
+    (its output is replaced by the received activation, or feeds only what depends on
+    no trained weight). If the model reads its output after the blocks other than through
+    them (CLIP's vision tower, run before the text tower's blocks, its embeddings read by
+    the loss), the last stage would compute with the stand-ins: measured NaN losses.
+    Refused: the output's autograd graph, walked from the model's output, reaches such a
+    module's output without passing through the blocks' hidden state."""
+    made: dict[Any, str] = {}  # grad_fn of a prologue module's output -> its name
+    stops: set[Any] = set()  # grad_fn of the hidden state entering a block
+
+    def prologue_output(name: str) -> Callable:
+        def hook(module, args, output):
+            if phase[0] != "before":
+                return
+            for t in tensors_in(output):
+                if t.requires_grad and t.grad_fn is not None:
+                    made.setdefault(t.grad_fn, name)
+
+        return hook
+
+    def block_input(module, args):
+        if args and isinstance(args[0], torch.Tensor) and args[0].grad_fn is not None:
+            stops.add(args[0].grad_fn)
+
+    def walk(module, args, output):
+        seen, todo = set(), [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node in stops:
+                continue
+            seen.add(node)
+            if node in made:
+                name = made[node]
+                raise MeshfitError(
+                    f"pipeline parallel cannot split this model: {name!r} runs before the "
+                    f"blocks, so its weights live on the first stage, but the model reads its "
+                    f"output after them (on the last stage) other than through the blocks; "
+                    f"train with dp/fsdp/tp instead of pp"
+                )
+            todo += [next_node for next_node, _ in node.next_functions]
+        made.clear()
+        stops.clear()
+
+    handles = [module.register_forward_hook(prologue_output(n)) for n, module, _ in outside]
+    handles += [block.register_forward_pre_hook(block_input) for block in blocks.values()]
+    handles.append(model.register_forward_hook(walk))
     return handles
 
 

@@ -1,0 +1,179 @@
+"""BatchCoupling: what couples the samples of one engine's batch, and the scope every
+micro-batch's forward and loss run in.
+
+The Engine owns one. Each runner enters `running(rows)` around a micro-batch's forward
+and loss; the Engine runs `check_first_batch` at the first training step of a plan that
+splits the batch, and sets the load-balancing scale of each step (`count_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshfit.coupling.moe import find_load_balancing, pipeline_refusal
+from meshfit.coupling.probe import Verdict, probe
+from meshfit.coupling.products import InBatchProducts
+from meshfit.coupling.scope import Scope, active
+from meshfit.errors import MeshfitError
+
+if TYPE_CHECKING:
+    from meshfit.losses import ModelOwnLoss
+    from meshfit.topology import Topology
+
+
+class BatchCoupling:
+    """The couplings of one engine: the load-balancing losses found in the model's
+    library (always made global), the in-batch products the probe found (gathered from
+    then on), and the one scope object the steps reuse (a compiled forward then sees the
+    same object every step)."""
+
+    def __init__(
+        self, model: nn.Module, topology: Topology, model_loss: ModelOwnLoss | None
+    ) -> None:
+        self.topology = topology
+        self.load_balancing = find_load_balancing(model)
+        self.model_loss = model_loss
+        self.scope = Scope(groups=list(topology.batch_groups), pipeline=topology.plan.pp > 1)
+        self.verdict: Verdict | None = None
+        config = getattr(model, "config", None)
+        self._router_logits_on = bool(getattr(config, "output_router_logits", False))
+        self.refuse_under_pipeline(None)
+
+    def refuse_under_pipeline(self, inputs: Any) -> None:
+        """A load-balancing loss that is on (the model's config, or the batch's
+        output_router_logits) cannot be formed by a pipeline stage: refused on every rank
+        alike, before any stage runs (coupling/moe.py)."""
+        if not (self.scope.pipeline and self.load_balancing.found):
+            return
+        asked = isinstance(inputs, dict) and inputs.get("output_router_logits")
+        if self._router_logits_on or asked:
+            where = self.load_balancing.modules[0].__name__
+            raise MeshfitError(pipeline_refusal(where))
+
+    @property
+    def splits_batch(self) -> bool:
+        """Whether the plan runs the global batch in parts (ranks or micro-batches)."""
+        return self.topology.batch_parts > 1
+
+    @contextlib.contextmanager
+    def running(self, rows: int) -> Iterator[Scope]:
+        """The scope of one micro-batch's forward and loss (`rows` samples on this rank)."""
+        scope = self.scope
+        scope.rows = rows
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(active(scope))
+            if self.load_balancing.found:
+                stack.enter_context(self.load_balancing.global_in_steps())
+            if scope.products:
+                stack.enter_context(InBatchProducts(scope))
+            yield scope
+
+    def count_step(self, inputs: Any, targets: Any, microbatches: int) -> None:
+        """Before a step or evaluation: the load-balancing scale for a model's own (sum,
+        count) token loss, global count / (ranks x micro-batches) (coupling/moe.py)."""
+        if not self.load_balancing.found:
+            return
+        self.refuse_under_pipeline(inputs)
+        if self.model_loss is None:
+            return
+        if not self.model_loss.sums:
+            return
+        local = self.model_loss.count(targets).to(torch.float64).reshape(1)
+        total = self.topology.batch_sum(local)[0]
+        self.scope.aux_scale = total / (self.topology.dp_size * microbatches)
+
+    def check_first_batch(
+        self,
+        model: nn.Module,
+        run_loss: Any,
+        inputs: Any,
+        targets: Any,
+        low_precision: bool,
+    ) -> None:
+        """The coupling probe on this rank's first samples (a plan that splits the batch
+        only): a loss that couples samples where meshfit makes it global trains on; one
+        whose coupling the in-batch products explain has them gathered from now on; any
+        other is refused in one line."""
+        if not self.splits_batch:
+            return
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        verdict = probe(
+            model,
+            run_loss,
+            self._probe_scope,
+            inputs,
+            targets,
+            low_precision=low_precision,
+            world=world,
+        )
+        self.verdict = verdict
+        if verdict is None:
+            return
+        if verdict.coupled:
+            raise MeshfitError(self._refusal(verdict))
+        self.scope.products = verdict.products
+
+    @contextlib.contextmanager
+    def _probe_scope(
+        self, *, replay: Any, rows: int, parts: int, targets: Any, products: bool
+    ) -> Iterator[Scope]:
+        """A scope local to this rank (no groups): the probe's halves stand for ranks."""
+        scale: torch.Tensor | float = 1.0
+        if self.load_balancing.found and self.model_loss is not None and self.model_loss.sums:
+            scale = self.model_loss.count(targets).to(torch.float64) / parts
+        scope = Scope(rows=rows, aux_scale=scale, products=products, replay=replay)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(active(scope))
+            if self.load_balancing.found:
+                stack.enter_context(self.load_balancing.global_in_steps())
+            if products:
+                stack.enter_context(InBatchProducts(scope))
+            yield scope
+
+    def note(self) -> str | None:
+        """A start-up line on what was made global (None: nothing coupled)."""
+        verdict = self.verdict
+        if verdict is None or not verdict.met:
+            return None
+        plan = self.topology.plan
+        how = ", ".join(sorted(verdict.met))
+        line = f"the loss couples the samples of a batch ({how})"
+        ranks, micro = self.topology.dp_size, plan.num_microbatches
+        if ranks > 1:
+            line += f"; meshfit forms it over the {ranks} data-parallel ranks' samples together"
+        if micro > 1:
+            rounds = "the m-th of every rank together" if ranks > 1 else "one at a time"
+            line += (
+                f"; with {micro} micro-batches it is formed per micro-batch ({rounds}) and "
+                f"averaged, as one process with microbatches={micro} computes it"
+            )
+        return line
+
+    def _refusal(self, verdict: Verdict) -> str:
+        plan = self.topology.plan
+        parts = []
+        if self.topology.dp_size > 1:
+            parts.append(f"{self.topology.dp_size} data-parallel ranks")
+        if plan.num_microbatches > 1:
+            parts.append(f"{plan.num_microbatches} micro-batches")
+        where = (
+            f"; the first module whose output for a sample depends on the others is {verdict.where}"
+            if verdict.where
+            else "; every module's output is per sample, so the loss function mixes them"
+        )
+        return (
+            f"the loss couples the samples of a batch and meshfit cannot make it global: on "
+            f"{verdict.samples} samples of the first batch it is {verdict.together:.6g} "
+            f"together but {verdict.apart:.6g} as plan {plan} combines its halves "
+            f"(relative difference {verdict.difference:.1e}){where}. Plan {plan} splits the "
+            f"batch over {' x '.join(parts)}, so it would train another run than one process. "
+            f"Gather what couples with mf.gather_batch(x) (the global batch's rows, gradients "
+            f"flowing back) or sum it with mf.batch_sum(x), or use a plan that keeps the "
+            f"batch whole (tp=N, or pp=N with microbatches=1)"
+        )

@@ -1,0 +1,132 @@
+"""Models, losses and worker runs for the tests of losses that couple the samples of a
+batch (tests/test_coupling.py; the zoo's CLIP, SigLIP, sentence pairs and MoE families
+with their load-balancing loss are in tests/zoo.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from zoo import FAMILIES, zoo_optimizer
+
+import meshfit as mf
+
+
+class BatchCentered(nn.Module):
+    """Subtracts the batch's mean: couples the samples as BatchNorm does, without being
+    one (nothing meshfit knows)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0, keepdim=True)
+
+
+def centered_mlp() -> nn.Module:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(8, 16), BatchCentered(), nn.Tanh(), nn.Linear(16, 5)).double()
+
+
+def plain_mlp(dropout: float = 0.0, batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(5)
+    layers = [nn.Linear(8, 16)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(16))
+    layers += [nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 5)]
+    return nn.Sequential(*layers).double()
+
+
+def vectors(batch: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 8, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 5, (batch,), generator=g)
+
+
+def summed_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A sum over the batch divided by a fixed number: not a mean of the samples'
+    losses (split over ranks, each rank's share weighs half as much)."""
+    return F.cross_entropy(outputs, targets, reduction="sum") / 4
+
+
+def in_batch_negatives(outputs: tuple, _targets: Any) -> torch.Tensor:
+    """Every anchor against every positive of the batch, each its own positive's match
+    (zoo._in_batch_negatives, written without meshfit)."""
+    a, b = outputs
+    scores = torch.mm(F.normalize(a, dim=1), F.normalize(b, dim=1).transpose(0, 1)) * 20.0
+    return F.cross_entropy(scores, torch.arange(len(scores), device=scores.device))
+
+
+def gathered_in_batch_negatives(outputs: tuple, _targets: Any) -> torch.Tensor:
+    """The same loss, written with mf.gather_batch: the global batch's embeddings."""
+    a, b = (mf.gather_batch(t) for t in outputs)
+    scores = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T * 20.0
+    return F.cross_entropy(scores, torch.arange(len(scores), device=scores.device))
+
+
+LOSSES = {"in_batch": in_batch_negatives, "gathered": gathered_in_batch_negatives}
+
+
+def round_order(batch: int, ranks: int, microbatches: int) -> list[int]:
+    """The global batch's rows in the order the rounds of micro-batches run them: round
+    m holds the m-th micro-batch of every rank, rank after rank (scope.py). One process
+    with `microbatches` micro-batches on the rows in this order forms a coupled loss
+    over the same samples as the plan does."""
+    share, micro = batch // ranks, batch // ranks // microbatches
+    return [
+        r * share + m * micro + i
+        for m in range(microbatches)
+        for r in range(ranks)
+        for i in range(micro)
+    ]
+
+
+def coupled_run(spec: dict) -> dict:
+    """A zoo family (spec["model"]) under spec["plan"] for 3 SGD steps on batches of 8;
+    "order": the rows of every batch in this order; "loss": one of LOSSES instead of
+    the family's; "local_balancing"/"no_probe": the negative controls (the
+    load-balancing statistics of each rank's own tokens; no coupling probe, so nothing
+    is gathered)."""
+    family = FAMILIES[spec["model"]]
+    dtype = getattr(torch, family.dtype)
+    torch.manual_seed(1234)
+    model = family.build().to(dtype)
+    loss_fn = LOSSES[spec["loss"]] if "loss" in spec else family.loss()
+    with contextlib.ExitStack() as stack:
+        _controls(spec, stack)
+        engine = mf.parallelize(model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer)
+        losses = [float(engine.step(_batch(family, dtype, step, spec))) for step in range(3)]
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def many_coupled_runs(specs: list[dict]) -> list[dict]:
+    from workers import runs_or_refusals
+
+    return runs_or_refusals(coupled_run, specs)
+
+
+def _batch(family: Any, dtype: torch.dtype, step: int, spec: dict) -> Any:
+    made = family.batch(8, step)
+    order = spec.get("order")
+
+    def fix(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(dtype) if t.is_floating_point() else t
+        return t[order] if order is not None and t.ndim else t
+
+    if isinstance(made, dict):
+        return mf.trees.map_tensors(made, fix)
+    inputs, targets = made
+    return mf.trees.map_tensors(inputs, fix), fix(targets)
+
+
+def _controls(spec: dict, stack: contextlib.ExitStack) -> None:
+    from unittest import mock
+
+    from meshfit.coupling import batch, moe
+
+    if spec.get("local_balancing"):  # each rank's own tokens' statistics (the old run)
+        stack.enter_context(mock.patch.object(moe, "_summed", lambda *sums: sums))
+    if spec.get("local_balancing") or spec.get("no_probe"):
+        stack.enter_context(
+            mock.patch.object(batch.BatchCoupling, "check_first_batch", lambda *a, **k: None)
+        )

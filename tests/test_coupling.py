@@ -1,0 +1,212 @@
+"""Losses that couple the samples of a batch (meshfit/coupling/): a contrastive loss over
+in-batch pairs, a mixture of experts' load-balancing loss, a user's own. Under a plan
+that splits the batch each is made global (the one-process run), or refused in one line
+naming what couples; the zoo (test_model_zoo.py) runs CLIP, SigLIP, sentence pairs and
+Qwen3-MoE / Mixtral with their load-balancing loss under every plan."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from coupled import (  # noqa: E402
+    centered_mlp,
+    coupled_run,
+    many_coupled_runs,
+    plain_mlp,
+    round_order,
+    summed_loss,
+    vectors,
+)
+from helpers import tolerance  # noqa: E402
+from zoo import FAMILIES  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+from meshfit.coupling import moe  # noqa: E402
+from meshfit.coupling.scope import Scope, active  # noqa: E402
+from meshfit.verify import weight_differences  # noqa: E402
+
+FLOAT32 = 1e-5  # the zoo's float32 bar (measured: 1.4e-7 at most)
+
+
+def distance(got: dict, ref: dict) -> float:
+    """The largest relative difference of a step's loss or a weight tensor (weights as
+    the zoo compares them: a tensor that holds only rounding noise, as a key bias does,
+    against the model's typical weight)."""
+    losses = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True)]
+    return max([*losses, *weight_differences(got["state"], ref["state"]).values()])
+
+
+def assert_same_run(got: dict, ref: dict, rtol: float | None = None) -> None:
+    rtol = rtol or tolerance(next(iter(ref["state"].values())).dtype)
+    assert distance(got, ref) <= rtol, (distance(got, ref), got["losses"], ref["losses"])
+
+
+# ---- one process ---------------------------------------------------------------------
+
+
+def test_the_load_balancing_loss_is_transformers_own_bit_for_bit() -> None:
+    """meshfit's version of load_balancing_loss_func, in one process (nothing to sum
+    over), computes transformers' value exactly, with and without a padding mask."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as library
+
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(24, 4, generator=g, requires_grad=True) for _ in range(3))
+    mask = (torch.rand(3, 8, generator=g) > 0.3).long()
+    mine = moe._global_version(library.load_balancing_loss_func, "library")
+    for attention_mask in (None, mask):
+        theirs = library.load_balancing_loss_func(logits, 4, 2, attention_mask)
+        with active(Scope()):
+            ours = mine(logits, 4, 2, attention_mask)
+        assert torch.equal(ours, theirs)
+        (grad_ours,) = torch.autograd.grad(ours, logits[0])
+        (grad_theirs,) = torch.autograd.grad(theirs, logits[0])
+        assert torch.equal(grad_ours, grad_theirs)
+    assert mine(logits, 4, 2, None) == library.load_balancing_loss_func(logits, 4, 2, None)
+
+
+def test_a_moe_models_own_loss_is_the_one_transformers_computes() -> None:
+    """loss_fn="model" sums the token losses and divides by the global count (exact
+    under any plan); the load-balancing term the model adds to that sum was divided by
+    the token count too, so its weight shrank by the number of tokens, silently. Now the
+    loss is the model's: token mean + coefficient x load-balancing loss."""
+    family = FAMILIES["qwen3_moe_aux"]
+    torch.manual_seed(1234)
+    model = family.build()
+    batch = family.batch(8, 0)
+    theirs = model(**batch)
+    assert theirs.aux_loss > 0
+    torch.manual_seed(1234)
+    engine = mf.parallelize(family.build(), None, loss_fn="model", optimizer=torch.optim.SGD)
+    ours = float(engine.step(batch))
+    assert ours == pytest.approx(float(theirs.loss.detach()), rel=FLOAT32)
+    token_mean = float((theirs.loss - 0.02 * theirs.aux_loss).detach())
+    assert abs(ours - token_mean) > 100 * FLOAT32 * ours  # the aux term counts in full
+
+
+def test_the_helpers_return_their_input_outside_a_step() -> None:
+    x = torch.randn(4, 3)
+    assert mf.gather_batch(x) is x and mf.batch_sum(x) is x
+
+
+def test_a_module_that_mixes_samples_is_refused_naming_it() -> None:
+    """One process with two micro-batches splits the batch as data parallel does: a
+    module that subtracts the batch's mean (no BatchNorm) makes each micro-batch's
+    samples depend on each other. Refused at the first step, before any update, naming
+    the module; the weights are untouched."""
+    model = centered_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = mf.parallelize(model, "microbatches=2", loss_fn=F.cross_entropy)
+    with pytest.raises(mf.MeshfitError) as refusal:
+        engine.step(vectors())
+    message = str(refusal.value)
+    assert "the loss couples the samples of a batch" in message and "\n" not in message
+    assert "1 (BatchCentered)" in message and "mf.gather_batch" in message
+    assert "2 micro-batches" in message
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_loss_that_is_no_mean_of_its_samples_is_refused() -> None:
+    engine = mf.parallelize(plain_mlp(), "microbatches=2", loss_fn=summed_loss)
+    with pytest.raises(mf.MeshfitError, match="the loss function mixes them"):
+        engine.step(vectors())
+
+
+def test_batchnorm_dropout_and_masked_means_are_not_couplings() -> None:
+    """What meshfit handles already passes the probe: BatchNorm (made global by meshfit
+    itself), dropout (held still while the probe runs) and a mean over targets with
+    ignored entries (a weighting, warned of, not a coupling)."""
+    x, y = vectors()
+    y[::3] = -100
+
+    def masked(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs, targets, ignore_index=-100)
+
+    for model, loss in (
+        (plain_mlp(batchnorm=True), F.cross_entropy),
+        (plain_mlp(dropout=0.3), F.cross_entropy),
+        (plain_mlp(), masked),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the masked mean's warning
+            engine = mf.parallelize(model, "microbatches=2", loss_fn=loss, sync_batchnorm=False)
+            engine.step((x, y))
+        verdict = engine.coupling.verdict
+        assert verdict is not None and not verdict.coupled, (model, verdict)
+
+
+def test_in_batch_products_are_found_and_the_micro_batches_said() -> None:
+    """A loss over in-batch pairs under two micro-batches in one process: the probe
+    finds the product, and fit's start-up says that the loss is formed per micro-batch
+    (the one-process run with microbatches=2, not with one)."""
+    family = FAMILIES["sentence_pairs"]
+    torch.manual_seed(1234)
+    engine = mf.parallelize(
+        family.build().double(), "microbatches=2", loss_fn=family.loss(), optimizer=torch.optim.SGD
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        engine.step(family.batch(8, 0))
+    said = out.getvalue()
+    assert "the loss couples the samples of a batch (in-batch products)" in said, said
+    assert "formed per micro-batch (one at a time)" in said, said
+    assert engine.coupling.scope.products
+
+
+# ---- worker processes ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_coupled_losses_train_the_one_process_run_and_the_controls_do_not() -> None:
+    """Under dp=2 with two micro-batches per rank, CLIP's own contrastive loss and
+    Qwen3-MoE's load-balancing loss are formed per round of micro-batches (the m-th of
+    both ranks together): the one-process run with microbatches=2 on the rows in that
+    order. In-batch negatives written with mf.gather_batch train the one-process run.
+    Controls: the load-balancing statistics of each rank's own tokens (the run before
+    this change) and the in-batch products left per rank (no probe) train other runs;
+    a module that mixes samples is refused on every rank alike."""
+    order = round_order(8, ranks=2, microbatches=2)
+    rounds = "dp=2,microbatches=2"
+    specs = [
+        {"model": "clip", "plan": rounds},
+        {"model": "qwen3_moe_aux", "plan": rounds},
+        {"model": "sentence_pairs", "plan": "dp=2", "loss": "gathered"},
+        {"model": "qwen3_moe_aux", "plan": "dp=2", "local_balancing": True},
+        {"model": "sentence_pairs", "plan": "dp=2", "no_probe": True},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_coupled_runs, nproc=2, args=(specs,))
+        refused = mf.launch(_refused_under_dp, nproc=2)
+        clip, moe_rounds, gathered, local, per_rank = results
+        assert_same_run(
+            clip, coupled_run({"model": "clip", "plan": "microbatches=2", "order": order})
+        )
+        moe_reference = coupled_run(
+            {"model": "qwen3_moe_aux", "plan": "microbatches=2", "order": order}
+        )
+        assert_same_run(moe_rounds, moe_reference, FLOAT32)
+        assert_same_run(gathered, coupled_run({"model": "sentence_pairs", "loss": "in_batch"}))
+        moe_alone = coupled_run({"model": "qwen3_moe_aux"})
+        pairs_alone = coupled_run({"model": "sentence_pairs"})
+    assert distance(local, moe_alone) > 10 * FLOAT32, distance(local, moe_alone)
+    first = abs(per_rank["losses"][0] - pairs_alone["losses"][0]) / pairs_alone["losses"][0]
+    assert first > 1e-2, (per_rank["losses"], pairs_alone["losses"])
+    assert "1 (BatchCentered)" in refused and "\n" not in refused, refused
+
+
+def _refused_under_dp() -> str:
+    engine = mf.parallelize(centered_mlp(), "dp=2", loss_fn=F.cross_entropy)
+    try:
+        engine.step(vectors())
+    except mf.MeshfitError as refusal:
+        return str(refusal)
+    return "trained"
