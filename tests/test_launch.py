@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from workers import die_on_rank, raise_on_rank, world_info
+from workers import die_on_rank, launch_facts, raise_on_rank, world_info
 
 import meshfit as mf
 
@@ -37,6 +38,47 @@ def test_a_script_without_the_main_guard_gets_one_line_with_the_fix(tmp_path) ->
     assert line in result.stderr, result.stderr
     assert 'Put the call under `if __name__ == "__main__":`' in result.stderr
     assert "bootstrapping" not in result.stderr
+
+
+def test_warm_launches_start_workers_as_fresh_as_spawned_ones(tmp_path, monkeypatch, capfd):
+    """Workers forked from the warm server (launch/warm.py) start as spawned ones do:
+    this process's environment and working directory at each launch (not the server's,
+    which started with the first), its stdout, fresh random states (torch's, numpy's and
+    Python's differ on every worker and launch, as in spawned ones), no process group,
+    meshfit's module state as imported (what a worker left behind is gone), no CUDA;
+    and the libraries this process imported are already imported in the worker."""
+    pytest.importorskip("transformers")  # imported here: the server imports it too
+
+    from meshfit.launch import warm
+
+    monkeypatch.setenv("MESHFIT_TEST_GONE", "set before the first launch")
+    first = mf.launch(launch_facts, nproc=2, args=("first",))
+    monkeypatch.delenv("MESHFIT_TEST_GONE")
+    monkeypatch.setenv("MESHFIT_TEST_MARK", "set between the launches")
+    monkeypatch.chdir(tmp_path)
+    second = mf.launch(launch_facts, nproc=2, args=("second",))
+    for facts in [*first, *second]:
+        assert not facts["group_at_start"] and facts["left_behind"] is None, facts
+        assert not facts["cuda_initialized"] and facts["preloaded"], facts
+    assert [f["gone"] for f in first] == ["set before the first launch"] * 2
+    assert [(f["gone"], f["env"]) for f in second] == [(None, "set between the launches")] * 2
+    assert {f["cwd"] for f in second} == {str(tmp_path)}
+    assert len({f["pid"] for f in [*first, *second]}) == 4
+    assert len({f["server"] for f in [*first, *second]}) == 1  # forked by one server
+    for source in ("torch_seed", "torch_rand", "numpy", "random"):  # fresh, as spawned
+        assert len({f[source] for f in [*first, *second]}) == 4, source
+    out = capfd.readouterr().out
+    assert out.count("writes to the launch's stdout") == 4, out
+    assert warm.enabled()
+
+
+def test_warm_starts_can_be_turned_off(monkeypatch) -> None:
+    """MESHFIT_WARM_START=0: workers spawned fresh, each its own interpreter (not forked
+    by the server)."""
+    monkeypatch.setenv("MESHFIT_WARM_START", "0")
+    facts = mf.launch(launch_facts, nproc=2, args=("spawned",))
+    assert not any(f["preloaded"] for f in facts)  # each imported only what it needed
+    assert facts[0]["server"] == facts[1]["server"] == os.getpid()  # the agent's children
 
 
 def test_dead_worker_is_reported_not_waited_for() -> None:

@@ -523,6 +523,40 @@ def world_info() -> dict:
     }
 
 
+def launch_facts(leak: str) -> dict:
+    """What a launched worker starts with (tests/test_launch.py: nothing of an earlier
+    launch, this process's environment and streams, fresh random states, the heavy
+    modules already imported), then it leaves `leak` behind in meshfit's module state
+    and the default process group, which the next launch must not see."""
+    import random
+
+    import numpy
+    import torch.distributed as dist
+
+    import meshfit
+
+    facts = {
+        "rank": int(os.environ["RANK"]),
+        "pid": os.getpid(),
+        "server": os.getppid(),
+        "env": os.environ.get("MESHFIT_TEST_MARK"),
+        "gone": os.environ.get("MESHFIT_TEST_GONE"),
+        "cwd": os.getcwd(),
+        "group_at_start": dist.is_initialized(),
+        "left_behind": getattr(meshfit, "_left_behind", None),
+        "random": random.random(),
+        "numpy": float(numpy.random.rand()),
+        "torch_seed": torch.initial_seed(),
+        "torch_rand": float(torch.rand(())),
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "preloaded": "transformers" in sys.modules,
+    }
+    print(f"worker {facts['rank']} writes to the launch's stdout", flush=True)
+    meshfit._left_behind = leak
+    dist.init_process_group("gloo")
+    return _on_every_rank(facts)
+
+
 def many_engine_runs(specs: list[dict]) -> list[dict]:
     """Several runs in one set of workers (saves process start-up in the tests)."""
     return [engine_run(spec) for spec in specs]

@@ -68,14 +68,26 @@ def _code(exit_: SystemExit) -> int:
 
 def main() -> None:
     atexit.register(_exit_now)
-    module = len(sys.argv) > 2 and sys.argv[1] == "--meshfit-module"
-    target = sys.argv[2] if module else sys.argv[1]
+    _status[0] = run_target(sys.argv[1:])
+
+
+def run_target(argv: list[str]) -> int:
+    """Run `argv` ([--meshfit-module] target args...) as `python target args` (or `python
+    -m`) would, as __main__; return the status the interpreter would exit with, an
+    uncaught exception reported as it reports one. Also what a warm `meshfit run` worker
+    runs (run_command.run_script_warm), which imports this module."""
+    module = len(argv) > 1 and argv[0] == "--meshfit-module"
+    target = argv[1] if module else argv[0]
     # What `python script.py` / `python -m module` put first on the path (this file's
     # own directory is there now and would shadow top-level imports); under -P /
     # PYTHONSAFEPATH Python puts nothing there, and neither do we.
     if not getattr(sys.flags, "safe_path", False):
-        sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
-    sys.argv = sys.argv[2:] if module else sys.argv[1:]
+        where = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
+        if sys.path:
+            sys.path[0] = where
+        else:
+            sys.path.insert(0, where)
+    sys.argv = argv[1:] if module else argv[:]
 
     import runpy
 
@@ -85,14 +97,15 @@ def main() -> None:
         else:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exit_:
-        _status[0] = _code(exit_)
+        return _code(exit_)
     except BaseException as error:
         # reported as the interpreter reports an uncaught one, from the user's frame on
         tb = error.__traceback__
         while tb is not None and tb.tb_next is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
         sys.excepthook(type(error), error.with_traceback(tb), tb)
-        _status[0] = 130 if isinstance(error, KeyboardInterrupt) else 1
+        return 130 if isinstance(error, KeyboardInterrupt) else 1
+    return 0
 
 
 def _ours(filename: str) -> bool:

@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from meshfit import rendezvous, watchdog
 from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV, killed_by_verdict
@@ -28,6 +29,7 @@ from meshfit.launch import (
     interface_env,
     loopback_env,
     plan_workers,
+    warm,
 )
 
 
@@ -130,6 +132,57 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
 
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
+
+
+def _run_workers(args: Any) -> None:
+    """torchrun's run of the parsed `args`. With MESHFIT_WARM_START=1 its workers are
+    forked warm (launch/warm.py: torch and meshfit imported once, in the server, and a
+    restart after a failure forks again rather than starting interpreters) where meshfit
+    starts them itself: a Python script or module through _boot.py; torchrun's own
+    options (--log-dir, --redirects, --tee, ...) apply as to its subprocess workers.
+
+    Off by default for `meshfit run`, unlike `mf.launch`: a forked worker is the
+    server's child, not the agent's, and /proc/PID/environ and the command line show
+    the server's (tools that find workers by them, as benchmarks/faults.py does, see
+    none); in a memory-capped container the copy-on-write of the server's pages counts
+    against the worker that touches them; and a script run once gains little (the
+    server imports torch as each fresh worker would, in parallel on as many cores).
+    Measured: BENCHMARKS.md, "Warm starts"."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
+    plain = not args.no_python and not args.run_path and not args.standalone
+    wanted = warm.enabled(default=False)  # opt-in: see the docstring
+    base = warm.ensure_server() if wanted and plain and args.training_script == BOOT else None
+    if base is None:
+        torchrun.run(args)
+        return
+    config, _, cmd_args = torchrun.config_from_args(args)
+    config.start_method = "forkserver"
+    # cmd_args: -u, _boot.py, then what _boot.py takes ([--meshfit-module] target args)
+    boot_args = cmd_args[cmd_args.index(BOOT) + 1 :]
+    elastic_launch(config, run_script_warm)(warm.WorkerStart(base), *boot_args)
+
+
+def run_script_warm(start: warm.WorkerStart, *argv: str) -> None:
+    """A warm `meshfit run` worker: what `python -u _boot.py ARGV` does in a fresh one.
+    The script runs as __main__; its exit handlers run when it ends, as the
+    interpreter's would; then the worker leaves without the interpreter's teardown (the
+    multiprocessing child exits with os._exit, which is what _boot.py arranges in a
+    subprocess: a gloo thread could abort a finished worker in that teardown). A failure
+    leaves with its status (the agent restarts or stops as torchrun would)."""
+    import atexit
+
+    from meshfit import _boot
+
+    start.apply()
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(write_through=True)  # python -u
+    status = _boot.run_target(list(argv))
+    atexit._run_exitfuncs()
+    if status:
+        _boot._status[0] = status
+        _boot._exit_now()
 
 
 def nnodes_arg(options: RunOptions) -> str:
@@ -302,7 +355,7 @@ def run(options: RunOptions) -> int:
             rendezvous.using_secret(secret) if secret else contextlib.nullcontext(),
             _quiet_elastic_logs(level),
         ):
-            torchrun.run(torchrun.parse_args(argv))
+            _run_workers(torchrun.parse_args(argv))
     except RendezvousTimeoutError:
         print(f"meshfit: {too_few_nodes(options, argv)}", file=sys.stderr, flush=True)
         return 1

@@ -30,6 +30,7 @@ import torch
 from meshfit import rendezvous, stores, watchdog
 from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
+from meshfit.launch import warm
 
 _ELASTIC_LOGGERS = (
     "torch.distributed.elastic",
@@ -180,8 +181,12 @@ def launch(
     """Run ``fn(*args, **kwargs)`` in `nproc` local worker processes and return rank 0's
     result.
 
-    Each worker is a fresh Python process (spawn) with RANK/WORLD_SIZE/... set, so
-    `mf.parallelize` inside `fn` joins the group by itself. `fn` may be defined in a
+    Each worker is a new process with RANK/WORLD_SIZE/... set, so `mf.parallelize`
+    inside `fn` joins the group by itself. Workers are forked from a server that has
+    imported torch, meshfit and the libraries this process uses (launch/warm.py: after
+    the first launch they start in about a second; each still starts as a spawned
+    process would, with this process's environment and streams and no state of an
+    earlier launch); MESHFIT_WARM_START=0 spawns fresh interpreters instead. `fn` may be defined in a
     module, or where workers cannot import it (a notebook cell, `python -c`, a script
     read from stdin, a lambda or a nested function): it is then sent by value with
     cloudpickle, with its arguments and the globals it uses. If a worker
@@ -192,6 +197,7 @@ def launch(
     """
     if _importing_main_in_a_worker():
         _refuse_unguarded_main()
+    _refuse_an_unguarded_call()
     if not callable(fn):
         raise MeshfitError(f"launch needs a function to run, not {fn!r}")
     if max_restarts < 0:
@@ -201,6 +207,7 @@ def launch(
 
     setup = plan_workers(nproc, devices, threads)
     setup.env.update(hang_timeout_env(hang_timeout))
+    base = warm.ensure_server()  # before this launch's variables are set
     error_dir = tempfile.mkdtemp(prefix="meshfit-launch-")
     secret = rendezvous.new_secret()
     rendezvous.register()
@@ -214,7 +221,7 @@ def launch(
         local_addr=LOOPBACK,  # MASTER_ADDR of the workers' store
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver" if base is not None else "spawn",
     )
     call = (fn, tuple(args), dict(kwargs or {}))
     if sends_by_value(fn):
@@ -226,7 +233,8 @@ def launch(
             _quiet_elastic_logs(logging.CRITICAL),
             _main_without_phantom_file(),
         ):
-            results = elastic_launch(config, _worker_main)(*call, error_dir)
+            start = warm.WorkerStart(base) if base is not None else None
+            results = elastic_launch(config, _worker_main)(*call, error_dir, start)
     except ChildFailedError as failed:
         raise _rebuild_worker_exception(error_dir, failed) from None
     finally:
@@ -310,23 +318,82 @@ def _importing_main_in_a_worker() -> bool:
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
+def _refuse_an_unguarded_call() -> None:
+    """Refuse, before any worker starts, an mf.launch that the main script reaches from
+    its top level outside `if __name__ == "__main__":`: every worker imports that script
+    again (under spawn and the warm start alike) and would launch from there. Read from
+    the script's own syntax tree: the line of its top-level code on the call stack."""
+    import ast
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path) or getattr(main, "__spec__", None) is not None:
+        return
+    frame = sys._getframe(2)
+    line = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "<module>" and os.path.abspath(code.co_filename) == os.path.abspath(
+            path
+        ):
+            line = frame.f_lineno
+            break
+        frame = frame.f_back
+    if line is None:
+        return
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if isinstance(node, ast.If) and _tests_main_name(node.test):
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                return
+    raise MeshfitError(_unguarded_message(path))
+
+
+def _tests_main_name(test: Any) -> bool:
+    """`__name__ == "__main__"` (either way round)."""
+    import ast
+
+    if not isinstance(test, ast.Compare) or len(test.comparators) != 1:
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    texts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and texts == ["__main__"]
+
+
+def _unguarded_message(script: str) -> str:
+    return (
+        f"mf.launch ran while its workers imported {script}: workers start by importing "
+        f"the script that launched them (Python's spawn), and this one calls mf.launch "
+        f'at import time. Put the call under `if __name__ == "__main__":`'
+    )
+
+
 def _refuse_unguarded_main() -> None:
     """In a worker importing a script that calls mf.launch at its top level: report one
     line to the parent (which raises it) and leave, instead of torch's bootstrapping
     traceback from every worker."""
     script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "your script"
-    error = MeshfitError(
-        f"mf.launch ran while its workers imported {script}: workers start by importing "
-        f"the script that launched them (Python's spawn), and this one calls mf.launch "
-        f'at import time. Put the call under `if __name__ == "__main__":`'
-    )
+    error = MeshfitError(_unguarded_message(script))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         _write_failure(error_dir, error)
     os._exit(1)
 
 
-def _worker_main(fn: Callable[..., Any], args: tuple, kwargs: dict, error_dir: str) -> Any:
+def _worker_main(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    error_dir: str,
+    start: warm.WorkerStart | None = None,
+) -> Any:
+    if start is not None:  # forked from the warm server: start as a spawned worker would
+        start.apply()
     threads = int(os.environ.get("MESHFIT_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
