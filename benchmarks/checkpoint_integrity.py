@@ -24,8 +24,8 @@ import zlib
 import torch
 
 import meshfit as mf
-from meshfit import integrity
 from meshfit.models import GPT, GPTConfig, next_token_loss
+from meshfit.state import integrity
 
 
 def _timed(fn) -> float:

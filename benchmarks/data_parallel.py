@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned workers import us
 
 import meshfit as mf  # noqa: E402
-from meshfit.mesh import init_distributed  # noqa: E402
+from meshfit.launch.process_group import init_distributed  # noqa: E402
 from meshfit.models import GPT, GPTConfig, next_token_loss  # noqa: E402
 
 

@@ -198,7 +198,7 @@ def main() -> None:
         args.steps, args.warmup, args.batch_size, args.seq = 2 * WINDOW + 2, 2, 2, 16
         args.no_compile = True
     precisions = args.precisions.split(",")
-    from meshfit.fp8 import EMULATE_ENV, has_fp8_hardware
+    from meshfit.parallel.fp8 import EMULATE_ENV, has_fp8_hardware
 
     emulated = "fp8" in precisions and not has_fp8_hardware(device)
     if emulated and args.quick:

@@ -3,7 +3,7 @@ model built on the CPU first (issue 30's "build/load peak" target: at most the f
 over the ranks that split it, plus the largest single tensor, plus 10%).
 
 For each plan, its CPU workers (2 or 4; gloo, one thread each) build meshfit's GPT either way and
-`meshfit.memory_probe.measure_peak` counts live tensor storage over `mf.parallelize`
+`meshfit.planner.memory_probe.measure_peak` counts live tensor storage over `mf.parallelize`
 (the model built on the CPU is alive before the call and counts from its start). Also
 with `weights=`: the model on meta, loading a safetensors file of it.
 
@@ -25,8 +25,8 @@ import time
 import torch
 
 import meshfit as mf
-from meshfit.memory_probe import measure_peak
 from meshfit.models import GPT, GPTConfig, next_token_loss
+from meshfit.planner.memory_probe import measure_peak
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=128, n_layer=8, n_head=8, n_embd=512, bias=False)
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, bias=False)

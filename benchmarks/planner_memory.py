@@ -3,7 +3,7 @@ estimate (issue 12) is checked against.
 
 meshfit's GPT (CONFIG below, float32, AdamW) trains with `engine.step` on the GLOBAL
 batch; the SECOND step is measured (the first makes AdamW's state) with
-`meshfit.memory_probe.measure_peak`: the peak of live tensor bytes on each rank, split at
+`meshfit.planner.memory_probe.measure_peak`: the peak of live tensor bytes on each rank, split at
 that moment into parameters, gradients, optimizer state and the rest (activations,
 gathered parameters, communication and temporary buffers). One-process plans run here,
 the others on CPU workers started with `mf.launch` (gloo, one thread each), all plans of
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 import meshfit as mf
-from meshfit.memory_probe import measure_peak, profiled_peak
 from meshfit.models import GPT, GPTConfig, next_token_loss
+from meshfit.planner.memory_probe import measure_peak, profiled_peak
 
 # ---- what is measured: the predictor reads these same values -------------------------
 # Small enough for 2 cores, wide enough that activations are most of a step's peak.
@@ -199,7 +199,7 @@ def main() -> None:
                 "dtype": str(DTYPE).removeprefix("torch."),
                 "optimizer": f"AdamW(lr={LR})",
                 "measured_step": MEASURED_STEP,
-                "probe": "meshfit.memory_probe.measure_peak (live tensor storage bytes)",
+                "probe": "meshfit.planner.memory_probe.measure_peak (live tensor storage bytes)",
                 "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "seconds": round(seconds, 1),

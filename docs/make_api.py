@@ -37,6 +37,7 @@ SECTIONS: list[tuple[str, Any, list[str]]] = [
             "WandbLogger",
         ],
     ),
+    ("Losses that couple the samples of a batch", mf, ["gather_batch", "batch_sum"]),
     ("Inference", mf, ["predict"]),
     ("Checking a plan", mf, ["verify", "VerifyReport"]),
     ("Launching", mf, ["launch", "WorkerError", "place"]),

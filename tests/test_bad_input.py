@@ -483,7 +483,7 @@ def test_a_peer_lost_in_the_first_step_is_not_reported_as_the_batch() -> None:
     meshfit said "the first training step failed inside the model or loss_fn ... give
     batches the model and loss_fn take". The error now goes through as it is, with a
     note that names the peer, not the batch."""
-    from meshfit.batch_errors import explain_first_failure
+    from meshfit.runtime.batch_errors import explain_first_failure
 
     gloo = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:22684"
 

@@ -1,7 +1,7 @@
-"""meshfit/_boot.py, which every `meshfit run` worker starts with: the user's script runs
+"""meshfit/launch/boot.py, which every `meshfit run` worker starts with: the user's script runs
 as `python script.py` would run it, everything of Python's own exit runs (the user's
 atexit handlers, open files flushed), and then the process ends without the
-interpreter's teardown, where a gloo thread can abort a finished worker (_boot.py says
+interpreter's teardown, where a gloo thread can abort a finished worker (launch/boot.py says
 why). Run here as the workers run it, without torch (no process group needed)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from meshfit.run_command import BOOT
+from meshfit.launch.run_command import BOOT
 
 SCRIPT = textwrap.dedent(
     """
@@ -70,7 +70,7 @@ def test_exit_statuses_and_tracebacks_are_the_scripts_own(tmp_path) -> None:
     failed = _run(tmp_path, "job/train.py", log, "fail")
     assert failed.returncode == 1
     frames = [line for line in failed.stderr.splitlines() if line.startswith("  File ")]
-    assert len(frames) == 1 and "train.py" in frames[0], failed.stderr  # no _boot/runpy
+    assert len(frames) == 1 and "train.py" in frames[0], failed.stderr  # no boot.py/runpy
     assert failed.stderr.rstrip().endswith("ValueError: boom")
     assert "user atexit ran" in failed.stdout  # exit handlers still run after an error
     assert _run(tmp_path, "job/train.py", log, "code").returncode == 3

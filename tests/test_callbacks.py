@@ -94,7 +94,7 @@ def test_best_checkpoint_keeps_the_best_evaluation(tmp_path) -> None:
         checkpoint_dir=str(tmp_path / "ck"),
     )
     step, value = min(history.eval_losses, key=lambda e: e[1])
-    from meshfit.checkpoint import read_meta
+    from meshfit.state.checkpoint import read_meta
 
     meta = read_meta(str(tmp_path / "ck" / "best"))
     assert meta["extra"]["best"] == {"eval_loss": value, "step": step}
@@ -299,7 +299,7 @@ def test_curves_plot_from_the_history_and_from_the_run_files(tmp_path) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert os.path.getsize(run / "curves.png") > 1000
-    from meshfit.plot import read_records
+    from meshfit.training.plot import read_records
 
     assert [r["step"] for r in read_records(str(tmp_path / "runs"))] == list(range(1, 11))
     assert read_records(str(tmp_path / "runs"))[4]["eval_acc"] == history.records[4]["eval_acc"]

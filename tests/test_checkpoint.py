@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from workers import build, make_batch, optimizer_factory
 
 import meshfit as mf
-from meshfit import checkpoint as ckpt
+from meshfit.state import checkpoint as ckpt
 
 
 def make_engine(kind: str = "mlp", optimizer: str = "adamw", width: int | None = None):
@@ -135,7 +135,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path) -> None:
         pickle.dump(_Exploit(), f)
     # The attacker rewrites the recorded checksum too (it guards against damage, not
     # against someone who can write the directory): the unpickler must still refuse.
-    from meshfit.integrity import file_digest
+    from meshfit.state.integrity import file_digest
 
     meta_path = os.path.join(path, ckpt.META_FILE)
     meta = json.loads(open(meta_path).read())

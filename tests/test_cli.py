@@ -222,7 +222,7 @@ def _run_options(monkeypatch, *argv: str):
 
     from meshfit.cli import main
 
-    launcher = importlib.import_module("meshfit.run_command")
+    launcher = importlib.import_module("meshfit.launch.run_command")
     seen = []
     monkeypatch.setattr(launcher, "run", lambda options: seen.append(options) or 0)
     assert main(["run", *argv]) == 0

@@ -20,8 +20,7 @@ import torch
 from cluster import Cluster, ClusterUnavailable, HostResult
 from helpers import check_against_one_process, make_spec
 
-from meshfit import rendezvous
-from meshfit.launch import IFNAME_ENVS, interface_env
+from meshfit.launch import IFNAME_ENVS, interface_env, rendezvous
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")

@@ -31,7 +31,7 @@ from zoo import FAMILIES  # noqa: E402
 import meshfit as mf  # noqa: E402
 from meshfit.coupling import moe  # noqa: E402
 from meshfit.coupling.scope import Scope, active  # noqa: E402
-from meshfit.verify import weight_differences  # noqa: E402
+from meshfit.verification.run import weight_differences  # noqa: E402
 
 FLOAT32 = 1e-5  # the zoo's float32 bar (measured: 1.4e-7 at most)
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from meshfit import MeshfitError
-from meshfit.devices import format_inventory, inventory, parse_device_ids, select_devices
 from meshfit.launch import plan_workers
+from meshfit.launch.devices import format_inventory, inventory, parse_device_ids, select_devices
 
 
 def test_parse_device_ids() -> None:
@@ -24,7 +24,7 @@ def test_unknown_device_id_lists_the_ones_that_exist(monkeypatch) -> None:
 
 
 def test_selection_maps_through_existing_visibility(monkeypatch) -> None:
-    from meshfit import devices
+    from meshfit.launch import devices
 
     fake = devices.Inventory(
         cpu_cores=2,

@@ -24,9 +24,8 @@ import pytest
 import torch
 from cluster import Cluster, ClusterUnavailable, Host
 
-from meshfit import rendezvous
-from meshfit.launch import IFNAME_ENVS
-from meshfit.verify import tolerance
+from meshfit.launch import IFNAME_ENVS, rendezvous
+from meshfit.verification.run import tolerance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "elastic_train.py")
@@ -252,8 +251,8 @@ def test_a_pipeline_run_shrinks_then_grows_back_when_the_host_returns(
 
 
 def test_nnodes_takes_a_count_or_min_max() -> None:
-    from meshfit.elastic import parse_nnodes
     from meshfit.errors import MeshfitError
+    from meshfit.launch.elastic import parse_nnodes
 
     assert parse_nnodes("3") == (3, 3) and parse_nnodes(2) == (2, 2)
     assert parse_nnodes("2:4") == (2, 4)
@@ -263,9 +262,9 @@ def test_nnodes_takes_a_count_or_min_max() -> None:
 
 
 def test_a_fixed_plan_keeps_its_model_parallel_degrees_and_changes_dp() -> None:
-    from meshfit.elastic import fit_plan
     from meshfit.errors import MeshfitError
     from meshfit.plan import Plan
+    from meshfit.topology import fit_plan
 
     assert str(fit_plan(Plan.parse("dp=3,pp=2"), 4)) == "dp=2,pp=2"
     assert str(fit_plan(Plan.parse("fsdp=2"), 6)) == "dp=3,fsdp=2"
@@ -278,7 +277,7 @@ def test_a_fixed_plan_keeps_its_model_parallel_degrees_and_changes_dp() -> None:
 def test_an_elastic_run_asks_torchrun_for_min_max_nodes_and_quick_rejoins() -> None:
     from meshfit.errors import MeshfitError
     from meshfit.launch import WorkerSetup
-    from meshfit.run_command import RunOptions, check_elastic, torchrun_argv
+    from meshfit.launch.run_command import RunOptions, check_elastic, torchrun_argv
 
     options = RunOptions(
         target="train.py", nnodes=4, min_nodes=2, master="10.0.0.1:29500", max_restarts=3,
@@ -306,7 +305,7 @@ def test_a_lost_peer_is_a_collective_error_not_any_connection_error(tmp_path) ->
     """gloo's RuntimeError for a peer gone is a lost peer; a refused connection of the
     user's own code (an OSError, or a RuntimeError outside torch.distributed that names
     no backend) is not, and keeps its traceback."""
-    from meshfit.elastic import peer_failure_word, read_reached, record_reached
+    from meshfit.launch.elastic import peer_failure_word, read_reached, record_reached
 
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:1")
     assert peer_failure_word(gloo) == "Connection closed by peer"
@@ -321,7 +320,7 @@ def test_a_lost_peer_is_a_collective_error_not_any_connection_error(tmp_path) ->
 
 def test_a_fixed_plan_is_checked_against_every_world_the_run_may_re_form_into() -> None:
     from meshfit.errors import MeshfitError
-    from meshfit.run_command import RunOptions, check_elastic_plan, too_few_nodes
+    from meshfit.launch.run_command import RunOptions, check_elastic_plan, too_few_nodes
 
     options = RunOptions(
         target="t.py", nnodes=3, min_nodes=2, master="10.0.0.1:29500", max_restarts=1

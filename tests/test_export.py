@@ -45,8 +45,8 @@ def test_a_pipeline_trained_model_exports_whole_and_loads_anywhere(tmp_path) -> 
     assert exported.keys() == state.keys()
     assert all(torch.equal(exported[k], state[k]) for k in state)
     # into Hugging Face-style shards, streamed: one file's tensors read, written, freed
-    from meshfit.export import export_checkpoint
-    from meshfit.memory_probe import measure_peak
+    from meshfit.planner.memory_probe import measure_peak
+    from meshfit.state.export import export_checkpoint
 
     shards = tmp_path / "shards"
     peak = measure_peak(lambda: export_checkpoint(str(tmp_path / "checkpoint"), str(shards), "4KB"))

@@ -9,7 +9,7 @@ import torch
 from workers import build, make_batch, optimizer_factory
 
 import meshfit as mf
-from meshfit.memory_probe import measure_peak, profiled_peak
+from meshfit.planner.memory_probe import measure_peak, profiled_peak
 
 F32 = 4
 

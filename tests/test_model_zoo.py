@@ -32,7 +32,7 @@ from zoo import (  # noqa: E402
 )
 
 import meshfit as mf  # noqa: E402
-from meshfit.verify import tolerance, weight_differences  # noqa: E402
+from meshfit.verification.run import tolerance, weight_differences  # noqa: E402
 
 # The cells refused, with the words of their refusal that name the cause.
 REFUSED = {

@@ -17,7 +17,7 @@ def _layouts_agree() -> list[list[str]]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from meshfit.placements import local_part
+    from meshfit.parallel.placements import local_part
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     tp_mesh = mesh["tp"]

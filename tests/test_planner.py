@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshfit as mf
-from meshfit.checkpoint import META_FILE
 from meshfit.errors import MeshfitError
 from meshfit.models.gpt import GPT, GPTConfig
 from meshfit.plan import Plan
@@ -23,6 +22,7 @@ from meshfit.planner.auto import choose_plan, fixed_fields, optimizer_state_byte
 from meshfit.planner.estimate import in_flight
 from meshfit.planner.profile import ModelProfile, PartCost
 from meshfit.planner.search import search_profile
+from meshfit.state.checkpoint import META_FILE
 
 CONFIG = GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=32)
 

@@ -100,7 +100,7 @@ def test_converts_block_linears_and_keeps_the_state_dict(emulate: None) -> None:
 
 
 def test_layer_choice_without_blocks() -> None:
-    from meshfit.fp8 import convertible
+    from meshfit.parallel.fp8 import convertible
 
     mlp = torch.nn.Sequential(
         torch.nn.Linear(8, 32),  # 8 is not a multiple of 16: float8 matmuls cannot take it
@@ -183,7 +183,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_verify_and_planner_take_fp8_as_bf16_with_float8_noise() -> None:
     from meshfit.planner.hardware import PRESETS
-    from meshfit.verify import VerifyReport, loss_tolerance, tolerance
+    from meshfit.verification.run import VerifyReport, loss_tolerance, tolerance
 
     assert loss_tolerance(torch.float32, "fp8") == LOSS_RTOL  # what the runs above measured
     assert tolerance(torch.float32, "fp8") == 3e-2  # final weights (verify.py's _FP8_RTOL)
@@ -220,7 +220,7 @@ def test_checkpoints_cross_between_fp8_and_plain_runs(emulate: None, tmp_path) -
 
 
 def test_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshfit.fp8 import check_available
+    from meshfit.parallel.fp8 import check_available
 
     monkeypatch.delenv("MESHFIT_FP8_EMULATE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -300,7 +300,7 @@ def test_emulation_on_fp8_hardware_warns_once(monkeypatch: pytest.MonkeyPatch) -
     pytest.importorskip("torchao.float8", reason="the fp8 extra: pip install 'meshfit[fp8]'")
     import warnings
 
-    from meshfit import fp8
+    from meshfit.parallel import fp8
 
     monkeypatch.setattr(fp8, "has_fp8_hardware", lambda device: True)
     monkeypatch.setattr(fp8, "_describe", lambda device: "NVIDIA H100 (capability 9.0)")

@@ -13,8 +13,8 @@ import torch
 from workers import build, disk_full_at, fit_run, no_space, optimizer_factory
 
 import meshfit as mf
-from meshfit import checkpoint as ckpt
-from meshfit.integrity import checkpoint_files, file_digest
+from meshfit.state import checkpoint as ckpt
+from meshfit.state.integrity import checkpoint_files, file_digest
 
 SPEC = {"model": "mlp", "batch": 8, "plan": "dp=1", "checkpoint_every": 2}
 

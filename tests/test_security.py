@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from workers import fit_killed_once
 
 import meshfit as mf
-from meshfit import rendezvous
+from meshfit.launch import rendezvous
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")

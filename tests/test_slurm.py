@@ -14,10 +14,9 @@ import pytest
 import torch
 from helpers import check_against_one_process, make_spec
 
-from meshfit import rendezvous, scheduler
 from meshfit.errors import MeshfitError
-from meshfit.launch import IFNAME_ENVS
-from meshfit.scheduler import expand_hostlist, fill_nodes, read_slurm
+from meshfit.launch import IFNAME_ENVS, rendezvous, scheduler
+from meshfit.launch.scheduler import expand_hostlist, fill_nodes, read_slurm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -193,7 +192,7 @@ def _run_options(monkeypatch, capsys, *argv: str):
     """The RunOptions `meshfit run ARGV` would start with (none started), and stdout."""
     from meshfit.cli import main
 
-    launcher = importlib.import_module("meshfit.run_command")
+    launcher = importlib.import_module("meshfit.launch.run_command")
     seen = []
     monkeypatch.setattr(launcher, "run", lambda options: seen.append(options) or 0)
     assert main(["run", *argv]) == 0

@@ -18,7 +18,7 @@ import verify_targets as vt
 
 import meshfit as mf
 from meshfit.cli import _verify_status
-from meshfit.verify import (
+from meshfit.verification.run import (
     VerifyReport,
     _Objects,
     tolerance,

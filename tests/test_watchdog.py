@@ -12,8 +12,8 @@ import pytest
 from workers import hang_fit, hang_run
 
 import meshfit as mf
-from meshfit import watchdog
-from meshfit.watchdog import RankState, describe, stuck_ranks
+from meshfit.launch import watchdog
+from meshfit.launch.watchdog import RankState, describe, stuck_ranks
 
 
 def _state(rank: int, **fields) -> RankState:

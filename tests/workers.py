@@ -446,7 +446,7 @@ def die_on_rank(rank_to_fail: int) -> int:
 
 def hold(seconds: float) -> int:
     """Join the process group and hold it: a run whose sockets a test can look at."""
-    from meshfit.mesh import init_distributed
+    from meshfit.launch.process_group import init_distributed
 
     init_distributed()
     torch.distributed.barrier()
@@ -1125,7 +1125,7 @@ def disk_full_at(where: str):
     files back for their checksums)."""
     import torch.distributed.checkpoint.filesystem as dcp_files
 
-    from meshfit import checkpoint, integrity
+    from meshfit.state import checkpoint, integrity
 
     real_save = torch.save
 
@@ -1340,7 +1340,7 @@ def meta_run(spec: dict) -> dict:
     (converted on meta: both runs initialise in float64). Under a pipeline plan the
     example batch fit would give is passed. spec["peak"]: also measure this rank's peak of
     live tensor bytes while parallelize materializes it (memory_probe)."""
-    from meshfit.memory_probe import measure_peak
+    from meshfit.planner.memory_probe import measure_peak
 
     kind = spec["model"]
     model, loss_fn, init = meta_model(kind, on_meta=spec.get("meta", True))
@@ -1416,7 +1416,7 @@ def dropout_tp_runs(specs: list[dict]) -> list[tuple[float, str | None]]:
 
     from meshfit.parallel.tensor import apply
     from meshfit.topology import Topology
-    from meshfit.verify import replica_gap
+    from meshfit.verification.run import replica_gap
 
     gaps = []
     for spec in specs:
@@ -1480,8 +1480,8 @@ def capped_llama_build(
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
 
-    import meshfit.materialize  # noqa: F401
     import meshfit.parallel.pipeline  # noqa: F401
+    import meshfit.weights.materialize  # noqa: F401
 
     rank = int(os.environ.get("RANK", "0"))
     where = f"/sys/fs/cgroup/memory/{cgroup}-{rank}" if cgroup else None

@@ -2,8 +2,18 @@
 
 from typing import Any
 
-from meshfit import _worker_errors, losses, metrics
-from meshfit.callbacks import (
+from meshfit import losses, metrics
+from meshfit.coupling import batch_sum, gather_batch
+from meshfit.engine import Engine
+from meshfit.errors import MeshfitError
+from meshfit.fit import History, fit
+from meshfit.inference import predict
+from meshfit.launch import WorkerError, launch
+from meshfit.launch import worker_errors as _worker_errors
+from meshfit.parallel.placement import place
+from meshfit.plan import Plan
+from meshfit.prepare import parallelize
+from meshfit.training.callbacks import (
     BestCheckpoint,
     Callback,
     CSVLogger,
@@ -11,17 +21,8 @@ from meshfit.callbacks import (
     LearningRateMonitor,
     TensorBoardLogger,
 )
-from meshfit.coupling import batch_sum, gather_batch
-from meshfit.engine import Engine
-from meshfit.errors import MeshfitError
-from meshfit.fit import History, fit
-from meshfit.inference import predict
-from meshfit.launch import WorkerError, launch
-from meshfit.placement import place
-from meshfit.plan import Plan
-from meshfit.prepare import parallelize
-from meshfit.verify import VerifyReport, verify
-from meshfit.wandb_logger import WandbLogger
+from meshfit.training.wandb_logger import WandbLogger
+from meshfit.verification.run import VerifyReport, verify
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from meshfit.errors import MeshfitError
 
 if TYPE_CHECKING:
-    from meshfit.verify import VerifyReport
+    from meshfit.verification.run import VerifyReport
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -20,7 +20,7 @@ def _devices(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from meshfit.devices import format_inventory, inventory
+    from meshfit.launch.devices import format_inventory, inventory
 
     inv = inventory()
     table = Table(title="Devices meshfit can use here", title_justify="left")
@@ -63,10 +63,10 @@ RUN_DEFAULTS = {
 
 
 def _run(args: argparse.Namespace) -> int:
-    from meshfit.elastic import parse_nnodes
-    from meshfit.run_command import RunOptions, run
-    from meshfit.run_config import read_config, torchrun_passthrough
-    from meshfit.scheduler import fill_nodes
+    from meshfit.launch.elastic import parse_nnodes
+    from meshfit.launch.run_command import RunOptions, run
+    from meshfit.launch.run_config import read_config, torchrun_passthrough
+    from meshfit.launch.scheduler import fill_nodes
 
     config = read_config(args.config) if args.config else {}
     if args.script:  # the command line's script replaces the file's, with its args
@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from meshfit.run_command import RunOptions, run
+    from meshfit.launch.run_command import RunOptions, run
 
     if args.verify:
         return _demo_verify(args)
@@ -148,7 +148,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _demo_verify(args: argparse.Namespace) -> int:
     """`meshfit demo --verify`: the demo's plans against one process, as one table."""
     from meshfit.demo import VERIFY_OPTIONS, verify_plans
-    from meshfit.verify import reports_table
+    from meshfit.verification.run import reports_table
 
     ignored = [
         action.option_strings[0]
@@ -222,7 +222,7 @@ an error in the model (its traceback is printed)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from meshfit.verify import verify_target
+    from meshfit.verification.run import verify_target
 
     # As `python -m` does: the user's module is found from the current directory (and
     # the spawned workers inherit this path).
@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from meshfit.plot import plot_records, read_records
+    from meshfit.training.plot import plot_records, read_records
 
     out = args.out or os.path.join(
         args.run if os.path.isdir(args.run) else os.path.dirname(args.run) or ".", "curves.png"
@@ -464,7 +464,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from meshfit.export import export_checkpoint
+    from meshfit.state.export import export_checkpoint
 
     export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
     return 0

@@ -127,7 +127,7 @@ def verify_plans(
     """dp, fsdp, tp and pp on `nproc` processes each (or only `plan`), against one
     process, on a small demo GPT and real batches of the standard library's source; the
     plans share one launch. Returns the table's title and the reports."""
-    from meshfit.verify import _Objects, sgd_momentum, verify_many
+    from meshfit.verification.run import _Objects, sgd_momentum, verify_many
 
     if nproc < 2:
         raise mf.MeshfitError(f"--verify compares plans of 2 or more processes, not {nproc}")

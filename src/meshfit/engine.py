@@ -19,28 +19,34 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from meshfit import watchdog
-from meshfit.batch_errors import (
+from meshfit.coupling.batch import BatchCoupling
+from meshfit.errors import MeshfitError
+from meshfit.launch import watchdog
+from meshfit.losses import ModelOwnLoss, global_token_mean, normalise_by_count
+from meshfit.metrics import MetricTap, reduce_metrics
+from meshfit.options import EngineOptions, OptimizerFactory, SchedulerFactory
+from meshfit.parallel.compose import FormOptions, apply_plan
+from meshfit.runtime.batch_errors import (
     check_gradients_reached_the_optimizer,
     explain_first_failure,
     warn_on_ignored_targets,
 )
-from meshfit.batches import batch_size, check_microbatches, local_share, split_batch, to_device
-from meshfit.checkpoint import (
+from meshfit.runtime.batches import (
+    batch_size,
+    check_microbatches,
+    local_share,
+    split_batch,
+    to_device,
+)
+from meshfit.runtime.precision import Precision
+from meshfit.runtime.prediction import predict_global_batch
+from meshfit.state.checkpoint import (
     TrainingState,
     gather_full_state,
     load_checkpoint,
     model_fingerprint,
     save_checkpoint,
 )
-from meshfit.coupling.batch import BatchCoupling
-from meshfit.errors import MeshfitError
-from meshfit.losses import ModelOwnLoss, global_token_mean, normalise_by_count
-from meshfit.metrics import MetricTap, reduce_metrics
-from meshfit.options import EngineOptions, OptimizerFactory, SchedulerFactory
-from meshfit.parallel.compose import apply_plan
-from meshfit.precision import Precision
-from meshfit.prediction import predict_global_batch
 from meshfit.topology import Topology
 
 if TYPE_CHECKING:
@@ -75,10 +81,7 @@ class Engine:
         self.last_metrics: dict[str, torch.Tensor] = {}  # of the last step / evaluation
         # what couples the samples of a batch, and the scope each micro-batch runs in
         self.coupling = BatchCoupling(model, topology, self.model_loss)
-        self.parallel_model, self.runner, self.tp_report, self.own_hooks = apply_plan(
-            model,
-            topology,
-            self.precision,
+        forms = FormOptions(
             loss_fn=loss_fn,
             tp_plan=options.tp_plan,
             pp_split=options.pp_split,
@@ -87,7 +90,9 @@ class Engine:
             compile=options.compile,
             init=options.init,
             weights=options.weights,
-            coupling=self.coupling,
+        )
+        self.parallel_model, self.runner, self.tp_report, self.own_hooks = apply_plan(
+            model, topology, self.precision, forms, self.coupling
         )
         self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
         self.lr_scheduler = _build_scheduler(options.lr_scheduler, self.optimizer)
@@ -176,7 +181,9 @@ class Engine:
                 self.metric_tap.calls.clear()
             raise
         if self.metric_tap is not None:
-            self.last_metrics = reduce_metrics(self.metric_tap, self.plan.num_microbatches, self)
+            self.last_metrics = reduce_metrics(
+                self.metric_tap, self.plan.num_microbatches, self.runner, self.topology
+            )
         if not self._batch_checked:
             self._batch_checked = True
             if count is None:
@@ -245,7 +252,9 @@ class Engine:
             self.parallel_model.train()
         self._evaluated = True
         if self.metric_tap is not None:
-            self.last_metrics = reduce_metrics(self.metric_tap, self.runner.eval_microbatches, self)
+            self.last_metrics = reduce_metrics(
+                self.metric_tap, self.runner.eval_microbatches, self.runner, self.topology
+            )
         if count is None:
             self.last_eval_count = None
             return self.topology.batch_mean(loss)
@@ -270,7 +279,9 @@ class Engine:
         model takes as keywords), gathered whole on every rank as CPU tensors, in the
         model's own form; no gradients, evaluation mode. Every rank calls it."""
         with watchdog.phase("evaluate", f"prediction after step {self.step_count}"):
-            return predict_global_batch(self, inputs)
+            return predict_global_batch(
+                self.parallel_model, self.runner, self.topology, self.precision, inputs
+            )
 
     # ---- checkpoints -------------------------------------------------------------
     def save(self, path: str, *, extra: dict[str, Any] | None = None) -> str:
@@ -286,9 +297,17 @@ class Engine:
         weights= load it), streamed tensor by tensor so no process holds more than one
         file of it; or one .safetensors file. Call it on every rank; returns the file
         (the index, for shards) on rank 0."""
-        from meshfit.export import save_model
+        from meshfit.state.export import ModelState, save_model
 
-        return save_model(self, path, max_shard_size)
+        state = ModelState(
+            module=self.parallel_model,
+            runner=self.runner,
+            own_hooks=self.own_hooks,
+            device=self.device,
+            distributed=self.mesh is not None,
+            config=getattr(self.user_model, "config", None),
+        )
+        return save_model(state, path, max_shard_size)
 
     def load(self, path: str) -> dict[str, Any]:
         """Load a checkpoint saved by `save` (or the newest one under a checkpoint root

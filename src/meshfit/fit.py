@@ -13,18 +13,16 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from meshfit import watchdog
-from meshfit.batch_errors import first_batch_explained
-from meshfit.batches import check_batch_divides
-from meshfit.callbacks import Callback as CallbackBase
-from meshfit.callbacks import make_loggers
 from meshfit.data.reading import Reading
-from meshfit.elastic import elastic_nodes, record_reached
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
+from meshfit.launch import watchdog
+from meshfit.launch.elastic import elastic_nodes, record_reached
 from meshfit.options import EngineOptions, LossFn, engine_options
 from meshfit.prepare import Examples, prepare
-from meshfit.progress import TrainingDisplay
+from meshfit.runtime.batch_errors import first_batch_explained
+from meshfit.runtime.batches import check_batch_divides
+from meshfit.training.callbacks import Callback as CallbackBase
 from meshfit.training.checks import (
     check_args,
     check_monitors,
@@ -37,12 +35,14 @@ from meshfit.training.data import as_dataset, first_samples, hold_out, real_toke
 from meshfit.training.evaluation import eval_schedule, evaluation_loss, is_due
 from meshfit.training.history import History, HistoryFile
 from meshfit.training.log import Hooks, StepLog
+from meshfit.training.loggers import make_loggers
 from meshfit.training.planning import (
     announce_run,
     closed_loop_line,
     measured_against_plan,
     mfu_meter,
 )
+from meshfit.training.progress import TrainingDisplay
 from meshfit.training.resume import RunConfig, resume_run, save_step
 
 Callback = Callable[[int, Engine], None]

@@ -143,14 +143,14 @@ def load_weights(model: nn.Module, checkpoint: str) -> None:
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise MeshfitError(f"checkpoint must be a path, not {checkpoint!r}")
     checkpoint = os.fspath(checkpoint)
-    from meshfit.export import WEIGHTS_FILE
-    from meshfit.state_hooks import OwnHooks
+    from meshfit.state.export import WEIGHTS_FILE
+    from meshfit.state.state_hooks import OwnHooks
 
     weights = os.path.join(checkpoint, WEIGHTS_FILE)
     shards = os.path.join(checkpoint, "model.safetensors.index.json")
     hooks = OwnHooks.of(model)
     if os.path.isfile(shards):  # save_model's shards
-        from meshfit.weight_files import WeightFiles
+        from meshfit.weights.files import WeightFiles
 
         state = WeightFiles(checkpoint).read_all()
         aside = contextlib.nullcontext()
@@ -158,8 +158,8 @@ def load_weights(model: nn.Module, checkpoint: str) -> None:
         state = _read_safetensors(checkpoint if checkpoint.endswith(".safetensors") else weights)
         aside = contextlib.nullcontext()  # save_model's names: the model's own hooks apply
     else:
-        from meshfit.checkpoint import resolve_checkpoint
-        from meshfit.export import _read_model_state
+        from meshfit.state.checkpoint import resolve_checkpoint
+        from meshfit.state.export import _read_model_state
 
         state = _read_model_state(resolve_checkpoint(checkpoint))  # checksums verified
         aside = hooks.set_aside()  # a checkpoint holds the modules' own names

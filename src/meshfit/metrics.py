@@ -21,7 +21,8 @@ from meshfit.errors import MeshfitError
 from meshfit.trees import tensors_in
 
 if TYPE_CHECKING:
-    from meshfit.engine import Engine
+    from meshfit.runtime.runners import Runner
+    from meshfit.topology import Topology
 
 Metric = Callable[[Any, Any], Any]
 
@@ -75,13 +76,15 @@ class MetricTap:
         return torch.stack(kept).sum(0).to(device)
 
 
-def reduce_metrics(tap: MetricTap, calls: int, engine: Engine) -> dict[str, torch.Tensor]:
+def reduce_metrics(
+    tap: MetricTap, calls: int, runner: Runner, topology: Topology
+) -> dict[str, torch.Tensor]:
     """The global value of each metric for this step: this rank's sums, brought from the
     rank that computed the loss (the last pipeline stage), summed over the data-parallel
     ranks, divided."""
-    local = tap.take(calls, engine.device)
-    engine.runner.from_loss_rank(local)
-    total = engine.topology.batch_sum(local)
+    local = tap.take(calls, topology.device)
+    runner.from_loss_rank(local)
+    total = topology.batch_sum(local)
     sums, counts = total[0::2], total[1::2]
     means = sums / counts.clamp_min(1)
     return dict(zip(tap.metrics, means.unbind(), strict=True))

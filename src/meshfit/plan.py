@@ -21,15 +21,55 @@ from typing import Any
 
 from meshfit.errors import MeshfitError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+@dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule, as everything that reads one needs it: torch's class (in
+    torch.distributed.pipelining; the runtime builds it, parallel/pipeline/schedule.py),
+    the stages each pipeline rank runs ("virtual" stages of the interleaved ones), the
+    share of the (pp - 1) x micro-batch bubble it leaves (the planner's time), the
+    micro-batches in flight on a rank (the planner's memory), and its rule for the number
+    of micro-batches (Plan.validate)."""
+
+    name: str
+    torch_class: str
+    virtual_stages: int
+    # micro-batches must be at least pp ("at_least") or a multiple of pp ("multiple");
+    # None: any number
+    microbatch_rule: str | None
+    bubble_share: float  # of (pp - 1) micro-batch times; 1/virtual for interleaved 1F1B
+
+    def in_flight(self, microbatches: int, pp: int, rank: int) -> float:
+        """Micro-batches whose activations pipeline rank `rank` holds at its peak."""
+        if self.name == "gpipe":
+            return float(microbatches)
+        if self.virtual_stages == 1:
+            return float(min(microbatches, pp - rank))
+        # interleaved: (v - 1) pp + 2 (pp - 1 - rank) + 1 chunk micro-batches in warm-up,
+        # each a 1/v share of the rank's blocks
+        v = self.virtual_stages
+        warmup = (v - 1) * pp + 2 * (pp - 1 - rank) + 1
+        return min(float(microbatches), warmup / v)
+
+
+SCHEDULE_TABLE = {
+    s.name: s
+    for s in (
+        Schedule("gpipe", "ScheduleGPipe", 1, None, 1.0),
+        Schedule("1f1b", "Schedule1F1B", 1, "at_least", 1.0),
+        Schedule("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, "multiple", 1 / 2),
+        Schedule("zero-bubble", "ScheduleInterleavedZeroBubble", 2, "multiple", 1 / 3),
+    )
+}
+SCHEDULES = tuple(SCHEDULE_TABLE)
 # stages per pipeline rank each schedule runs (the interleaved ones: two, "virtual")
-VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
+VIRTUAL_STAGES = {name: s.virtual_stages for name, s in SCHEDULE_TABLE.items()}
 CHECKPOINTING = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
-# Mesh dimension order, outermost first: pipeline stages talk least often, tensor
-# parallel most often, so tp ranks are adjacent (same node / NVLink domain).
-MESH_DIMS = ("pp", "dp", "fsdp", "tp")
+# The parallel degrees a Plan holds. Their order on the device mesh, their roles and
+# which groups they make are the Topology's (topology.DIMS), which alone knows them.
+DEGREES = ("dp", "fsdp", "tp", "pp")
 
 BOOLEAN_FIELDS = ("offload", "reshard_after_forward")
 
@@ -89,8 +129,8 @@ class Plan:
     # ---- sizes -------------------------------------------------------------------
     @property
     def degrees(self) -> dict[str, int | None]:
-        """Degree of every mesh dimension, outermost first."""
-        return {name: getattr(self, name) for name in MESH_DIMS}
+        """The degree of every parallel dimension, by name (dp None until resolved)."""
+        return {name: getattr(self, name) for name in DEGREES}
 
     @property
     def world_size(self) -> int | None:
@@ -196,12 +236,13 @@ class Plan:
                 f"schedule='interleaved-1f1b' (the next smallest bubble) or '1f1b'"
             )
         micro, pp, schedule = self.num_microbatches, self.pp, self.schedule
-        if pp > 1 and schedule == "1f1b" and micro < pp:  # torch raised a ValueError
+        rule = SCHEDULE_TABLE[schedule].microbatch_rule
+        if pp > 1 and rule == "at_least" and micro < pp:  # torch raised a ValueError
             raise MeshfitError(
-                f"schedule '1f1b' needs at least as many micro-batches as stages (pp={pp}), "
-                f"not {micro}; use microbatches={pp} or more, or schedule='gpipe'"
+                f"schedule {schedule!r} needs at least as many micro-batches as stages "
+                f"(pp={pp}), not {micro}; use microbatches={pp} or more, or schedule='gpipe'"
             )
-        if pp > 1 and VIRTUAL_STAGES[schedule] > 1 and micro % pp:
+        if pp > 1 and rule == "multiple" and micro % pp:
             raise MeshfitError(
                 f"schedule {schedule!r} needs microbatches to be a multiple of pp={pp}, "
                 f"not {micro}; use microbatches={max(pp, micro // pp * pp)}"

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from meshfit import watchdog
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
+from meshfit.launch import watchdog
 from meshfit.options import EngineOptions, LossFn, OptimizerFactory, SchedulerFactory
 from meshfit.plan import Plan, is_auto
 from meshfit.topology import Topology
@@ -170,7 +170,7 @@ def prepare(
         from meshfit.parallel.blocks import use_blocks
 
         use_blocks(model, options.blocks)
-    from meshfit.parallel.keras_weights import read_weights_from_modules
+    from meshfit.weights.keras import read_weights_from_modules
 
     read_weights_from_modules(model)  # Keras layers: before the planner and the forms
     auto = None
@@ -178,7 +178,7 @@ def prepare(
         auto = _choose_auto(model, auto_requested(plan), options, examples)
         plan = auto.plan
     plan, note = one_microbatch_for_batchnorm(model, as_plan(plan), options)
-    topology = create_topology(plan)
+    topology = Topology.create(plan)
     if note:
         topology.notes.append(note)
     options_fit(options, topology.plan)
@@ -268,12 +268,6 @@ def _choose_auto(
         optimizer=options.optimizer,
         compiled=options.compile,
     )
-
-
-def create_topology(plan: Plan) -> Topology:
-    """Check `plan`, start the process group and build the Topology of this job."""
-    plan.validate()
-    return Topology.create(plan)
 
 
 def one_microbatch_for_batchnorm(

@@ -1,22 +1,31 @@
-"""Topology: the mesh facts of one job, worked out once from the Plan and the world.
+"""Topology: the one owner of the parallel dimensions, as torchtitan's ParallelDims.
 
-Like torchtitan's `ParallelDims`, it is the only place that reads dimension names: the
-Engine, `fit`, checkpoints and the forms ask it for groups, sizes and this rank's
-coordinates instead of deriving them again.
+It knows every dimension (`DIMS`: its place in the mesh order and why, its roles), turns
+a Plan into this job's world (dp filled in, an elastic world fitted, validated once),
+starts the process group, builds the device mesh, and hands out its sub-meshes and
+groups by role. Forms, runners, the Engine and checkpoints ask it for a role ("the ranks
+the batch is split over", "the ranks one layer is split over") and never name a
+dimension; `tensor/state.py` and `placements.py` tell tp's shards from FSDP2's by the
+mesh dimension a DTensor names, compared with TENSOR_PARALLEL from here.
 
-Mesh dimensions, outermost first ("pp", "dp", "fsdp", "tp"; see plan.MESH_DIMS), exist
-only when their degree is above 1, except "fsdp", which exists whenever data parallelism
-runs on FSDP2 (Plan.uses_fsdp: FSDP2 given ("dp", "fsdp") replicates over the first and
-shards over the second).
+Roles:
+    batch:    the ranks the global batch is split over (dp x fsdp); a step's loss and
+              metrics are summed / averaged over them (batch_groups, batch_sum);
+    replica:  plain data-parallel replicas, DDP's group (replica_group);
+    shard:    the ranks FSDP2 shards over ("fsdp"; with "replica" its mesh: data_mesh);
+    tensor:   the ranks one layer is split over (tp_mesh);
+    pipeline: the stages of one replica (pp_mesh, pipeline_groups, pipeline_ends_group).
 
-What the forms and the Engine ask it for:
-    batch_groups:   the ranks the global batch is split over, dp x fsdp (replicas and
-                    shards); a step's loss is averaged over them (batch_mean, batch_sum);
-    replica_group:  DDP's replicas ("dp");
-    data_mesh:      FSDP2's ("dp", "fsdp");
-    tp_mesh:        the ranks one tensor-parallel layer is split over;
-    pp_mesh, pipeline_groups, pipeline_ends_group: the pipeline stages of one replica,
-                    and its first and last stage (tied weights).
+A dimension exists on the mesh only when its degree is above 1, except "fsdp", which
+exists whenever data parallelism runs on FSDP2 (Plan.uses_fsdp: FSDP2 given ("dp",
+"fsdp") replicates over the first and shards over the second).
+
+The next two axes have their place here (docs/architecture.md, "A new axis"): "cp"
+(context parallel) between fsdp and tp, with the roles "loss" (gradients averaged over
+it), "shard" (FSDP2 may shard over the cp ranks too: torchtitan's dp_shard_cp) and
+"sequence"; "ep" (expert parallel) borrows its ranks from the batch ranks (dp x fsdp x
+cp): a second mesh over the same ranks, (batch // ep, ep), the experts placed over "ep"
+and sharded or replicated over the rest.
 """
 
 from __future__ import annotations
@@ -25,15 +34,75 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshfit.elastic import elastic_nodes, fit_plan
-from meshfit.mesh import build_mesh, env_world_size, init_distributed, is_distributed
+from meshfit.errors import MeshfitError
+from meshfit.launch.elastic import elastic_nodes
+from meshfit.launch.process_group import env_world_size, init_distributed, is_distributed
 from meshfit.plan import Plan
 
+
+@dataclass(frozen=True)
+class Dim:
+    """One parallel dimension: its name (a Plan field), its roles, and why it sits
+    where it does in the mesh order (outermost first: adjacent ranks share a node, so
+    the chattiest dimension goes innermost)."""
+
+    name: str
+    roles: frozenset[str]
+    why: str
+
+
+DIMS = (
+    Dim("pp", frozenset({"pipeline"}), "stages exchange one activation per micro-batch: the least traffic"),
+    Dim("dp", frozenset({"batch", "replica"}), "replicas all-reduce the gradients once per step"),
+    Dim("fsdp", frozenset({"batch", "shard"}), "shards gather each block's weights and reduce-scatter its gradients"),
+    Dim("tp", frozenset({"tensor"}), "two all-reduces per block in forward and in backward: the most traffic"),
+)  # fmt: skip
+MESH_ORDER = tuple(d.name for d in DIMS)
+
+
+def dims_with(role: str) -> tuple[str, ...]:
+    """The dimensions that take part in `role`, outermost first."""
+    return tuple(d.name for d in DIMS if role in d.roles)
+
+
 # The mesh dimension of tensor parallel: DTensors that tp made carry it in their own mesh
-# (tensor/state.py tells tp's chunked splits from FSDP2's by it).
-TENSOR_PARALLEL = "tp"
+# (tensor/state.py and placements.py tell tp's chunked splits from FSDP2's by it).
+[TENSOR_PARALLEL] = dims_with("tensor")
+
+
+def fit_plan(plan: Plan, world_size: int) -> Plan:
+    """`plan` for `world_size` processes of an elastic run (`meshfit run --nnodes
+    MIN:MAX`): dp=auto fills the world as always; a plan with a fixed dp keeps fsdp x tp
+    x pp and takes the dp that fills the re-formed world; one whose fsdp x tp x pp does
+    not divide it is refused in one line."""
+    if plan.dp is None or plan.world_size == world_size:
+        return plan.resolve(world_size)
+    fitted = plan.with_dp_for(world_size)
+    if fitted is None:
+        raise MeshfitError(
+            f"the elastic run's group re-formed with {world_size} processes, and plan {plan} "
+            f"needs a multiple of fsdp*tp*pp = {plan.processes_per_replica}; choose MIN "
+            f"so that every node count from MIN to MAX gives such a multiple, or a plan "
+            f"whose fsdp*tp*pp divides the workers of one node"
+        )
+    return fitted
+
+
+def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:
+    """A DeviceMesh with the plan's dimensions that are larger than 1, in MESH_ORDER; None
+    for a single process. With data parallelism on FSDP2 (Plan.uses_fsdp) the mesh
+    always has "fsdp", of size 1 if need be: FSDP2 given ("dp", "fsdp") replicates over
+    the first and shards over the second (HSDP), so dp replicas stay replicas."""
+    if not is_distributed() or (plan.world_size == 1 and not plan.uses_fsdp):
+        return None
+    sizes = {name: size for name, size in plan.degrees.items() if size and size > 1}
+    if plan.uses_fsdp:
+        [shard] = dims_with("shard")
+        sizes[shard] = plan.fsdp
+    names = tuple(name for name in MESH_ORDER if name in sizes)
+    return init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
 
 
 @dataclass
@@ -54,14 +123,15 @@ class Topology:
 
     @classmethod
     def create(cls, plan: Plan) -> Topology:
-        """Start the process group if the launcher asked for one, resolve `plan` against
-        the world size (dp=None fills what is left) and build the mesh."""
+        """This job's Topology: `plan` fitted to the world the launcher started (dp=None
+        fills what is left) and validated (the one place), then the process group started
+        and the mesh built."""
         # Checked before the group starts: a rank that refused the plan after joining
         # could exit while a peer still connects, and the peer's "Connection reset"
         # traceback followed the one-line refusal (seen once in the suite).
         world = env_world_size()
         resolved = fit_plan(plan, world) if elastic_nodes() else plan.resolve(world)
-        resolved.validate()  # again: dp is known only now
+        resolved.validate()
         device = init_distributed(alone=plan.offload)  # offload runs on FSDP2
         mesh = build_mesh(resolved, device)
         topology = cls(
@@ -72,7 +142,7 @@ class Topology:
             world_size=resolved.world_size or 1,
             dp_size=resolved.data_parallel_size,
         )
-        for name in ("dp", "fsdp"):  # outer before inner: the rank's place in dp x fsdp
+        for name in dims_with("batch"):  # outer before inner: the rank's place in the batch
             if topology.has(name):
                 topology.dp_rank = topology.dp_rank * mesh[name].size() + mesh.get_local_rank(name)
                 if mesh[name].size() > 1:
@@ -86,7 +156,8 @@ class Topology:
         the same replicated activations, so they must draw the same masks (with their own
         masks the tp ranks' copies of every replicated weight drifted apart: a
         different run)."""
-        pp_rank = self.mesh.get_local_rank("pp") if self.has("pp") else 0
+        stages = self._only("pipeline")
+        pp_rank = self.mesh.get_local_rank(stages) if self.has(stages) else 0
         return self.dp_rank * self.plan.pp + pp_rank
 
     @property
@@ -130,34 +201,42 @@ class Topology:
     @property
     def pp_mesh(self) -> DeviceMesh:
         """The pipeline stages of this rank's model replica (plan.pp > 1)."""
-        return self.mesh["pp"]
+        return self.mesh[self._only("pipeline")]
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The plain data-parallel replicas DDP averages over ("dp"), or None."""
-        return self.group("dp")
+        """The plain data-parallel replicas DDP averages over, or None."""
+        return self.group(self._only("replica"))
 
     @property
     def data_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 works over: ("dp", "fsdp") when there are replicas, else "fsdp"."""
-        return self.mesh["dp", "fsdp"] if self.has("dp") else self.mesh["fsdp"]
+        """The mesh FSDP2 works over: replicas then shards (HSDP) when there are replicas,
+        else the shards alone."""
+        names = tuple(n for n in (*dims_with("replica"), *dims_with("shard")) if self.has(n))
+        return self.mesh[names] if len(names) > 1 else self.mesh[names[0]]
 
     @property
     def pipeline_groups(self) -> list[dist.ProcessGroup]:
         """Groups whose ranks hold disjoint parameters of the model: their gradient norms
         add up (the pipeline stages)."""
-        return [self.group("pp")] if self.has("pp") else []
+        name = self._only("pipeline")
+        return [self.group(name)] if self.has(name) else []
+
+    @staticmethod
+    def _only(role: str) -> str:
+        [name] = dims_with(role)
+        return name
 
     def pipeline_ends_group(self) -> dist.ProcessGroup | None:
         """The group of each pipeline's first and last rank (a weight tied across the
         blocks, as an embedding and its head, lives on both): the pp group itself for
         pp=2. Collective for pp > 2 (it makes the groups): every rank calls it. None on
         a rank that is neither."""
-        pp = self.plan.pp
+        pp, stages = self.plan.pp, self._only("pipeline")
         if pp == 2:
-            return self.group("pp")
+            return self.group(stages)
         dims = list(self.mesh.mesh_dim_names)
-        ranks = self.mesh.mesh.movedim(dims.index("pp"), -1).reshape(-1, pp)
+        ranks = self.mesh.mesh.movedim(dims.index(stages), -1).reshape(-1, pp)
         pairs = [[int(row[0]), int(row[-1])] for row in ranks]
         group, _ = dist.new_subgroups_by_enumeration(pairs)
         return group

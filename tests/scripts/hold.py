@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshfit.mesh import init_distributed
+from meshfit.launch.process_group import init_distributed
 
 torch.set_num_threads(1)
 init_distributed()

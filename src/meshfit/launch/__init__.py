@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 
-from meshfit import rendezvous, stores, watchdog
-from meshfit.devices import cpu_cores, select_devices
 from meshfit.errors import MeshfitError
-from meshfit.launch import warm
+from meshfit.launch import rendezvous, stores, warm, watchdog
+from meshfit.launch.devices import cpu_cores, select_devices
 
 _ELASTIC_LOGGERS = (
     "torch.distributed.elastic",

@@ -1,11 +1,18 @@
-"""Apply a Plan to a model, every form in one fixed order, and pick the runner.
+"""Apply a Plan to a model: the forms as a table (`FORMS`), run in its one order, and the
+runner they end with.
 
-The order is the one that composes in PyTorch (as in torchtitan's parallelize):
-the float8 conversion (precision="fp8"), then tensor parallel, then activation recomputation, then the pipeline cut (pp > 1), then
-sharded/replicated data parallel over the model's parts: the whole model, or each
-pipeline stage this rank runs. Both take the same path (`apply_data_parallel`): FSDP2
-when Plan.uses_fsdp, else DDP. Options that do not go together are refused by
-Plan.validate before we get here.
+Each form is one entry: its name, whether it applies (to the plan and the options), and
+what it does to the Build (the model, its parts, the runner being made). The order is the
+one that composes in PyTorch (as torchtitan's parallelize does it): SyncBatchNorm, the
+float8 conversion, then tensor parallel, activation recomputation, the pipeline cut,
+sharded/replicated data parallel over the model's parts (the whole model, or each
+pipeline stage this rank runs: FSDP2 when Plan.uses_fsdp, else DDP), and the runner.
+Why each sits where it does is in docs/architecture.md ("The order of composition").
+Options that do not go together were refused by Plan.validate.
+
+The model's values are the weights package's (`ModelValues`): before the forms, when
+its initialisation is recorded (a model on meta, after fp8), when the data-parallel form
+has sharded it, and after the forms (a checkpoint given as weights).
 
 The forms other than DDP are imported when a plan uses them: FSDP2, DTensor, DCP and the
 pipelining schedules (which pull in torch._dynamo) made `import meshfit` take 6.6 s
@@ -16,19 +23,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.placement import is_placed
-from meshfit.precision import Precision
-from meshfit.runners import GradientSync, LocalRunner, NoGradientSync, Runner
-from meshfit.state_hooks import OwnHooks
+from meshfit.parallel.placement import is_placed
+from meshfit.runtime.precision import Precision
+from meshfit.runtime.runners import GradientSync, LocalRunner, NoGradientSync, Runner
+from meshfit.state.state_hooks import OwnHooks
 from meshfit.topology import Topology
 from meshfit.trees import call_model, map_tensors
+from meshfit.weights import ModelValues
 
 if TYPE_CHECKING:
     from meshfit.coupling.batch import BatchCoupling
@@ -60,202 +68,243 @@ class Parallelized(NamedTuple):
     own_hooks: OwnHooks
 
 
+@dataclass(frozen=True)
+class FormOptions:
+    """parallelize's options the forms read (EngineOptions' own, with the loss the runner
+    computes: the model's own, or the user's, with metrics beside it)."""
+
+    loss_fn: LossFn
+    tp_plan: TPPlan | None = None
+    pp_split: list[int] | None = None
+    example_inputs: Any = None
+    sync_batchnorm: bool = True
+    compile: bool = False
+    init: Any = None
+    weights: str | None = None
+
+
+@dataclass
+class Build:
+    """What the forms work on, one after the other."""
+
+    model: nn.Module  # the user's model, changed in place by the forms
+    topology: Topology
+    precision: Precision
+    options: FormOptions
+    values: ModelValues
+    own_hooks: OwnHooks
+    coupling: BatchCoupling | None = None
+    tp_report: TPReport | None = None
+    parts: list[ModelPart] = field(default_factory=list)  # set by the pipeline cut
+    split: Any = None  # the pipeline cut (PipelineSplit), under pp
+    modules: list[nn.Module] = field(default_factory=list)  # the parts, wrapped
+    runner: Runner | None = None
+
+    @property
+    def plan(self) -> Any:
+        return self.topology.plan
+
+
+@dataclass(frozen=True)
+class Form:
+    """One parallel form: its name, whether it applies to this build, and its step."""
+
+    name: str
+    applies: Callable[[Build], bool]
+    apply: Callable[[Build], None]
+
+
 def apply_plan(
     model: nn.Module,
     topology: Topology,
     precision: Precision,
-    *,
-    loss_fn: LossFn,
-    tp_plan: TPPlan | None = None,
-    pp_split: list[int] | None = None,
-    example_inputs: Any = None,
-    sync_batchnorm: bool = True,
-    compile: bool = False,
-    init: Any = None,
-    weights: str | None = None,
+    options: FormOptions,
     coupling: BatchCoupling | None = None,
 ) -> Parallelized:
     """Parallelize `model` as `topology.plan` says; return what runs forward (the model,
     wrapped for data parallel, or this rank's pruned model under pp) and its runner.
-    `loss_fn(outputs, targets)` is what the runner computes each micro-batch's loss with.
-    `compile`: torch.compile over forward and loss together, so the loss (often a large
-    cross-entropy over the vocabulary) fuses with the last layers; under pp each of this
-    rank's blocks compiles on its own instead (parallel/compiled.py says why). A model on meta is split as it is and
-    each rank materializes only what it keeps (materialize.py; `init` as there), from
-    the safetensors at `weights` where given (each rank reads only its slices)."""
-    from meshfit.materialize import on_meta
-    from meshfit.weight_files import WeightFiles, load_weights
-
-    plan, mesh, device = topology.plan, topology.mesh, topology.device
+    `options.loss_fn(outputs, targets)` is what the runner computes each micro-batch's
+    loss with. `options.compile`: torch.compile over forward and loss together, so the
+    loss (often a large cross-entropy over the vocabulary) fuses with the last layers;
+    under pp each of this rank's blocks compiles on its own instead (parallel/compiled.py
+    says why). A model on meta is split as it is and each rank materializes only what it
+    keeps (weights/values.py)."""
+    plan = topology.plan
     own_hooks = OwnHooks.of(model)  # before any form adds its own
-    if compile and plan.tp > 1:
+    if is_placed(model) and topology.mesh is not None:
+        raise MeshfitError(
+            "a model spread over devices with mf.place runs in one process; for "
+            "several processes use a Plan (pp=N is the scalable form of placement)"
+        )
+    if plan.precision == "fp8":  # refused before anything changes the model
+        from meshfit.parallel.fp8 import refuse_if_nothing_converts
+
+        refuse_if_nothing_converts(model)
+    if options.compile and plan.tp > 1:
         from meshfit.parallel.compiled import graphs_per_rank
 
         graphs_per_rank()
-    meta = on_meta(model)
-    if is_placed(model):  # the user spread it over this process's devices: keep that
-        if mesh is not None:
-            raise MeshfitError(
-                "a model spread over devices with mf.place runs in one process; for "
-                "several processes use a Plan (pp=N is the scalable form of placement)"
-            )
-    if plan.precision == "fp8":  # refused before anything changes the model
-        from meshfit.fp8 import refuse_if_nothing_converts
+    values = ModelValues.of(model, own_hooks, options.init, options.weights)
+    build = Build(model, topology, precision, options, values, own_hooks, coupling)
+    for form in FORMS:
+        if form.applies(build):
+            form.apply(build)
+    assert build.runner is not None
+    return Parallelized(build.modules[0], build.runner, build.tp_report, own_hooks)
 
-        refuse_if_nothing_converts(model)
-    from meshfit.checkpoint import holds_checkpoint, model_fingerprint
 
-    # a meshfit checkpoint is read by DCP once the model is split (load_model_weights);
-    # safetensors slice by slice as each rank materializes, or whole here
-    checkpoint = weights if weights is not None and holds_checkpoint(weights) else None
-    fingerprint = model_fingerprint(model) if checkpoint is not None else None
-    files = WeightFiles(weights) if weights is not None and checkpoint is None else None
-    if files is not None and meta and own_hooks.loading:
-        raise MeshfitError(
-            f"weights= cannot be read slice by slice into this model built on meta: "
-            f"{own_hooks.loading[0] or type(model).__name__} changes the names it loads "
-            f"in its own load_state_dict hooks; build the model on the CPU (weights= "
-            f"then loads through those hooks), or load a meshfit checkpoint"
-        )
-    if files is not None and not meta:  # a model with values: whole here anyway
-        load_weights(model, files, own_hooks)
-    if mesh is not None and not meta and not is_placed(model):
-        from meshfit.parallel.same_start import start_from_rank0
+# ---- the forms, in their order ---------------------------------------------------------
 
-        start_from_rank0(model)  # where the workers built other initial weights (no seed)
-    if not is_placed(model) and not meta:
-        model = model.to(device)
-    if sync_batchnorm:
-        from meshfit.parallel.batchnorm import (
-            refuse_microbatches,
-            refuse_unsynchronisable,
-            synchronise_batchnorm,
-        )
 
-        refuse_microbatches(model, plan.num_microbatches, plan.pp)
-        refuse_unsynchronisable(model, topology.batch_parts)
-        model = synchronise_batchnorm(model, topology.batch_groups, device)
-    if plan.precision == "fp8":  # before every parallel form, as torchtitan converts
-        from meshfit.fp8 import convert
+def _values_first(b: Build) -> None:
+    b.values.before_forms(b.model, b.topology.mesh is not None, is_placed(b.model))
+    if not is_placed(b.model) and not b.values.meta:
+        b.model = b.model.to(b.topology.device)
 
-        convert(model, emulate=precision.fp8_emulate)
-    elif "torchao" in sys.modules:  # only torchao makes Float8Linear layers
-        from meshfit.fp8 import warn_if_converted
 
-        warn_if_converted(model)
-    materialize = None
-    if meta:  # captured before any form changes the model (after fp8's swap of Linears)
-        from meshfit.materialize import materialize as fill
-        from meshfit.materialize import plan_initialization
+def _batchnorm(b: Build) -> None:
+    """BatchNorm normalising over the global batch (parallel/batchnorm.py)."""
+    from meshfit.parallel.batchnorm import (
+        refuse_microbatches,
+        refuse_unsynchronisable,
+        synchronise_batchnorm,
+    )
 
-        initializer = plan_initialization(model, init)
-        materialize = lambda: fill(initializer, model, device, files)  # noqa: E731
-    tp_report = None
-    if plan.tp > 1:
-        from meshfit.parallel.tensor import apply_tensor_parallel
+    refuse_microbatches(b.model, b.plan.num_microbatches, b.plan.pp)
+    refuse_unsynchronisable(b.model, b.topology.batch_parts)
+    b.model = synchronise_batchnorm(b.model, b.topology.batch_groups, b.topology.device)
 
-        traced = map_tensors(example_inputs, lambda t: t.to(device))  # beside the model
-        tp_report = apply_tensor_parallel(model, topology.tp_mesh, tp_plan, traced, init=init)
-    if plan.checkpointing != "none":
-        from meshfit.parallel.recompute import apply_recomputation
 
-        model = apply_recomputation(model, plan.checkpointing)
-    if plan.pp > 1:
-        model, runner = _apply_pipeline(
-            model,
-            topology,
-            precision,
-            loss_fn=loss_fn,
-            pp_split=pp_split,
-            example_inputs=example_inputs,
-            compile_blocks=compile,
-            materialize=materialize,
-            coupling=coupling,
-        )
-        made = Parallelized(model, runner, tp_report, own_hooks)
+def _fp8(b: Build) -> None:
+    """The blocks' Linears in float8 (torchao), or a warning where they already are."""
+    if b.plan.precision == "fp8":
+        from meshfit.parallel.fp8 import convert
+
+        convert(b.model, emulate=b.precision.fp8_emulate)
     else:
-        part = ModelPart(units=_blocks_or_none(model), make_module=lambda: model)
-        [wrapped] = apply_data_parallel([part], topology, precision, materialize)
+        from meshfit.parallel.fp8 import warn_if_converted
 
-        def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
-            return loss_fn(call_model(module, inputs), targets)
-
-        runner = LocalRunner(
-            wrapped,
-            torch.compile(forward_loss) if compile else forward_loss,
-            precision,
-            plan.num_microbatches,
-            _gradient_sync(wrapped, topology),
-            coupling=coupling,
-            eager_forward_loss=forward_loss,
-        )
-        made = Parallelized(wrapped, runner, tp_report, own_hooks)
-    if checkpoint is not None:
-        from meshfit.checkpoint import load_model_weights
-
-        with own_hooks.set_aside():  # a checkpoint holds the modules' own names
-            load_model_weights(made.model, checkpoint, fingerprint, strided=plan.tp > 1)
-    return made
+        warn_if_converted(b.model)
 
 
-def _apply_pipeline(
-    model: nn.Module,
-    topology: Topology,
-    precision: Precision,
-    *,
-    loss_fn: LossFn,
-    pp_split: list[int] | None,
-    example_inputs: Any,
-    compile_blocks: bool,
-    materialize: Callable[[], None] | None,
-    coupling: BatchCoupling | None = None,
-) -> tuple[nn.Module, Runner]:
-    """Cut first, then replicate / shard what this rank keeps, stage by stage (as
-    torchtitan's pipeline_llm does), then build the schedule over the stages."""
-    from meshfit.parallel.pipeline import build_pipeline, build_stage_module, split_model
+def _tensor_parallel(b: Build) -> None:
+    from meshfit.parallel.tensor import apply_tensor_parallel
 
-    plan, device = topology.plan, topology.device
+    device = b.topology.device
+    traced = map_tensors(b.options.example_inputs, lambda t: t.to(device))  # beside the model
+    b.tp_report = apply_tensor_parallel(
+        b.model, b.topology.tp_mesh, b.options.tp_plan, traced, init=b.options.init
+    )
+
+
+def _recomputation(b: Build) -> None:
+    from meshfit.parallel.recompute import apply_recomputation
+
+    b.model = apply_recomputation(b.model, b.plan.checkpointing)
+
+
+def _pipeline_cut(b: Build) -> None:
+    """The model pruned in place to this rank's stages before any sharding, so each rank
+    shards / replicates only what it keeps (torchtitan's pipeline_llm cuts first too);
+    with compile=True each of its blocks compiled here, after the cut (its cost
+    measurement times uncompiled blocks)."""
+    from meshfit.parallel.pipeline import build_stage_module, split_model
+
+    topology, model = b.topology, b.model
     # a model on meta counts its blocks' FLOPs on meta: shapes only, no memory
-    where = "meta" if materialize is not None else device
-    example = map_tensors(example_inputs, lambda t: t.to(where))
+    where = "meta" if b.values.meta else topology.device
+    example = map_tensors(b.options.example_inputs, lambda t: t.to(where))
     split = split_model(
         model,
         topology.pp_mesh,
-        schedule=plan.schedule,
-        split=pp_split,
+        schedule=b.plan.schedule,
+        split=b.options.pp_split,
         example_inputs=example,
         ends_group=topology.pipeline_ends_group,
     )
-    if plan.uses_fsdp:
+    if b.plan.uses_fsdp:
         _refuse_enclosing_owners(model, split)
-    if compile_blocks:  # after the cut: its cost measurement times uncompiled blocks
+    if b.options.compile:
         from meshfit.parallel.compiled import compile_block_forwards
 
         blocks = split.stack.container._modules
         compile_block_forwards([blocks[k] for s in split.mine for k in split.stage_keys[s]])
-    parts = [
+    autocast = b.precision.autocast
+    b.split = split
+    b.parts = [
         ModelPart(
             units=split.owners(s),
-            make_module=lambda s=s: build_stage_module(model, split, s, precision.autocast),
+            make_module=lambda s=s: build_stage_module(model, split, s, autocast),
             pipeline_stage=True,
         )
         for s in split.mine
     ]
-    stage_modules = apply_data_parallel(parts, topology, precision, materialize)
-    if plan.uses_fsdp and not plan.defers_stage_reduction:
+
+
+def _data_parallel(b: Build) -> None:
+    """FSDP2 or DDP over each part (the whole model, or each stage this rank runs); the
+    values of a meta model given once FSDP2 has sharded it, or before DDP."""
+    if not b.parts:  # no pipeline: the whole model is the one part
+        model = b.model
+        b.parts = [ModelPart(units=_blocks_or_none(model), make_module=lambda: model)]
+    b.modules = apply_data_parallel(b.parts, b.topology, b.precision, b.values)
+    if b.split is not None and b.plan.uses_fsdp and not b.plan.defers_stage_reduction:
         from meshfit.parallel.fsdp import reduced_per_block
 
-        stage_modules = [reduced_per_block(m) for m in stage_modules]
-    runner = build_pipeline(
-        model,
-        split,
-        stage_modules,
-        microbatches=plan.num_microbatches,
-        loss_fn=loss_fn,
-        device=device,
-        coupling=coupling,
+        b.modules = [reduced_per_block(m) for m in b.modules]
+
+
+def _runner(b: Build) -> None:
+    """The pipeline schedule over the stages, or the local runner over the whole model
+    (with compile=True, forward and loss compiled together)."""
+    plan, loss_fn = b.plan, b.options.loss_fn
+    if b.split is not None:
+        from meshfit.parallel.pipeline import build_pipeline
+
+        b.runner = build_pipeline(
+            b.model,
+            b.split,
+            b.modules,
+            microbatches=plan.num_microbatches,
+            loss_fn=loss_fn,
+            device=b.topology.device,
+            coupling=b.coupling,
+        )
+        b.modules = [b.model]  # what runs forward: this rank's pruned model
+        return
+    [wrapped] = b.modules
+
+    def forward_loss(module: nn.Module, inputs: Any, targets: Any) -> Any:
+        return loss_fn(call_model(module, inputs), targets)
+
+    b.runner = LocalRunner(
+        wrapped,
+        torch.compile(forward_loss) if b.options.compile else forward_loss,
+        b.precision,
+        plan.num_microbatches,
+        _gradient_sync(wrapped, b.topology),
+        coupling=b.coupling,
+        eager_forward_loss=forward_loss,
     )
-    return model, runner
+
+
+def _values_last(b: Build) -> None:
+    b.values.after_forms(b.modules[0], strided=b.plan.tp > 1)
+
+
+FORMS: tuple[Form, ...] = (
+    Form("initial values", lambda b: True, _values_first),
+    Form("SyncBatchNorm", lambda b: b.options.sync_batchnorm, _batchnorm),
+    # only torchao makes Float8Linear layers: without it there is nothing to warn of
+    Form("float8", lambda b: b.plan.precision == "fp8" or "torchao" in sys.modules, _fp8),
+    Form("initialisation (meta)", lambda b: b.values.meta, lambda b: b.values.record_initialization(b.model)),
+    Form("tensor parallel", lambda b: b.plan.tp > 1, _tensor_parallel),
+    Form("recomputation", lambda b: b.plan.checkpointing != "none", _recomputation),
+    Form("pipeline cut", lambda b: b.plan.pp > 1, _pipeline_cut),
+    Form("data parallel", lambda b: True, _data_parallel),
+    Form("runner", lambda b: True, _runner),
+    Form("checkpoint as weights", lambda b: b.values.checkpoint is not None, _values_last),
+)  # fmt: skip
 
 
 def _refuse_enclosing_owners(model: nn.Module, split: Any) -> None:
@@ -264,7 +313,7 @@ def _refuse_enclosing_owners(model: nn.Module, split: Any) -> None:
     and sharding it alone leaves the model reading the unsharded original. Refuse it
     before anything is changed (measured: torch raised "Cannot concatenate overlapping
     meshes" from fully_shard)."""
-    from meshfit.parallel.pipeline.cut import _encloses
+    from meshfit.parallel.pipeline.checks import _encloses
 
     names = {id(m): n for n, m in model.named_modules()}
     found = []
@@ -285,17 +334,17 @@ def apply_data_parallel(
     parts: list[ModelPart],
     topology: Topology,
     precision: Precision,
-    materialize: Callable[[], None] | None = None,
+    values: ModelValues | None = None,
 ) -> list[nn.Module]:
     """Shard (FSDP2) or replicate (DDP) each part over the data-parallel ranks; the one
-    path for whole models and pipeline stages alike. Returns the parts' modules.
-    `materialize` (a model on meta): called once the parts are sharded under FSDP2, so
-    each rank's storage is its shard from the start; before DDP, which broadcasts real
-    values (its replicas are whole anyway)."""
+    path for whole models and pipeline stages alike. Returns the parts' modules. A meta
+    model's `values` are given once the parts are sharded under FSDP2, so each rank's
+    storage is its shard from the start; before DDP, which broadcasts real values (its
+    replicas are whole anyway)."""
     plan, device = topology.plan, topology.device
     sharded = topology.mesh is not None and plan.uses_fsdp
-    if materialize is not None and not sharded:
-        materialize()
+    if values is not None and not sharded:
+        values.materialize(device)
     modules = []
     for part in parts:
         if sharded:
@@ -319,8 +368,8 @@ def apply_data_parallel(
                     module, topology.replica_group, device, pipeline_stage=part.pipeline_stage
                 )
         modules.append(module)
-    if materialize is not None and sharded:
-        materialize()
+    if values is not None and sharded:
+        values.materialize(device)
     return modules
 
 

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from meshfit.plan import Plan
-from meshfit.precision import Precision
+from meshfit.runtime.precision import Precision
 
 
 def shard_part(

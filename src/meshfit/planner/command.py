@@ -50,7 +50,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
-    from meshfit.verify import _Target
+    from meshfit.verification.run import _Target
 
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())

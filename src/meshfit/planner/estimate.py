@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshfit.errors import MeshfitError
-from meshfit.plan import MESH_DIMS, Plan
+from meshfit.plan import Plan
 from meshfit.planner.hardware import Hardware
 from meshfit.planner.profile import ModelProfile, PartCost
 
@@ -287,21 +287,13 @@ def _activation_scale(plan: Plan) -> float:
 
 
 def in_flight(plan: Plan, rank: int) -> float:
-    """Micro-batches whose activations pipeline rank `rank` holds at its peak."""
-    from meshfit.plan import VIRTUAL_STAGES
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak (the
+    schedule's own count: plan.SCHEDULE_TABLE)."""
+    from meshfit.plan import SCHEDULE_TABLE
 
-    m = plan.num_microbatches
     if plan.pp == 1:
         return 1.0
-    if plan.schedule == "gpipe":
-        return float(m)
-    if plan.schedule == "1f1b":
-        return float(min(m, plan.pp - rank))
-    # interleaved 1F1B / zero-bubble: (v - 1) pp + 2 (pp - 1 - rank) + 1 chunk
-    # micro-batches in warm-up, each a 1/v share of the rank's blocks.
-    v = VIRTUAL_STAGES[plan.schedule]
-    warmup = (v - 1) * plan.pp + 2 * (plan.pp - 1 - rank) + 1
-    return min(float(m), warmup / v)
+    return SCHEDULE_TABLE[plan.schedule].in_flight(plan.num_microbatches, plan.pp, rank)
 
 
 def _block_activations(part: PartCost, plan: Plan) -> tuple[float, float]:
@@ -391,9 +383,11 @@ def _rank_memory(
 
 
 def _group(plan: Plan, dim: str) -> tuple[int, int]:
-    """(span, stride) of `dim`'s groups in the mesh (order pp, dp, fsdp, tp)."""
+    """(span, stride) of `dim`'s groups in the mesh (the Topology's MESH_ORDER)."""
+    from meshfit.topology import MESH_ORDER
+
     degrees = plan.degrees
-    inner = MESH_DIMS[MESH_DIMS.index(dim) + 1 :]
+    inner = MESH_ORDER[MESH_ORDER.index(dim) + 1 :]
     stride = 1
     for name in inner:
         stride *= degrees[name] or 1
@@ -418,7 +412,7 @@ def _add_time(
     state_bytes: float,
     compiled: bool,
 ) -> None:
-    from meshfit.plan import VIRTUAL_STAGES
+    from meshfit.plan import SCHEDULE_TABLE
 
     m = plan.num_microbatches
     rate = hw.flops(plan.precision, compiled)
@@ -466,9 +460,8 @@ def _add_time(
             slowest = (t_mb, params, len(parts), flops * (3 + recompute) * mb / rate)
     assert slowest is not None
     t_mb, params, nblocks, _ = slowest
-    v = VIRTUAL_STAGES[plan.schedule]
-    bubble_share = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / v, "zero-bubble": 1 / 3}
-    bubble = (plan.pp - 1) * t_mb * bubble_share[plan.schedule] if plan.pp > 1 else 0.0
+    share = SCHEDULE_TABLE[plan.schedule].bubble_share
+    bubble = (plan.pp - 1) * t_mb * share if plan.pp > 1 else 0.0
     compute = m * t_mb
     # data parallel
     grad_bytes = params * GRADIENT_BYTES

@@ -271,7 +271,7 @@ def _bandwidth_worker(nbytes: int, repeats: int) -> tuple[float, float]:
     rank 0's timing of `repeats` collectives on `nbytes` after a warm-up."""
     import torch.distributed as dist
 
-    from meshfit.mesh import init_distributed
+    from meshfit.launch.process_group import init_distributed
 
     device = init_distributed()
     world = dist.get_world_size()

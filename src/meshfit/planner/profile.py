@@ -110,7 +110,7 @@ def profile_model(
     `meta` included) and return its costs per sample. With `loss_fn` and
     `example_targets` the loss runs too; without them a floating output is taken to be
     logits, whose cross-entropy keeps a float32 copy (log-softmax) for backward."""
-    from meshfit.parallel.keras_weights import read_weights_from_modules
+    from meshfit.weights.keras import read_weights_from_modules
 
     read_weights_from_modules(model)  # as prepare does: a Keras model's forms see the same
     if not tensors_in(example_inputs):
@@ -441,6 +441,7 @@ def _tensor_parallel_costs(
     """The share of each block tp splits and its all-reduces, from the plan meshfit
     would derive (parallel/tensor/), or why it cannot split the model."""
     from meshfit.parallel import tensor
+    from meshfit.parallel.tensor.split import largest_tp
 
     on_meta = _device_of(model).type == "meta"
     try:
@@ -464,42 +465,12 @@ def _tensor_parallel_costs(
         part.tp_share = split / part.params if part.params else 0.0
         part.tp_reductions = sum(1 for style in mine.values() if style == "rowwise")
         part.tp_projections = len(mine)
-    profile.max_tp = _largest_tp(model, plan)
+    profile.max_tp = largest_tp(model, plan)
     if heads and profile.tail.params:
         split = sum(tensor.split_numel(modules, params, name, "colwise") for name in heads)
         profile.tail.tp_share = split / profile.tail.params
         profile.tail.tp_projections = len(heads)
         profile.tail.tp_gathered_outputs = math.gcd(*heads.values())
-
-
-def _largest_tp(model: nn.Module, plan: dict[str, str]) -> int:
-    """The greatest common divisor of what tp must divide: split widths and head counts."""
-    from meshfit.parallel.tensor.split import (
-        HEAD_ATTRS,
-        KV_HEAD_ATTRS,
-        Split,
-        _dims,
-        _is_projection,
-    )
-
-    sizes = []
-    modules = dict(model.named_modules())
-    for name, style in plan.items():
-        module = modules.get(name)
-        if module is None or not _is_projection(module):
-            continue
-        split = Split.parse(style)
-        chunks = split.chunks
-        in_dim, out_dim = _dims(module)
-        sizes.append((out_dim // chunks) if split.column else in_dim)
-    config = getattr(model, "config", None)
-    for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):
-        value = getattr(config, attr, None) if config is not None else None
-        for module in modules.values():
-            value = value or getattr(module, attr, None)
-        if isinstance(value, int) and value > 0:
-            sizes.append(value)
-    return math.gcd(*sizes) if sizes else 1
 
 
 def _first_samples(inputs: Any, n: int) -> Any:

@@ -11,8 +11,8 @@ from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
 
-from meshfit.callbacks import Callback as CallbackBase
 from meshfit.errors import MeshfitError
+from meshfit.training.callbacks import Callback as CallbackBase
 
 
 def check_streams(

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
-from meshfit.batches import split_batch
 from meshfit.data.columns import as_columns
 from meshfit.data.reading import Reading
 from meshfit.data.sampling import GlobalBatchSampler, StreamShare
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
+from meshfit.runtime.batches import split_batch
 from meshfit.training.resume import RunConfig
 
 

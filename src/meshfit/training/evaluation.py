@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from meshfit.batch_errors import first_batch_explained
 from meshfit.data.reading import Reading
 from meshfit.data.sampling import GlobalBatchSampler, StreamShare
 from meshfit.engine import Engine
+from meshfit.runtime.batch_errors import first_batch_explained
 
 
 def eval_schedule(

@@ -43,7 +43,7 @@ class History:
 
     def plot(self, path: str = "history.png", title: str | None = None) -> str:
         """Write the run's curves (loss, eval loss, metrics, lr) as a PNG (matplotlib)."""
-        from meshfit.plot import plot_records
+        from meshfit.training.plot import plot_records
 
         return plot_records(self.records, path, title)
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from meshfit import watchdog
-from meshfit.callbacks import Callback as CallbackBase
-from meshfit.callbacks import adds_fields, wants_every_step
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
-from meshfit.progress import TrainingDisplay, format_duration, format_rate
+from meshfit.launch import watchdog
+from meshfit.training.callbacks import Callback as CallbackBase
+from meshfit.training.callbacks import adds_fields, wants_every_step
 from meshfit.training.history import History
+from meshfit.training.progress import TrainingDisplay, format_duration, format_rate
 
 
 class Hooks:

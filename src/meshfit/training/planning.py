@@ -13,8 +13,8 @@ from torch import nn
 
 from meshfit.engine import Engine
 from meshfit.prepare import Examples
-from meshfit.progress import TrainingDisplay
 from meshfit.topology import Topology
+from meshfit.training.progress import TrainingDisplay
 from meshfit.training.resume import Start
 
 

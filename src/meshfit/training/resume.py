@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from meshfit import watchdog
-from meshfit.checkpoint import (
+from meshfit.engine import Engine
+from meshfit.errors import MeshfitError
+from meshfit.launch import watchdog
+from meshfit.launch.elastic import world_change
+from meshfit.state.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
     save_checkpoint,
     step_dir_name,
 )
-from meshfit.elastic import world_change
-from meshfit.engine import Engine
-from meshfit.errors import MeshfitError
 from meshfit.training.history import HistoryFile
 from meshfit.training.log import StepLog
 
@@ -111,7 +111,7 @@ def save_step(
     `latest` at it and keep the newest `keep`. A full or failing disk stops the run on
     every rank with a MeshfitError (io_agreement.py); `latest` still names the previous
     checkpoint, the resume point."""
-    from meshfit.io_agreement import on_every_rank
+    from meshfit.state.io_agreement import on_every_rank
 
     on_every_rank(lambda: history.append_new(log.records), f"the history file {history.path!r}")
     rank_state = {"torch_rng": torch.get_rng_state(), "python_random": random.getstate()}

@@ -5,6 +5,7 @@ model in place), `stage` (a stage's module: the model's own forward over its blo
 `schedule` (PipelineStages, the schedule, and the runner the Engine drives).
 """
 
+from meshfit.parallel.pipeline.checks import _modules_outside
 from meshfit.parallel.pipeline.costs import (
     StageCosts,
     balanced_starts,
@@ -19,7 +20,7 @@ from meshfit.parallel.pipeline.cut import (
     split_model,
 )
 from meshfit.parallel.pipeline.schedule import PipelineRunner, build_pipeline, reported_dtype
-from meshfit.parallel.pipeline.stage import StageModule, _modules_outside, build_stage_module
+from meshfit.parallel.pipeline.stage import StageModule, build_stage_module
 
 __all__ = [
     "VIRTUAL_STAGES",

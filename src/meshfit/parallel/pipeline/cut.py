@@ -24,6 +24,13 @@ from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack, find_blocks
+from meshfit.parallel.pipeline.checks import (
+    _check_the_split,
+    _modules_outside,
+    _side_effects_undone,
+    _Threaded,
+    settle_sides,
+)
 from meshfit.parallel.pipeline.costs import (
     StageCosts,
     _measures_with_rank0,
@@ -304,12 +311,6 @@ def _state_by_execution(
 def _checked(model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[tuple]):
     """The whole model's forward with the checks of a stage's first forward, over all
     the blocks (see stage._check_the_split)."""
-    from meshfit.parallel.pipeline.stage import (
-        _check_the_split,
-        _modules_outside,
-        _Threaded,
-        settle_sides,
-    )
 
     blocks = dict(zip(stack.keys, stack.blocks, strict=True))
     outside = _modules_outside(model, stack, head, tail)
@@ -326,24 +327,11 @@ def _checked(model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[
     found.moved = settle_sides(outside, runs)
 
 
-def _side_effects_undone(model: nn.Module) -> Any:
-    """The counting forward leaves no trace: BatchNorm statistics untouched (they were
-    updated once more on rank 0 than in one process) and the random-number state as it
-    was (stage.py)."""
-    from meshfit.parallel.pipeline.stage import _side_effects_undone as undone
-
-    return undone(model)
-
-
 def _refuse_direct_call(module, args):
     raise MeshfitError(
         "this model is split over pipeline stages (plan pp>1); call engine.step / "
         "engine.evaluate, or get the whole model with engine.full_state_dict()"
     )
-
-
-def _encloses(module: nn.Module, container: nn.Module) -> bool:
-    return any(c is container for c in module.modules())
 
 
 def _placeholder(param: nn.Parameter) -> torch.Tensor:

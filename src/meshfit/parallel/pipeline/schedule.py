@@ -14,14 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_map_only
 
 from meshfit.coupling.batch import BatchCoupling
@@ -30,8 +25,8 @@ from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
 from meshfit.parallel.pipeline.cut import PipelineSplit
 from meshfit.parallel.pipeline.stage import OutputForm
 from meshfit.parallel.pipeline.tied import TiedWeights
-from meshfit.plan import VIRTUAL_STAGES
-from meshfit.runners import LocalLoss
+from meshfit.plan import SCHEDULE_TABLE
+from meshfit.runtime.runners import LocalLoss
 from meshfit.trees import tensors_in
 
 
@@ -206,15 +201,12 @@ def build_pipeline(
     ]
     forms = [_unwrapped(m).output_form for m in stage_modules]
     checked_loss = _StageLoss(loss_fn, forms)
-    schedule = split.schedule
-    # the micro-batch counts each schedule needs are Plan.validate's rules
-    if VIRTUAL_STAGES[schedule] == 1:
-        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        sched = cls(stages[0], microbatches, loss_fn=checked_loss)
-    else:
-        interleaved = schedule == "interleaved-1f1b"
-        cls = ScheduleInterleaved1F1B if interleaved else ScheduleInterleavedZeroBubble
-        sched = cls(stages, microbatches, loss_fn=checked_loss)
+    # the table's entry (plan.SCHEDULE_TABLE; Plan.validate checked its micro-batch rule):
+    # torch's class, given one stage or, for the interleaved ones, the rank's stages
+    entry = SCHEDULE_TABLE[split.schedule]
+    cls = getattr(torch.distributed.pipelining, entry.torch_class)
+    runs = stages[0] if entry.virtual_stages == 1 else stages
+    sched = cls(runs, microbatches, loss_fn=checked_loss)
     return PipelineRunner(
         model=model,
         stages=stages,

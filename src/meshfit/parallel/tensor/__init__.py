@@ -37,13 +37,15 @@ Users can pass an explicit plan instead: ``{module name or pattern: "colwise" |
 The package by job: trace.py (the labelled forward), derive.py (the plan from it),
 split.py (styles and projection layers), check.py (sizes before, outputs and gradients
 after), styles.py (the ParallelStyles torch lacks), apply.py (all of it in order),
+form.py (the entry: a model with values, or one on meta),
 report.py (what was split), state.py (checkpoint re-layout), meta.py (a model on meta:
 derived and checked on a one-block CPU twin).
 """
 
-from meshfit.parallel.tensor.apply import apply_tensor_parallel, gathered_heads
+from meshfit.parallel.tensor.apply import gathered_heads
 from meshfit.parallel.tensor.check import check_tp_plan
 from meshfit.parallel.tensor.derive import derive_tp_plan
+from meshfit.parallel.tensor.form import apply_tensor_parallel
 from meshfit.parallel.tensor.report import TPReport, split_numel, tp_share
 from meshfit.parallel.tensor.split import HEAD_ATTRS, KV_HEAD_ATTRS, QKV_NAMES, TPPlan
 from meshfit.parallel.tensor.state import copy_back_strided, strided_as_replicated

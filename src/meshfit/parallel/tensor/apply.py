@@ -35,7 +35,8 @@ from meshfit.parallel.tensor.check import (
     narrow,
     reference_gradients,
 )
-from meshfit.parallel.tensor.derive import _Derivation, _derive
+from meshfit.parallel.tensor.derivation import _Derivation
+from meshfit.parallel.tensor.derive import _derive
 from meshfit.parallel.tensor.report import TPReport, tp_share
 from meshfit.parallel.tensor.split import STYLES, Split, TPPlan, _is_channel_layer
 from meshfit.parallel.tensor.styles import (
@@ -47,26 +48,6 @@ from meshfit.parallel.tensor.styles import (
 )
 from meshfit.parallel.tensor.trace import _block_units
 from meshfit.trees import call_model
-
-
-def apply_tensor_parallel(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    tp_plan: TPPlan | None = None,
-    example_inputs: Any = None,
-    init: Any = None,
-) -> TPReport | None:
-    """Shard `model`'s projections over `mesh` (a 1-D tp mesh), in place, and make the
-    replicated parameters identical on every tp rank. A derived plan is checked on the
-    traced input: the split model must give tp rank 0's one-process output, or it is
-    refused. Returns what a derived plan split (None for the user's own tp_plan). A
-    model on meta is split as it is, on what a copy of it with one block of each kind
-    chose and was checked with (meta.py; `init` as for materialize.py)."""
-    if any(p.is_meta for p in model.parameters()):
-        from meshfit.parallel.tensor.meta import apply_on_meta
-
-        return apply_on_meta(model, mesh, tp_plan, example_inputs, init)
-    return split_and_check(model, mesh, tp_plan, example_inputs).report
 
 
 @dataclass

@@ -23,7 +23,8 @@ from torch.distributed.tensor.parallel import (
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
-from meshfit.parallel.tensor.derive import _Derivation
+from meshfit.parallel.placements import _shard, local_part
+from meshfit.parallel.tensor.derivation import _Derivation
 from meshfit.parallel.tensor.split import (
     HEAD_ATTRS,
     KV_HEAD_ATTRS,
@@ -35,7 +36,6 @@ from meshfit.parallel.tensor.split import (
 )
 from meshfit.parallel.tensor.styles import _LocalShard
 from meshfit.parallel.tensor.trace import _block_units, _first_line
-from meshfit.placements import _shard, local_part
 from meshfit.trees import call_model, tensors_in
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import KERAS_LAYERS, find_blocks, keras_model
+from meshfit.parallel.tensor.derivation import _Derivation
 from meshfit.parallel.tensor.split import (
     ELEMENTWISE,
     HEAD_ATTRS,
@@ -34,7 +34,6 @@ from meshfit.parallel.tensor.trace import (
     _Call,
     _own_weights,
     _trace_blocks,
-    _Weight,
 )
 from meshfit.parallel.tensor.trial import keep_whole_what_cannot_split
 
@@ -44,29 +43,6 @@ def derive_tp_plan(model: nn.Module, example_inputs: Any = None) -> dict[str, st
     found by running it once (see the module doc); "colwise:N" is a fused projection
     whose output is cut into N equal chunks (q|k|v) that are split one by one."""
     return _derive(model, example_inputs).plan
-
-
-@dataclass
-class _Derivation:
-    plan: dict[str, str]
-    inputs: Any = None  # what the model was traced on (None: a Sequential, not traced)
-    # {attention-like module name: {int attribute its forward reads: global value}}
-    local_attrs: dict[str, dict[str, int]] = field(default_factory=dict)
-    # weight parameters in the plan (experts'), by qualified name: how they are multiplied
-    weights: dict[str, _Weight] = field(default_factory=dict)
-    # {module holding split weights: positions of its floating-point outputs to sum}
-    owners: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # {module (named inside its block): why its weights stay whole}
-    whole: dict[str, str] = field(default_factory=dict)
-    # replicated parameters inside the blocks that act on column-parallel values (Qwen3's
-    # per-head q_norm): each rank's gradient is its heads' part, summed over the tp ranks
-    summed: list[str] = field(default_factory=list)
-    # whole layers each rank runs for its own heads (multi-query attention's k and v):
-    # their input's gradient is each rank's part, summed over the tp ranks
-    summed_inputs: list[str] = field(default_factory=list)
-    # {whole k/v projection holding fewer heads than tp ranks, more than one: (its head
-    # count, head_dim)}: each rank keeps, of its output, the one head its q heads read
-    kv_slices: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None) -> _Derivation:

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks, use_blocks
 from meshfit.parallel.tensor.apply import Chosen, _choose, split, split_and_check, split_styles
-from meshfit.parallel.tensor.derive import _Derivation
+from meshfit.parallel.tensor.derivation import _Derivation
 from meshfit.parallel.tensor.report import TPReport, tp_share
 from meshfit.parallel.tensor.trace import _block_units
 
@@ -142,7 +142,8 @@ def _materialize(twin: nn.Module, init: Any, device: torch.device) -> None:
     """The twin's values, by the model's own initialisation, on `device`; the random
     state is left as it was (the CPU's and this GPU's), so the model's own
     materialization draws what one process would."""
-    from meshfit.materialize import materialize, plan_initialization
+    from meshfit.weights.initializer import plan_initialization
+    from meshfit.weights.materialize import materialize
 
     gpus = [device.index] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=gpus):

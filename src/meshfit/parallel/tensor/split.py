@@ -96,3 +96,28 @@ def _dims(module: nn.Module) -> tuple[int, int]:
         return module.in_channels, module.out_channels
     rows, cols = module.weight.shape  # Conv1D: (in, out)
     return rows, cols
+
+
+def largest_tp(model: nn.Module, plan: dict[str, str]) -> int:
+    """The greatest common divisor of what tp must divide under `plan`: split widths and
+    head counts (the planner's limit on tp)."""
+    import math
+
+    sizes = []
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        module = modules.get(name)
+        if module is None or not _is_projection(module):
+            continue
+        split = Split.parse(style)
+        chunks = split.chunks
+        in_dim, out_dim = _dims(module)
+        sizes.append((out_dim // chunks) if split.column else in_dim)
+    config = getattr(model, "config", None)
+    for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):
+        value = getattr(config, attr, None) if config is not None else None
+        for module in modules.values():
+            value = value or getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            sizes.append(value)
+    return math.gcd(*sizes) if sizes else 1

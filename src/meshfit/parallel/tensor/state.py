@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshfit.placements import full_tensor, local_part
+from meshfit.parallel.placements import full_tensor, local_part
 from meshfit.topology import TENSOR_PARALLEL
 
 

@@ -15,51 +15,57 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from meshfit.batches import local_inputs, to_device
 from meshfit.errors import MeshfitError
+from meshfit.runtime.batches import local_inputs, to_device
 from meshfit.trees import tensors_in
 
 if TYPE_CHECKING:
-    from meshfit.engine import Engine
+    from torch import nn
+
+    from meshfit.runtime.precision import Precision
+    from meshfit.runtime.runners import Runner
+    from meshfit.topology import Topology
 
 
 @torch.no_grad()
-def predict_global_batch(engine: Engine, inputs: Any) -> Any:
-    """`engine`'s model on the global batch `inputs` (as the model takes them: a
-    tensor, or a mapping for model(**inputs)); the outputs, on every rank."""
+def predict_global_batch(
+    model: nn.Module, runner: Runner, topology: Topology, precision: Precision, inputs: Any
+) -> Any:
+    """The model (as the forms made it: `model`, run by `runner`) on the global batch
+    `inputs` (as the model takes them: a tensor, or a mapping for model(**inputs)); the
+    outputs, on every rank."""
     found = tensors_in(inputs)
     if not found:
         raise MeshfitError("predict needs the model's inputs: a tensor, or a mapping of tensors")
     size = found[0].shape[0]
-    micro = engine.runner.eval_microbatches
-    unit = engine.topology.parts(micro)
+    micro = runner.eval_microbatches
+    unit = topology.parts(micro)
     if size % unit:
         raise MeshfitError(
-            f"predict's batch of {size} does not split over {engine.dp_size} data-parallel "
+            f"predict's batch of {size} does not split over {topology.dp_size} data-parallel "
             f"rank(s) x {micro} micro-batch(es); give a multiple of {unit}"
         )
-    local = to_device(local_inputs(inputs, engine.topology, micro), engine.device)
-    model = engine.parallel_model
+    local = to_device(local_inputs(inputs, topology, micro), topology.device)
     was_training = model.training
     model.eval()
     try:
-        with engine.precision.autocast():
-            outputs = engine.runner.predict(local)
+        with precision.autocast():
+            outputs = runner.predict(local)
     finally:
         model.train(was_training)
     # torch's pytree keeps the output's own class (a ModelOutput is a dict subclass)
     outputs = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), outputs)
-    return _gather_in_batch_order(engine, outputs)
+    return _gather_in_batch_order(topology, outputs)
 
 
-def _gather_in_batch_order(engine: Engine, outputs: Any) -> Any:
+def _gather_in_batch_order(topology: Topology, outputs: Any) -> Any:
     """Every data-parallel share's outputs, concatenated in the batch's order."""
-    if engine.world_size == 1 or engine.dp_size == 1:
+    if topology.world_size == 1 or topology.dp_size == 1:
         return outputs
-    shares: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(shares, (engine.dp_rank, outputs))
+    shares: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(shares, (topology.dp_rank, outputs))
     by_rank = dict(shares)  # any rank of a data-parallel share holds its outputs
-    ordered = [by_rank[r] for r in range(engine.dp_size)]
+    ordered = [by_rank[r] for r in range(topology.dp_size)]
     leaves = [tree_flatten(o) for o in ordered]
     spec = leaves[0][1]
     joined = [

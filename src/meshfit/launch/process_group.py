@@ -1,4 +1,5 @@
-"""Process-group start-up and Plan -> DeviceMesh."""
+"""Joining the process group the launcher (torchrun / mf.launch) started: its store for
+this attempt, gloo for CPU tensors and NCCL for GPU ones, and the checks around it."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshfit import watchdog
-from meshfit.devices import worker_device
 from meshfit.errors import MeshfitError
-from meshfit.plan import MESH_DIMS, Plan
+from meshfit.launch import watchdog
+from meshfit.launch.devices import worker_device
 
 
 def env_world_size() -> int:
@@ -95,7 +94,7 @@ def _destroy_at_exit() -> None:
     local: no collective, no waiting. It does not stop gloo's threads while anything
     still holds the group (a DeviceMesh, the engine), so it cannot prevent the abort at
     interpreter teardown that `meshfit run` workers avoid by exiting past it
-    (meshfit/_boot.py)."""
+    (meshfit/launch/boot.py)."""
     watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
@@ -132,19 +131,3 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
         multi_tenant=not agent_hosts_store,
     )
     return dist.PrefixStore(f"meshfit/attempt-{attempt}/", store)
-
-
-def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:
-    """A DeviceMesh with the plan's dimensions that are larger than 1 (named "pp", "dp",
-    "fsdp", "tp", outermost first); None for a single process.
-
-    When data parallelism runs on FSDP2 (Plan.uses_fsdp) the mesh always has an "fsdp"
-    dimension, of size 1 if need be: FSDP2 given ("dp", "fsdp") replicates over the
-    first and shards over the second (HSDP), so dp replicas stay replicas."""
-    if not is_distributed() or (plan.world_size == 1 and not plan.uses_fsdp):
-        return None
-    sizes = {name: size for name, size in plan.degrees.items() if size and size > 1}
-    if plan.uses_fsdp:
-        sizes["fsdp"] = plan.fsdp
-    names = tuple(name for name in MESH_DIMS if name in sizes)
-    return init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)

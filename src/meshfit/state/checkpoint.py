@@ -15,7 +15,7 @@ replaced atomically.
 
 Safety: DCP would unpickle its metadata and any non-tensor values with full pickle. We
 read metadata with an allow-listed unpickler and non-tensor values with
-`torch.load(weights_only=True)` (meshfit/_safe_dcp.py), so a checkpoint from elsewhere
+`torch.load(weights_only=True)` (meshfit/state/safe_dcp.py), so a checkpoint from elsewhere
 cannot run code. DCP itself is imported only when a checkpoint is written or read.
 """
 
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfit.errors import MeshfitError
-from meshfit.mesh import is_distributed
-from meshfit.state_hooks import OwnHooks
+from meshfit.launch.process_group import is_distributed
+from meshfit.state.state_hooks import OwnHooks
 
 FORMAT = "meshfit-checkpoint/1"
 META_FILE = "meshfit.json"
@@ -141,7 +141,7 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def _damage(checkpoint: str) -> list[str]:
-    from meshfit.integrity import damaged_files
+    from meshfit.state.integrity import damaged_files
 
     recorded = read_meta(checkpoint).get("files")
     return damaged_files(checkpoint, recorded) if recorded is not None else []
@@ -236,7 +236,7 @@ def save_checkpoint(
     the unfinished `<path>.partial` is removed where the disk allows, and the previous
     checkpoint and `latest` are left as they were.
     """
-    from meshfit.io_agreement import on_every_rank
+    from meshfit.state.io_agreement import on_every_rank
 
     path = os.path.abspath(path)
     partial = path + PARTIAL_SUFFIX
@@ -280,7 +280,7 @@ def save_checkpoint(
             torch.save(rank_state, os.path.join(partial, "ranks", f"rank-{state.rank:05d}.pt"))
 
     def hash_my_share() -> dict[str, str]:
-        from meshfit.integrity import checkpoint_files, share_digests
+        from meshfit.state.integrity import checkpoint_files, share_digests
 
         return share_digests(partial, checkpoint_files(partial, skip=(META_FILE,)))
 
@@ -500,7 +500,7 @@ def gather_full_state(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from meshfit.placements import full_tensor
+    from meshfit.parallel.placements import full_tensor
 
     with own_hooks.set_aside():
         local = model.state_dict() if not distributed else get_model_state_dict(model)
@@ -525,7 +525,7 @@ def _read_dcp(checkpoint: str, state: dict[str, Any], strided: bool) -> dict[str
     chunks (parallel/tensor/state.py)."""
     import torch.distributed.checkpoint as dcp
 
-    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+    from meshfit.state.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     SafeFileSystemReader(checkpoint).read_metadata()
     pairs: list = []

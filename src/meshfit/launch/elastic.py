@@ -6,7 +6,7 @@ rendezvous (rendezvous.py) re-forms the group with whatever nodes are alive, fro
 up to MAX, and restarts the workers. What meshfit adds is in the workers:
 
 - the plan is fitted to the new world size: "auto" runs the planner again; a fixed plan
-  keeps its fsdp, tp and pp and changes dp (Plan.with_dp_for), or is refused in one line;
+  keeps its fsdp, tp and pp and changes dp (topology.fit_plan), or is refused in one line;
 - fit resumes from the newest checkpoint in the new layout (DCP reshards) with the same
   global batch, so the data order, learning-rate schedule and step count go on unchanged;
 - the resume says what changed: the world size, the plan and how many steps were redone
@@ -54,23 +54,6 @@ def elastic_nodes(environ: Any = os.environ) -> tuple[int, int] | None:
     """(MIN, MAX) in a worker of an elastic run, else None."""
     text = environ.get(ELASTIC_ENV)
     return parse_nnodes(text) if text else None
-
-
-def fit_plan(plan: Plan, world_size: int) -> Plan:
-    """`plan` for `world_size` processes in an elastic run: dp=auto fills the world as
-    always; a plan with a fixed dp keeps fsdp x tp x pp and takes the dp that fills the
-    world; one whose fsdp x tp x pp does not divide the world is refused in one line."""
-    if plan.dp is None or plan.world_size == world_size:
-        return plan.resolve(world_size)
-    fitted = plan.with_dp_for(world_size)
-    if fitted is None:
-        raise MeshfitError(
-            f"the elastic run's group re-formed with {world_size} processes, and plan {plan} "
-            f"needs a multiple of fsdp*tp*pp = {plan.processes_per_replica}; choose MIN "
-            f"so that every node count from MIN to MAX gives such a multiple, or a plan "
-            f"whose fsdp*tp*pp divides the workers of one node"
-        )
-    return fitted
 
 
 @dataclass(frozen=True)

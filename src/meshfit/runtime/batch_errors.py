@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshfit.elastic import peer_failure_word
 from meshfit.errors import MeshfitError
+from meshfit.launch.elastic import peer_failure_word
 from meshfit.trees import tensors_in
 
 # What a model or loss raises on input it cannot take. Not collectives' errors
@@ -94,7 +94,7 @@ _DTYPE_WORDS = re.compile(
 
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # meshfit (this: runtime/)
 _MESHFIT = _PACKAGE + os.sep
 # meshfit's functions that call the user's model, loss or metrics, or compute a user's
 # layer (tensor parallel's forward of a split Linear): an error raised by a torch

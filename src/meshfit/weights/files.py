@@ -13,16 +13,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
-from meshfit.materialize import (
-    Initializer,
-    Slot,
-    _key,
-    _persistent,
-    _table,
-    _tensors_of,
-)
-from meshfit.placements import chunk_by_chunk, local_part, local_window
-from meshfit.state_hooks import OwnHooks
+from meshfit.parallel.placements import chunk_by_chunk, local_part, local_window
+from meshfit.state.state_hooks import OwnHooks
+from meshfit.weights.calls import Slot, _key, _persistent, _table
+from meshfit.weights.initializer import Initializer, _tensors_of
 
 
 def load_weights(model: nn.Module, weights: WeightFiles, own_hooks: OwnHooks) -> None:

@@ -29,16 +29,36 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
-from meshfit.placements import full_tensor
+from meshfit.parallel.placements import full_tensor
 
 if TYPE_CHECKING:
-    from meshfit.engine import Engine
+    from torch import nn
+
+    from meshfit.runtime.runners import Runner
+    from meshfit.state.state_hooks import OwnHooks
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """What export reads of a live run: the model as the forms made it, the runner that
+    knows which stage owns what, the model's own state-dict hooks, the device, whether
+    the run is distributed, and the model's config (a Hugging Face model's, written as
+    config.json beside the weights)."""
+
+    module: nn.Module
+    runner: Runner
+    own_hooks: OwnHooks
+    device: torch.device
+    distributed: bool
+    config: Any = None
+
 
 WEIGHTS_FILE = "model.safetensors"  # the name from_pretrained looks for
 
 
-def save_model(engine: Engine, path: str, max_shard_size: int | str = "5GB") -> str | None:
-    """Write `engine`'s whole model to `path`: a directory that gets model.safetensors, or
+def save_model(model: ModelState, path: str, max_shard_size: int | str = "5GB") -> str | None:
+    """Write the whole model (`model`: what the forms made of it) to `path`: a directory
+    that gets model.safetensors, or
     shards of at most `max_shard_size` (bytes, or "500MB", "5GB") with their index, and
     for a Hugging Face model config.json; or one .safetensors file (rank 0 then holds the
     whole model). Call it on every rank; returns the weights file (the index, for
@@ -49,9 +69,9 @@ def save_model(engine: Engine, path: str, max_shard_size: int | str = "5GB") -> 
     single = path.endswith(".safetensors")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    hooks = engine.own_hooks
+    hooks = model.own_hooks
     with hooks.set_aside():  # the modules' own names; their saving hooks run per file
-        local = _sharded_state(engine)
+        local = _sharded_state(model)
     entries = _entries(local, distributed)
     shards = [entries] if single else _shards(entries, limit, hooks.unit_of)
     directory = None if single else path
@@ -62,7 +82,7 @@ def save_model(engine: Engine, path: str, max_shard_size: int | str = "5GB") -> 
     for file, shard in zip(names, shards, strict=True):
         tensors = {}
         for entry in shard:
-            value = _gathered(entry, local, engine.device, rank)
+            value = _gathered(entry, local, model.device, rank)
             if rank == 0:
                 tensors[entry.key] = value
         if rank == 0:
@@ -73,7 +93,7 @@ def save_model(engine: Engine, path: str, max_shard_size: int | str = "5GB") -> 
             _write_file(tensors, file)
     if rank != 0:
         return None
-    config = getattr(engine.user_model, "config", None)
+    config = model.config
     if directory is not None and hasattr(config, "to_json_file"):
         config.to_json_file(os.path.join(directory, "config.json"))
     if len(names) == 1:
@@ -96,14 +116,14 @@ class _Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _sharded_state(engine: Engine) -> dict[str, torch.Tensor]:
+def _sharded_state(model: ModelState) -> dict[str, torch.Tensor]:
     """This rank's state as it holds it (DTensors for shards), under the model's own
     names, less what another pipeline stage owns."""
-    if engine.mesh is None:
-        return dict(engine.parallel_model.state_dict())
+    if not model.distributed:
+        return dict(model.module.state_dict())
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return engine.runner.owned_state(get_model_state_dict(engine.parallel_model))
+    return model.runner.owned_state(get_model_state_dict(model.module))
 
 
 def _entries(local: dict[str, torch.Tensor], distributed: bool) -> list[_Entry]:
@@ -198,7 +218,7 @@ def export_checkpoint(checkpoint_path: str, out: str, max_shard_size: int | str 
     one file at a time are read from the checkpoint (DCP reads only those), written and
     freed, so the process never holds more than one file's worth of the model (a single
     .safetensors file holds all of it). Returns the weights file (the index, for shards)."""
-    from meshfit.checkpoint import read_meta, resolve_checkpoint
+    from meshfit.state.checkpoint import read_meta, resolve_checkpoint
 
     limit = _size(max_shard_size)
     checkpoint = resolve_checkpoint(checkpoint_path)  # checksums verified
@@ -243,7 +263,7 @@ def _checkpoint_entries(checkpoint: str) -> list[_Entry]:
     metadata alone, in the order they were saved."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from meshfit._safe_dcp import SafeFileSystemReader
+    from meshfit.state.safe_dcp import SafeFileSystemReader
 
     metadata = SafeFileSystemReader(checkpoint).read_metadata()
     prefix = "model."
@@ -261,7 +281,7 @@ def _read_model_tensors(checkpoint: str, entries: list[_Entry]) -> dict[str, tor
     """The full tensors of `entries`, read from the checkpoint (only those)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+    from meshfit.state.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     model = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
     # DCP's loader filling this dict in place (dcp.load fills a copy), with the safe reader
@@ -294,7 +314,7 @@ def _read_model_state(checkpoint: str) -> dict[str, torch.Tensor]:
     """The model part of a checkpoint, read from DCP's files as full tensors."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
-    from meshfit._safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+    from meshfit.state.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     class _Planner(_EmptyStateDictLoadPlanner):
         """Builds the state dict from the checkpoint's own metadata (as torch's

@@ -58,19 +58,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-from meshfit import _worker_errors
-from meshfit.hang_verdict import (  # noqa: F401
+from meshfit.launch import markers
+from meshfit.launch.hang_verdict import (  # noqa: F401
+    DEFAULT_HANG_TIMEOUT_S,
     EXITED,
+    HANG_TIMEOUT_ENV,
     RankState,
     describe,
     frozen_ranks,
+    hang_timeout,
     main_thread_place,
     stuck_ranks,
 )
 
-HANG_TIMEOUT_ENV = "MESHFIT_HANG_TIMEOUT_S"
 HANG_DIR_ENV = "MESHFIT_HANG_DIR"
-DEFAULT_HANG_TIMEOUT_S = 120.0
 EXIT_HANG = 3  # the deciding rank printed the reason; the launcher adds nothing
 PHASE_MARGIN = 3.0  # a phase may take this many times its kind's longest so far
 # Start-up (imports, joining the group, building the model) waits for the slowest rank's
@@ -142,24 +143,6 @@ def set_on_hang(callback: Callable[[str], None] | None) -> None:
     _on_hang = callback
 
 
-def hang_timeout() -> float:
-    raw = os.environ.get(HANG_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_HANG_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        from meshfit.errors import MeshfitError
-
-        raise MeshfitError(
-            f"{HANG_TIMEOUT_ENV} must be a number of seconds (0 turns hang detection off), "
-            f"not {raw!r}"
-        )
-    return value
-
-
 STALE_HANG_DIR_S = 7 * 24 * 3600  # temp hang directories older than this are removed
 
 
@@ -219,7 +202,7 @@ def stop() -> None:
     its silence for a freeze) and drop the store connection before the interpreter exits,
     so no daemon thread is inside a TCPStore call while Python tears down. (The abort of
     finished workers seen in CI came from gloo's threads instead; `meshfit run` workers
-    exit past teardown for it, meshfit/_boot.py.)"""
+    exit past teardown for it, meshfit/launch/boot.py.)"""
     global _watchdog
     watchdog, _watchdog = _watchdog, None
     if watchdog is None or watchdog is threading.current_thread():
@@ -409,7 +392,7 @@ class _Watchdog(threading.Thread):
         if verdict["reporter"] == self.rank:
             for _rank, host, pid in verdict["frozen"]:
                 if host == self.host and pid != os.getpid():
-                    _worker_errors.note_killed(pid)
+                    markers.note_killed(pid)
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)  # frozen: it cannot exit by itself
             time.sleep(2 * self.interval + 0.5)  # let stuck ranks write their stacks

@@ -311,29 +311,6 @@ class TensorBoardLogger(Callback):
                 self.writer.add_scalar(key, value, record["step"])
 
 
-def _wandb(log_dir: str) -> Callback:
-    from meshfit.wandb_logger import WandbLogger  # its own module: wandb is an extra
-
-    return WandbLogger(log_dir)
-
-
-LOGGERS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": _wandb}
-
-
-def make_loggers(names: Any, log_dir: str | None) -> list[Callback]:
-    """The loggers `fit(loggers=[...], log_dir=...)` names."""
-    if not names:
-        return []
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise MeshfitError(f"loggers must be a list of names from {sorted(LOGGERS)}, not {names!r}")
-    unknown = [n for n in names if n not in LOGGERS]
-    if unknown:
-        raise MeshfitError(f"unknown logger(s) {unknown}; meshfit has {sorted(LOGGERS)}")
-    if not log_dir:
-        raise MeshfitError("loggers need a directory: fit(..., loggers=[...], log_dir='runs/x')")
-    return [LOGGERS[name](str(log_dir)) for name in names]
-
-
 def _flat(record: dict[str, Any]) -> dict[str, Any]:
     """A record with nested dicts (memory) flattened to "memory/params" keys."""
     out = {}

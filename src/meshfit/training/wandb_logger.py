@@ -14,8 +14,8 @@ import os
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from meshfit.callbacks import Callback, _flat
 from meshfit.errors import MeshfitError
+from meshfit.training.callbacks import Callback, _flat
 
 if TYPE_CHECKING:
     from meshfit.engine import Engine

@@ -4,7 +4,7 @@ xxHash3 (64-bit): 7.4 GB/s on one core of the 2-core development VM against 1.75
 zlib's crc32 (BENCHMARKS.md), and the ranks split the files between them, so each hashes
 about its own share. A checksum catches torn or flipped bytes (a DCP file with eight
 flipped bytes loaded silently and trained on inf), not an attacker: metadata is read
-through the allow-listed unpickler in _safe_dcp.py for that.
+through the allow-listed unpickler in safe_dcp.py for that.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import torch.distributed as dist
 
-from meshfit.mesh import is_distributed
+from meshfit.launch.process_group import is_distributed
 
 CHUNK = 8 * 2**20
 

@@ -46,8 +46,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from meshfit import stores
 from meshfit.errors import MeshfitError
+from meshfit.launch import stores
 
 BACKEND = "meshfit"
 SECRET_ENV = "MESHFIT_RUN_SECRET"
@@ -63,7 +63,7 @@ MIN_SECRET_BYTES = 16
 READ_TIMEOUT = timedelta(seconds=60)
 # The worker store's timeout (torch's TCPStore default, used by the handler it replaces).
 WORKER_STORE_TIMEOUT = timedelta(seconds=300)
-_CHECK_KEY = "meshfit.rendezvous.check"
+_CHECK_KEY = "meshfit.launch.rendezvous.check"
 _TAG = b"meshfit-rdzv-v1"
 _MAC_BYTES = hashlib.sha256().digest_size
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from meshfit.errors import MeshfitError
-from meshfit.mesh import is_distributed
+from meshfit.launch.process_group import is_distributed
 
 T = TypeVar("T")
 

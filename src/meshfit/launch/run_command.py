@@ -15,9 +15,6 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from meshfit import rendezvous, watchdog
-from meshfit._worker_errors import EXIT_USER_ERROR, MARKER_DIR_ENV, killed_by_verdict
-from meshfit.elastic import ELASTIC_ENV, ELASTIC_RDZV_CONF
 from meshfit.errors import MeshfitError
 from meshfit.launch import (
     LOOPBACK,
@@ -29,8 +26,13 @@ from meshfit.launch import (
     interface_env,
     loopback_env,
     plan_workers,
+    rendezvous,
     warm,
+    watchdog,
 )
+from meshfit.launch.elastic import ELASTIC_ENV, ELASTIC_RDZV_CONF
+from meshfit.launch.markers import MARKER_DIR_ENV, killed_by_verdict
+from meshfit.launch.worker_errors import EXIT_USER_ERROR
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,8 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
         passed, conf = elastic_rdzv_conf(passed)
         argv += ["--rdzv-conf", conf]
     argv += passed  # checked in run_config: none of the above
-    # Each worker runs meshfit/_boot.py, which runs the target and then exits past the
-    # interpreter's teardown (a gloo thread can abort a finished worker there; _boot.py).
+    # Each worker runs meshfit/launch/boot.py, which runs the target and then exits past the
+    # interpreter's teardown (a gloo thread can abort a finished worker there; boot.py).
     argv.append(BOOT)
     if options.module:
         argv.append("--meshfit-module")
@@ -131,14 +133,14 @@ def torchrun_argv(options: RunOptions, setup: WorkerSetup, rdzv_id: str) -> list
     return argv
 
 
-BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
 
 
 def _run_workers(args: Any) -> None:
     """torchrun's run of the parsed `args`. With MESHFIT_WARM_START=1 its workers are
     forked warm (launch/warm.py: torch and meshfit imported once, in the server, and a
     restart after a failure forks again rather than starting interpreters) where meshfit
-    starts them itself: a Python script or module through _boot.py; torchrun's own
+    starts them itself: a Python script or module through boot.py; torchrun's own
     options (--log-dir, --redirects, --tee, ...) apply as to its subprocess workers.
 
     Off by default for `meshfit run`, unlike `mf.launch`: a forked worker is the
@@ -159,21 +161,21 @@ def _run_workers(args: Any) -> None:
         return
     config, _, cmd_args = torchrun.config_from_args(args)
     config.start_method = "forkserver"
-    # cmd_args: -u, _boot.py, then what _boot.py takes ([--meshfit-module] target args)
+    # cmd_args: -u, boot.py, then what boot.py takes ([--meshfit-module] target args)
     boot_args = cmd_args[cmd_args.index(BOOT) + 1 :]
     elastic_launch(config, run_script_warm)(warm.WorkerStart(base), *boot_args)
 
 
 def run_script_warm(start: warm.WorkerStart, *argv: str) -> None:
-    """A warm `meshfit run` worker: what `python -u _boot.py ARGV` does in a fresh one.
+    """A warm `meshfit run` worker: what `python -u boot.py ARGV` does in a fresh one.
     The script runs as __main__; its exit handlers run when it ends, as the
     interpreter's would; then the worker leaves without the interpreter's teardown (the
-    multiprocessing child exits with os._exit, which is what _boot.py arranges in a
+    multiprocessing child exits with os._exit, which is what boot.py arranges in a
     subprocess: a gloo thread could abort a finished worker in that teardown). A failure
     leaves with its status (the agent restarts or stops as torchrun would)."""
     import atexit
 
-    from meshfit import _boot
+    from meshfit.launch import boot as _boot
 
     start.apply()
     for stream in (sys.stdout, sys.stderr):
@@ -252,7 +254,7 @@ def check_elastic_plan(options: RunOptions, nproc: int) -> None:
 
     if not is_elastic(options) or options.plan is None or is_auto(options.plan):
         return
-    from meshfit.elastic import fit_plan
+    from meshfit.topology import fit_plan
 
     plan = Plan.parse(options.plan)
     for nodes in range(options.min_nodes or options.nnodes, options.nnodes + 1):

@@ -54,7 +54,8 @@ def frozen_ranks(
 _STDLIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(contextlib.__file__)))
 
 
-_MESHFIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the meshfit package (this module is in meshfit/launch/)
+_MESHFIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def main_thread_place() -> tuple[str, bool, str, str]:
@@ -167,6 +168,28 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
 
 
 def _timeout() -> float:
-    from meshfit.watchdog import hang_timeout  # the watchdog imports this module
-
     return hang_timeout()
+
+
+HANG_TIMEOUT_ENV = "MESHFIT_HANG_TIMEOUT_S"
+
+
+DEFAULT_HANG_TIMEOUT_S = 120.0
+
+
+def hang_timeout() -> float:
+    raw = os.environ.get(HANG_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_HANG_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        from meshfit.errors import MeshfitError
+
+        raise MeshfitError(
+            f"{HANG_TIMEOUT_ENV} must be a number of seconds (0 turns hang detection off), "
+            f"not {raw!r}"
+        )
+    return value

@@ -9,16 +9,7 @@ import sys
 
 from torch import nn
 
-from meshfit.materialize import Call, InitFn, _post_order, _reset
-
-
-def conv1d_init(module: nn.Module) -> None:
-    nn.init.normal_(module.weight, std=0.02)  # transformers' Conv1D.__init__ (GPT-2)
-    nn.init.zeros_(module.bias)
-
-
-# Library layers whose constructors draw their initial values without reset_parameters.
-INLINE_INITS: dict[str, InitFn] = {"transformers.pytorch_utils.Conv1D": conv1d_init}
+from meshfit.weights.calls import Call, _post_order, _reset
 
 
 def is_hugging_face(model: nn.Module) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 
 from meshfit.coupling.batch import BatchCoupling
 from meshfit.losses import split_loss
-from meshfit.precision import Precision
+from meshfit.runtime.precision import Precision
 from meshfit.trees import call_model, map_tensors
 
 LocalLoss = tuple[torch.Tensor, "torch.Tensor | None"]  # (mean, None) or (sum, count)

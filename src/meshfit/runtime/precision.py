@@ -4,7 +4,7 @@
 autocast; FSDP2 gathers bf16 copies of the sharded fp32 weights and reduces gradients in
 fp32. "fp16" adds a gradient scaler (fp16's range is too small for raw gradients);
 Plan.validate refuses it where the scaler does not compose (pipeline stages, FSDP2).
-"fp8" is "bf16" with the model's large Linear layers in float8 (torchao, meshfit.fp8);
+"fp8" is "bf16" with the model's large Linear layers in float8 (torchao, meshfit.parallel.fp8);
 it is refused here, before anything is built, where there is no fp8 hardware.
 """
 
@@ -36,7 +36,7 @@ class Precision:
         if self.name == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
         if self.name == "fp8":
-            from meshfit.fp8 import check_available
+            from meshfit.parallel.fp8 import check_available
 
             self.fp8_emulate = check_available(self.device)
 

@@ -25,8 +25,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from meshfit import stores
 from meshfit.errors import MeshfitError
+from meshfit.launch import stores
 
 # Step variables first: srun sets them for the step it starts, which may hold fewer
 # nodes than the job (srun -N1 inside a 4-node allocation); the job's come after.

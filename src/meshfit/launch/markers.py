@@ -1,0 +1,41 @@
+"""The launcher's marker directory (`meshfit run` makes one per run and removes it at the
+end): the first rank to claim a report prints a one-line error (worker_errors.py), and a
+rank the hang verdict killed is marked (watchdog.py), so the launcher does not report
+that death a second time."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+MARKER_DIR_ENV = "MESHFIT_MARKER_DIR"  # set by the launcher, which removes it at the end
+KILLED_MARKER_PREFIX = "killed-by-hang-verdict-"
+
+
+def _claim_report() -> bool:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    name = f"meshfit-error-{os.getuid() if hasattr(os, 'getuid') else 0}-{run_id}-{attempt}"
+    where = os.environ.get(MARKER_DIR_ENV) or tempfile.gettempdir()
+    try:
+        os.close(os.open(os.path.join(where, name), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def note_killed(pid: int) -> None:
+    """Leave word for `meshfit run` that this pid dies by a hang verdict already
+    reported: the launcher may see that death before the reporter's own exit, and would
+    otherwise add "worker rank N failed (signal 9)" to the report."""
+    where = os.environ.get(MARKER_DIR_ENV)
+    if where:
+        with contextlib.suppress(OSError):
+            open(os.path.join(where, f"{KILLED_MARKER_PREFIX}{pid}"), "w").close()
+
+
+def killed_by_verdict(marker_dir: str, pid: int) -> bool:
+    return os.path.exists(os.path.join(marker_dir, f"{KILLED_MARKER_PREFIX}{pid}"))
