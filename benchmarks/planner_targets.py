@@ -16,3 +16,26 @@ def gpt3():
         model = GPT(GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288))  # fmt: skip
     tokens = torch.zeros(1536, 2048, dtype=torch.long)
     return model, (tokens, tokens), next_token_loss
+
+
+def llama3_8b():
+    """Llama-3-8B's shape (transformers' LlamaForCausalLM, bf16) on the meta device, a
+    global batch of 8 sequences of 8,192 tokens with their labels (no attention mask:
+    transformers checks a mask's values with .item(), which the meta device cannot
+    answer; plan a longer context with --seq-len):
+
+    cd benchmarks && meshfit plan planner_targets:llama3_8b --seq-len 131072 \\
+        --hardware h100 --nodes 2 --precision bf16
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(8, 8192, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    return model, batch, "model"

@@ -487,3 +487,105 @@ def test_the_search_proposes_no_pipeline_stage_without_parameters():
         profile.blocks[i] = dataclasses.replace(profile.blocks[i], trains=False)
     result = search_profile(profile, 2, batch_size=8, hardware=fast_net_slow_chips())
     assert all(e.plan.pp == 1 for e in result.ranked)
+
+
+# ---- context parallel ------------------------------------------------------------
+
+
+def long_llama(length: int = 4096) -> ModelProfile:
+    """A transformers Llama (grouped-query: 2 key/value heads of 4) profiled on meta at
+    `length` tokens, one sequence."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=length,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return profile_model(model, {"input_ids": torch.zeros(1, length, dtype=torch.long)})
+
+
+def test_context_parallel_divides_activations_and_keeps_the_gathered_keys_and_values():
+    """cp=N holds 1/N of each sequence's activations, plus every attention's keys and
+    values of the whole sequence (gathered): the profile measures them (4096 tokens x 2
+    heads x 16 x 4 bytes, keys and values: grouped-query attention's narrow K/V), and
+    the additive mask of the rank's queries over every key."""
+    p = long_llama()
+    kv = 2 * 4096 * 2 * 16 * 4
+    assert [b.attention_kv_bytes for b in p.blocks] == [kv, kv]
+    hw = fast_net_slow_chips()
+    alone = estimate(p, Plan(dp=1), batch_size=1, hardware=hw).memory.activations
+    for cp in (2, 4):
+        got = estimate(p, Plan(dp=1, cp=cp), batch_size=1, hardware=hw).memory.activations
+        mask = 4096 / cp * 4096 * 4  # the rank's queries x every key, float32, one per step
+        assert got == pytest.approx(alone / cp + 2 * kv * (1 - 1 / cp) + mask)
+    # recomputation gathers them again in backward: one block's at a time
+    full = estimate(p, Plan(dp=1, cp=2, checkpointing="full"), batch_size=1, hardware=hw)
+    alone_full = estimate(p, Plan(dp=1, checkpointing="full"), batch_size=1, hardware=hw)
+    expected = alone_full.memory.activations / 2 + kv / 2 + 2048 * 4096 * 4
+    assert full.memory.activations == pytest.approx(expected)
+
+
+def test_the_search_chooses_cp_when_a_sequence_does_not_fit_otherwise():
+    """Llama-3-8B's shape (transformers, bf16, on meta) at 131,072 tokens, a global batch
+    of 8 sequences on 16 H100s: no plan that keeps whole sequences fits (the best needs
+    several times a GPU); the plans that fit all cut the sequence. (BENCHMARKS.md has
+    the table; benchmarks/planner_targets.py the same target for `meshfit plan`.)"""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from planner_targets import llama3_8b
+
+    from meshfit.planner.command import at_sequence_length
+
+    model, batch, loss = llama3_8b()
+    inputs, _ = at_sequence_length(batch, None, 131072)
+    result = plan_search(
+        model, 16, batch_size=8, example_inputs=inputs, loss_fn=loss, hardware="h100",
+        precision="bf16",
+    )  # fmt: skip
+    assert result.ranked and all(e.plan.cp > 1 for e in result.ranked)
+    unfit = [d for d in result.dropped if d.plan.cp == 1 and "does not fit" in d.reason]
+    assert unfit and all("> 68.55 GiB (92% of 74.51 GiB)" in d.reason for d in unfit), unfit[0]
+    # a model with no token sequence is never offered cp
+    images = profile_model(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)), torch.zeros(2, 3, 8, 8)
+    )
+    plans = search_profile(images, 4, batch_size=4, hardware=fast_net_slow_chips())
+    assert all(e.plan.cp == 1 for e in plans.ranked + plans.dropped)
+
+
+def test_meshfit_plan_seq_len_lengthens_the_batch_and_plans_cp(capsys, monkeypatch, tmp_path):
+    """`meshfit plan --seq-len N`: the batch's token tensors at N tokens (position ids
+    counted again), the plans at that length, cp among them."""
+    from meshfit.planner.command import at_sequence_length
+
+    ids = torch.arange(6).reshape(1, 6)
+    inputs, labels = at_sequence_length(
+        {"input_ids": ids, "position_ids": ids, "pixel_values": torch.ones(1, 3)}, ids, 14
+    )
+    assert inputs["input_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1]]
+    assert inputs["position_ids"].tolist() == [list(range(14))]
+    assert labels.shape == (1, 14) and inputs["pixel_values"].shape == (1, 3)
+    with pytest.raises(MeshfitError, match="--seq-len needs a batch of token ids"):
+        at_sequence_length(torch.ones(2, 3), None, 8)
+    (tmp_path / "longtarget.py").write_text(
+        "import torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "def fn():\n"
+        "    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        "        num_attention_heads=4, num_key_value_heads=2, vocab_size=128)\n"
+        "    with torch.device('meta'):\n"
+        "        model = LlamaForCausalLM(config)\n"
+        "    ids = torch.zeros(2, 16, dtype=torch.long)\n"
+        "    return model, {'input_ids': ids, 'labels': ids}, 'model'\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from meshfit.cli import main
+
+    assert main(["plan", "longtarget:fn", "--nproc", "4", "--seq-len", "65536", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "65,536 tokens per sequence" in out
+    assert any(line.startswith("dp=1,cp=") or ",cp=" in line for line in out.splitlines())

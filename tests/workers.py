@@ -1580,7 +1580,7 @@ def unseeded_runs(specs: list[dict]) -> list[dict]:
     others redraw theirs. `keep_own` (negative control): meshfit does not copy rank 0's."""
     import warnings
 
-    from meshfit.parallel import same_start
+    from meshfit.weights import same_start
 
     results = []
     for spec in specs:

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from meshfit import losses, metrics
+from meshfit import data, losses, metrics
 from meshfit.coupling import batch_sum, gather_batch
 from meshfit.engine import Engine
 from meshfit.errors import MeshfitError
@@ -44,6 +44,7 @@ __all__ = [
     "WorkerError",
     "__version__",
     "batch_sum",
+    "data",
     "estimate",
     "fit",
     "gather_batch",

@@ -10,7 +10,8 @@ per-micro-batch means weighs a token of a short micro-batch more.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,23 @@ if TYPE_CHECKING:
     from meshfit.topology import Topology
 
 LossPair = tuple[torch.Tensor, torch.Tensor]
+
+# Inside a context-parallel step the targets were shifted before the sequence was cut
+# (parallel/context/): the losses here that would shift them skip it.
+_PRESHIFTED = [False]
+
+
+@contextlib.contextmanager
+def targets_preshifted() -> Iterator[None]:
+    _PRESHIFTED.append(True)
+    try:
+        yield
+    finally:
+        _PRESHIFTED.pop()
+
+
+def _preshifted() -> bool:
+    return _PRESHIFTED[-1]
 
 
 def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[Any, Any], LossPair]:
@@ -34,7 +52,7 @@ def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[An
 
     def loss(outputs: Any, targets: torch.Tensor) -> LossPair:
         logits = logits_of(outputs)
-        if shift:
+        if shift and not _preshifted():
             logits, targets = logits[..., :-1, :], targets[..., 1:]
         logits = logits.reshape(-1, logits.shape[-1])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -42,6 +60,7 @@ def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[An
         total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
         return total, (targets != ignore_index).sum()
 
+    loss.shifts_targets = shift  # type: ignore[attr-defined]  # context parallel reads it
     return loss
 
 
@@ -95,6 +114,12 @@ class ModelOwnLoss:
         self.shifted = kind == "causal"
         self.sums = kind is not None and takes_num_items(model)
 
+    @property
+    def shifts_targets(self) -> bool:
+        """Whether the model shifts the labels itself (a causal LM): context parallel
+        shifts them before the cut instead (parallel/context/)."""
+        return self.shifted
+
     def model_kwargs(self) -> dict[str, Any]:
         """What meshfit adds to the model's keyword arguments."""
         return {"num_items_in_batch": 1} if self.sums else {}
@@ -102,7 +127,7 @@ class ModelOwnLoss:
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         """The items the model's summed loss covers in `labels`: those that are not -100
         (shifted by one for a causal LM, as the model shifts them)."""
-        counted = labels[..., 1:] if self.shifted else labels
+        counted = labels[..., 1:] if self.shifted and not _preshifted() else labels
         return (counted != -100).sum()
 
     def __call__(self, outputs: Any, labels: torch.Tensor) -> Any:

@@ -69,18 +69,23 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 # The parallel degrees a Plan holds. Their order on the device mesh, their roles and
 # which groups they make are the Topology's (topology.DIMS), which alone knows them.
-DEGREES = ("dp", "fsdp", "tp", "pp")
+DEGREES = ("dp", "fsdp", "cp", "tp", "pp")
 
 BOOLEAN_FIELDS = ("offload", "reshard_after_forward")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How to split training over `dp * fsdp * tp * pp` processes.
+    """How to split training over `dp * fsdp * cp * tp * pp` processes.
 
     dp: data-parallel replicas (DistributedDataParallel). ``None`` means "all the
         processes the other degrees leave", resolved against the world size.
     fsdp: sharded data parallel degree (FSDP2).
+    cp: context parallel degree: each sequence of a rank's share is cut over cp ranks
+        (each holds 1/cp of its tokens: two chunks, one early and one late, so causal
+        attention costs every rank the same); attention gathers the keys and values of
+        the cp group. Gradients are averaged over dp x fsdp x cp; FSDP2 shards over
+        fsdp x cp.
     tp: tensor-parallel degree.
     pp: pipeline-parallel stages.
     microbatches: how many micro-batches each rank's share of the global batch is cut
@@ -101,6 +106,7 @@ class Plan:
 
     dp: int | None = None
     fsdp: int = 1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
     microbatches: int | None = None
@@ -111,7 +117,7 @@ class Plan:
     reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "tp", "pp"):
+        for name in ("fsdp", "cp", "tp", "pp"):
             _check_positive_int(name, getattr(self, name))
         if self.dp is not None:
             _check_positive_int("dp", self.dp)
@@ -141,9 +147,14 @@ class Plan:
 
     @property
     def processes_per_replica(self) -> int:
-        """Processes one dp replica spans: fsdp x tp x pp (its shards, tensor-parallel
-        ranks and pipeline stages)."""
-        return self.fsdp * self.tp * self.pp
+        """Processes one dp replica spans: fsdp x cp x tp x pp (its shards, its sequence
+        chunks, tensor-parallel ranks and pipeline stages)."""
+        return self.fsdp * self.cp * self.tp * self.pp
+
+    @property
+    def replica_degrees(self) -> str:
+        """The degrees one dp replica spans, as text: "fsdp*tp*pp" (and cp where set)."""
+        return "fsdp*cp*tp*pp" if self.cp > 1 else "fsdp*tp*pp"
 
     @property
     def num_microbatches(self) -> int:
@@ -179,7 +190,7 @@ class Plan:
         and for dp replicas too where DDP cannot serve them — tensor-parallel (DTensor)
         parameters, or offload (FSDP2's). FSDP2 replicates over "dp" (HSDP) and shards
         over "fsdp", so the numbers are those of the plan as written."""
-        return self.fsdp > 1 or self.offload or (self.dp or 1) > 1 and self.tp > 1
+        return self.fsdp > 1 or self.offload or (self.dp or 1) * self.cp > 1 and self.tp > 1
 
     def resolve(self, world_size: int) -> Plan:
         """Fill in ``dp=None`` from the world size and check the plan fits it."""
@@ -187,7 +198,7 @@ class Plan:
         if self.dp is None:
             if world_size % others:
                 raise MeshfitError(
-                    f"plan {self} needs a multiple of fsdp*tp*pp = {others} processes, but "
+                    f"plan {self} needs a multiple of {self.replica_degrees} = {others} processes, but "
                     f"{world_size} were started; start {_nearest_multiples(world_size, others)} "
                     f"processes (meshfit run --nproc N) or change the plan"
                 )
@@ -312,7 +323,7 @@ def _parse_value(key: str, raw: str) -> object:
         return None
     if key == "microbatches" and raw in ("auto", "none", "None"):
         return None
-    if key in ("dp", "fsdp", "tp", "pp", "microbatches"):
+    if key in (*DEGREES, "microbatches"):
         try:
             return int(raw)
         except ValueError:

@@ -9,10 +9,14 @@ dimension; `tensor/state.py` and `placements.py` tell tp's shards from FSDP2's b
 mesh dimension a DTensor names, compared with TENSOR_PARALLEL from here.
 
 Roles:
-    batch:    the ranks the global batch is split over (dp x fsdp); a step's loss and
-              metrics are summed / averaged over them (batch_groups, batch_sum);
-    replica:  plain data-parallel replicas, DDP's group (replica_group);
-    shard:    the ranks FSDP2 shards over ("fsdp"; with "replica" its mesh: data_mesh);
+    batch:    the ranks the global batch's samples are split over (dp x fsdp:
+              batch_groups, dp_rank; BatchNorm statistics, gathered contrastive rows);
+    loss:     the ranks a step's loss, metrics and gradients are summed or averaged over
+              (dp x fsdp x cp: loss_groups, batch_sum, batch_mean, grad_average_size);
+    replica:  data-parallel replicas (dp: with shard, FSDP2's data_mesh; DDP averages
+              over every loss dimension, replica_group);
+    shard:    the ranks FSDP2 shards over (fsdp x cp);
+    sequence: the ranks each sequence is cut over (cp: cp_mesh);
     tensor:   the ranks one layer is split over (tp_mesh);
     pipeline: the stages of one replica (pp_mesh, pipeline_groups, pipeline_ends_group).
 
@@ -20,12 +24,10 @@ A dimension exists on the mesh only when its degree is above 1, except "fsdp", w
 exists whenever data parallelism runs on FSDP2 (Plan.uses_fsdp: FSDP2 given ("dp",
 "fsdp") replicates over the first and shards over the second).
 
-The next two axes have their place here (docs/architecture.md, "A new axis"): "cp"
-(context parallel) between fsdp and tp, with the roles "loss" (gradients averaged over
-it), "shard" (FSDP2 may shard over the cp ranks too: torchtitan's dp_shard_cp) and
-"sequence"; "ep" (expert parallel) borrows its ranks from the batch ranks (dp x fsdp x
-cp): a second mesh over the same ranks, (batch // ep, ep), the experts placed over "ep"
-and sharded or replicated over the rest.
+"ep" (expert parallel) has its place designed here (docs/architecture.md, "A new
+axis"): it borrows its ranks from the loss ranks (dp x fsdp x cp): a second mesh over
+the same ranks, (loss // ep, ep), the experts placed over "ep" and sharded or replicated
+over the rest.
 """
 
 from __future__ import annotations
@@ -55,8 +57,11 @@ class Dim:
 
 DIMS = (
     Dim("pp", frozenset({"pipeline"}), "stages exchange one activation per micro-batch: the least traffic"),
-    Dim("dp", frozenset({"batch", "replica"}), "replicas all-reduce the gradients once per step"),
-    Dim("fsdp", frozenset({"batch", "shard"}), "shards gather each block's weights and reduce-scatter its gradients"),
+    Dim("dp", frozenset({"batch", "loss", "replica"}), "replicas all-reduce the gradients once per step"),
+    Dim("fsdp", frozenset({"batch", "loss", "shard"}), "shards gather each block's weights and reduce-scatter its gradients"),
+    # inside fsdp (torchtitan's order): every attention gathers the group's keys and
+    # values, forward and backward, more often than FSDP2 gathers a block's weights
+    Dim("cp", frozenset({"loss", "shard", "sequence"}), "keys and values gathered in every attention layer"),
     Dim("tp", frozenset({"tensor"}), "two all-reduces per block in forward and in backward: the most traffic"),
 )  # fmt: skip
 MESH_ORDER = tuple(d.name for d in DIMS)
@@ -83,9 +88,9 @@ def fit_plan(plan: Plan, world_size: int) -> Plan:
     if fitted is None:
         raise MeshfitError(
             f"the elastic run's group re-formed with {world_size} processes, and plan {plan} "
-            f"needs a multiple of fsdp*tp*pp = {plan.processes_per_replica}; choose MIN "
-            f"so that every node count from MIN to MAX gives such a multiple, or a plan "
-            f"whose fsdp*tp*pp divides the workers of one node"
+            f"needs a multiple of {plan.replica_degrees} = {plan.processes_per_replica}; "
+            f"choose MIN so that every node count from MIN to MAX gives such a multiple, or "
+            f"a plan whose {plan.replica_degrees} divides the workers of one node"
         )
     return fitted
 
@@ -98,9 +103,8 @@ def build_mesh(plan: Plan, device: torch.device) -> DeviceMesh | None:
     if not is_distributed() or (plan.world_size == 1 and not plan.uses_fsdp):
         return None
     sizes = {name: size for name, size in plan.degrees.items() if size and size > 1}
-    if plan.uses_fsdp:
-        [shard] = dims_with("shard")
-        sizes[shard] = plan.fsdp
+    if plan.uses_fsdp:  # FSDP2's own dimension, kept at size 1 for plain replicas
+        sizes["fsdp"] = plan.fsdp
     names = tuple(name for name in MESH_ORDER if name in sizes)
     return init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
 
@@ -114,8 +118,10 @@ class Topology:
     mesh: DeviceMesh | None  # None for a single process
     rank: int = 0
     world_size: int = 1
-    # The ranks the global batch is split over (replicated and sharded data parallel).
+    # The ranks the global batch's samples are split over (replicated and sharded data
+    # parallel), and those a loss is summed over (those, and the sequence chunks).
     batch_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    loss_groups: list[dist.ProcessGroup] = field(default_factory=list)
     dp_size: int = 1  # how many ways the global batch is split: dp x fsdp
     dp_rank: int = 0  # this rank's share of it
     # Start-up lines on what meshfit chose for this plan (fit prints them)
@@ -147,6 +153,9 @@ class Topology:
                 topology.dp_rank = topology.dp_rank * mesh[name].size() + mesh.get_local_rank(name)
                 if mesh[name].size() > 1:
                     topology.batch_groups.append(mesh.get_group(name))
+        for name in dims_with("loss"):
+            if topology.has(name) and mesh[name].size() > 1:
+                topology.loss_groups.append(mesh.get_group(name))
         return topology
 
     @property
@@ -156,16 +165,17 @@ class Topology:
         the same replicated activations, so they must draw the same masks (with their own
         masks the tp ranks' copies of every replicated weight drifted apart: a
         different run)."""
-        stages = self._only("pipeline")
+        stages, chunks = self._only("pipeline"), self._only("sequence")
         pp_rank = self.mesh.get_local_rank(stages) if self.has(stages) else 0
-        return self.dp_rank * self.plan.pp + pp_rank
+        cp_rank = self.mesh.get_local_rank(chunks) if self.has(chunks) else 0
+        return (self.dp_rank * self.plan.cp + cp_rank) * self.plan.pp + pp_rank
 
     @property
     def grad_average_size(self) -> int:
         """Over how many ranks the data-parallel wrappers average gradients (DDP and
         FSDP2 divide by their group's size): what a (sum, count) loss's gradients are
-        scaled back up by (losses.normalise_by_count)."""
-        return self.dp_size
+        scaled back up by (losses.normalise_by_count). The loss ranks: dp x fsdp x cp."""
+        return self.dp_size * self.plan.cp
 
     @property
     def batch_parts(self) -> int:
@@ -205,15 +215,33 @@ class Topology:
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The plain data-parallel replicas DDP averages over, or None."""
-        return self.group(self._only("replica"))
+        """The ranks DDP averages over (it runs when nothing is sharded: every loss rank
+        holds the whole model, dp x cp), or None."""
+        names = tuple(n for n in dims_with("loss") if self.has(n))
+        if not names:
+            return None
+        return self.mesh.get_group(names[0]) if len(names) == 1 else self._flat(names).get_group()
 
     @property
     def data_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 works over: replicas then shards (HSDP) when there are replicas,
-        else the shards alone."""
-        names = tuple(n for n in (*dims_with("replica"), *dims_with("shard")) if self.has(n))
-        return self.mesh[names] if len(names) > 1 else self.mesh[names[0]]
+        """The mesh FSDP2 works over: the replicas, then the shards (fsdp x cp, as one
+        dimension: torchtitan's dp_shard_cp), as HSDP; the shards alone without replicas."""
+        replicas = tuple(n for n in dims_with("replica") if self.has(n))
+        shards = tuple(n for n in dims_with("shard") if self.has(n))
+        shard = shards[0] if len(shards) == 1 else self._flat(shards).mesh_dim_names[0]
+        return self.mesh[(*replicas, shard)] if replicas else self.mesh[shard]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """The ranks each sequence is cut over (plan.cp > 1)."""
+        return self.mesh[self._only("sequence")]
+
+    def _flat(self, names: tuple[str, ...]) -> DeviceMesh:
+        """Adjacent mesh dimensions as one (torch's DeviceMesh._flatten, made once)."""
+        flat = "_".join(names)
+        if flat in (self.mesh.mesh_dim_names or ()):
+            return self.mesh[flat]
+        return self.mesh[names]._flatten(flat)
 
     @property
     def pipeline_groups(self) -> list[dist.ProcessGroup]:
@@ -248,15 +276,16 @@ class Topology:
         return self.plan.tp > 1 or self.plan.pp > 1 or self.plan.uses_fsdp
 
     def batch_sum(self, local: torch.Tensor) -> torch.Tensor:
-        """The sum of a per-rank tensor over the ranks the batch is split over."""
+        """The sum of a per-rank tensor (a loss, a count, a metric) over the ranks a loss
+        is formed over: those the batch is split over, and the sequence chunks."""
         total = local.clone()
-        for group in self.batch_groups:
+        for group in self.loss_groups:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total
 
     def batch_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-rank mean over the ranks the batch is split over (the same
-        on every rank)."""
-        if self.dp_size == 1:
+        """The mean of a per-rank mean over the loss ranks (the same on every rank)."""
+        ranks = self.grad_average_size
+        if ranks == 1:
             return local_mean
-        return self.batch_sum(local_mean) / self.dp_size
+        return self.batch_sum(local_mean) / ranks

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.parallel.collectives import SumOver, gather_with_grad
+
 
 @dataclass
 class Scope:
@@ -92,7 +94,7 @@ def gather_rows(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         return scope.replay.rows(x, dim)
     # inner group first: the outer group's ranks then hold consecutive blocks of rows
     for group in reversed(scope.groups):
-        x = _gather(x, dim, group)
+        x = gather_with_grad(x, dim, group)
     return x
 
 
@@ -106,54 +108,5 @@ def sum_over(x: torch.Tensor, what: str) -> torch.Tensor:
     if scope.replay is not None:
         return scope.replay.total(x)
     for group in scope.groups:
-        x = _SumOver.apply(x, group)
+        x = SumOver.apply(x, group)
     return x
-
-
-def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """`x` of every rank of `group`, concatenated along `dim`, the gradient of each part
-    summed over the ranks and returned to the part's rank."""
-    dim = dim % x.ndim
-    moved = x.movedim(dim, 0) if dim else x
-    gathered = _GatherRows.apply(moved, group)
-    return gathered.movedim(0, dim) if dim else gathered
-
-
-class _GatherRows(torch.autograd.Function):
-    """torch's all-gather with a summing backward (an all-reduce of the gradient, then
-    this rank's rows). torch.distributed.nn's autograd all_gather does the same but is
-    deprecated in torch 2.13, and the functional collectives' autograd variant is
-    private and reduce-scatters, which gloo (CPU workers) does not run."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        world = dist.get_world_size(group)
-        ctx.group, ctx.rows, ctx.rank = group, x.shape[0], dist.get_rank(group)
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        total = grad.contiguous().clone()  # the all-reduce writes in place
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
-        return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None
-
-
-class _SumOver(torch.autograd.Function):
-    """torch's all-reduce (sum) with a summing backward: every rank's loss read the total,
-    so each rank's part receives the sum of their gradients (torch.distributed.nn's
-    autograd all_reduce, deprecated in torch 2.13, did the same)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        total = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        total = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
-        return total, None

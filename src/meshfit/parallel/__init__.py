@@ -1,5 +1,3 @@
-"""One module per parallel form; compose.py applies a Plan in a fixed order."""
-
-from meshfit.parallel.compose import apply_plan
-
-__all__ = ["apply_plan"]
+"""One module per parallel form; compose.py runs them as a table (FORMS). Nothing is
+imported here: a form's module is imported where a plan uses it (importing this package
+must not pull in the chain compose.py imports)."""

@@ -98,6 +98,7 @@ class Build:
     parts: list[ModelPart] = field(default_factory=list)  # set by the pipeline cut
     split: Any = None  # the pipeline cut (PipelineSplit), under pp
     modules: list[nn.Module] = field(default_factory=list)  # the parts, wrapped
+    sequence: Any = None  # context parallel's runner hook (parallel/context/)
     runner: Runner | None = None
 
     @property
@@ -203,6 +204,14 @@ def _recomputation(b: Build) -> None:
     b.model = apply_recomputation(b.model, b.plan.checkpointing)
 
 
+def _context_parallel(b: Build) -> None:
+    """Each sequence cut over the cp ranks: a runner hook, nothing changed in the model
+    (parallel/context/)."""
+    from meshfit.parallel.context import SequenceSplit
+
+    b.sequence = SequenceSplit(b.model, b.topology, b.options.loss_fn)
+
+
 def _pipeline_cut(b: Build) -> None:
     """The model pruned in place to this rank's stages before any sharding, so each rank
     shards / replicates only what it keeps (torchtitan's pipeline_llm cuts first too);
@@ -269,6 +278,7 @@ def _runner(b: Build) -> None:
             loss_fn=loss_fn,
             device=b.topology.device,
             coupling=b.coupling,
+            sequence=b.sequence,
         )
         b.modules = [b.model]  # what runs forward: this rank's pruned model
         return
@@ -285,6 +295,7 @@ def _runner(b: Build) -> None:
         _gradient_sync(wrapped, b.topology),
         coupling=b.coupling,
         eager_forward_loss=forward_loss,
+        sequence=b.sequence,
     )
 
 
@@ -300,6 +311,7 @@ FORMS: tuple[Form, ...] = (
     Form("initialisation (meta)", lambda b: b.values.meta, lambda b: b.values.record_initialization(b.model)),
     Form("tensor parallel", lambda b: b.plan.tp > 1, _tensor_parallel),
     Form("recomputation", lambda b: b.plan.checkpointing != "none", _recomputation),
+    Form("context parallel", lambda b: b.plan.cp > 1, _context_parallel),
     Form("pipeline cut", lambda b: b.plan.pp > 1, _pipeline_cut),
     Form("data parallel", lambda b: True, _data_parallel),
     Form("runner", lambda b: True, _runner),
@@ -361,7 +373,7 @@ def apply_data_parallel(
             )
         else:
             module = part.make_module()
-            if topology.mesh is not None and plan.dp > 1:
+            if topology.mesh is not None and topology.grad_average_size > 1:
                 from meshfit.parallel.ddp import replicate
 
                 module = replicate(
@@ -379,7 +391,7 @@ def _gradient_sync(module: nn.Module, topology: Topology) -> GradientSync:
         from meshfit.parallel.fsdp import FSDPGradientSync
 
         return FSDPGradientSync(module)
-    if topology.mesh is not None and topology.plan.dp > 1:
+    if topology.mesh is not None and topology.grad_average_size > 1:
         from meshfit.parallel.ddp import DDPGradientSync
 
         return DDPGradientSync(module)

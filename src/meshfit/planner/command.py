@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from meshfit.errors import MeshfitError
 from meshfit.planner.auto import optimizer_state_bytes
 from meshfit.planner.hardware import Hardware, hardware, this_machine
@@ -24,6 +26,10 @@ TARGET is module:function as for `meshfit verify` (returns (model, batch, loss_f
 (--batch-size changes it). The model may be built on the meta device
 (`with torch.device("meta"): model = ...`) to plan a model too big for this machine.
 
+--seq-len N plans for sequences of N tokens: the batch's token tensors (those as long as
+its input ids) are lengthened or cut to N, position ids counted 0..N-1 (on meta a forward
+at 131,072 tokens costs nothing). Context parallel (cp) plans appear for token models.
+
 Hardware: this machine's devices by default (--nproc workers), or a preset for a
 machine you do not have: --hardware a100-40gb | a100-80gb | h100 | h200 with --nodes and
 --gpus-per-node (8 by default).
@@ -38,6 +44,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=None, help="nodes of --hardware")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch to plan for")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence to plan for")
     parser.add_argument(
         "--precision",
         default="fp32",
@@ -56,6 +63,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())
     model, batch, loss_fn, options = _Target(args.target).call(0)
     inputs, targets = _split(batch)
+    if args.seq_len is not None:
+        inputs, targets = at_sequence_length(inputs, targets, args.seq_len)
     found = tensors_in(inputs)
     if not found:
         raise MeshfitError(f"the batch {args.target}() returns holds no input tensor to plan on")
@@ -85,9 +94,47 @@ def run_plan_command(args: argparse.Namespace) -> int:
     )
     if profile.tp_error:
         print(f"tensor parallel: {profile.tp_error}")
+    if profile.tokens_per_sample > 1:
+        print(f"{profile.tokens_per_sample:,} tokens per sequence")
     print(result.table(args.top))
     print(f"({len(result.ranked) + len(result.dropped)} plans in {seconds:.1f} s)")
     return 0 if result.ranked else 1
+
+
+def at_sequence_length(inputs: Any, targets: Any, length: int) -> tuple[Any, Any]:
+    """The batch with every token tensor (as long as the first integer tensor's second
+    dimension: input ids, masks, labels, position ids) at `length` tokens: tiled or cut,
+    position ids counted again; the other tensors as they are."""
+    if length < 1:
+        raise MeshfitError(f"--seq-len must be a positive number of tokens, not {length}")
+    ids = [t for t in tensors_in(inputs) if t.dim() >= 2 and not t.is_floating_point()]
+    if not ids:
+        raise MeshfitError(
+            "--seq-len needs a batch of token ids (an integer tensor of batch x tokens); "
+            "this batch has none: give the sequence length in the batch itself"
+        )
+    old = ids[0].shape[1]
+
+    def resize(path: str, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() < 2 or t.shape[1] != old:
+            return t
+        if "position" in path:
+            counted = torch.arange(length, device=t.device, dtype=t.dtype)
+            return counted.expand(t.shape[0], length).clone()
+        reps = -(-length // old)
+        return t.repeat(1, reps, *([1] * (t.dim() - 2)))[:, :length]
+
+    return _map_named(inputs, resize), _map_named(targets, resize)
+
+
+def _map_named(tree: Any, fn: Any, path: str = "") -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(path, tree)
+    if isinstance(tree, dict):
+        return {k: _map_named(v, fn, f"{path}.{k}") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_named(v, fn, path) for v in tree)
+    return tree
 
 
 def _split(batch: Any) -> tuple[Any, Any]:

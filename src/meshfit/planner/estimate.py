@@ -16,7 +16,15 @@ accounting, Rajbhandari et al. 2020; activations as counted in the profile):
 - activations: the profile's saved bytes of the rank's blocks per sample x the
   micro-batch x the micro-batches in flight (no pipeline: 1; GPipe: all; 1F1B: pp - stage;
   interleaved: its warm-up), "full" recomputation keeps block inputs only plus one block
-  re-run at a time, "selective" keeps the matrix products' outputs.
+  re-run at a time, "selective" keeps the matrix products' outputs. Context parallel
+  (cp) holds 1/cp of each sequence's tokens: activations and FLOPs divide by cp, but
+  each attention keeps the whole sequence's keys and values it gathered
+  (parallel/context/attention.py; the bytes the profile saw its attention read, two
+  block inputs where it saw none), every block's without recomputation, one block's at a
+  time with it (the gather is re-run in backward); and the additive mask of the rank's
+  queries over the whole sequence, one per micro-batch in flight (S/cp x S in the
+  compute dtype: quadratic in S, the price of an exact mask on any device). FSDP2 shards
+  over fsdp x cp.
 
 Time per step: the rank's FLOPs (forward, backward = 2 forwards, recomputation = one more)
 at the hardware's achieved matmul rate; tensor parallel's all-reduces (on the critical
@@ -326,7 +334,7 @@ def _rank_memory(
     )
     if first and last:
         rest -= profile.tied_params  # one stage: a tied weight is one tensor
-    local = (block_params + rest) / plan.fsdp
+    local = (block_params + rest) / _shards(plan)
     cbytes = _compute_bytes(plan, profile)
     memory = MemoryEstimate(
         parameters=local * profile.param_bytes,
@@ -337,7 +345,7 @@ def _rank_memory(
         overlap=plan.num_microbatches > 1 and (plan.pp == 1 or plan.schedule != "gpipe"),
     )
     # buffers
-    if (plan.dp or 1) > 1 and not plan.uses_fsdp:
+    if (plan.dp or 1) * plan.cp > 1 and not plan.uses_fsdp:
         memory.buffers += local * GRADIENT_BYTES  # DDP's gradient buckets
     # FSDP2 gathers into unsharded copies even over a shard group of one (HSDP that only
     # replicates, as dp x tp plans do): torch copies the shard in, it does not alias it.
@@ -371,11 +379,22 @@ def _rank_memory(
     per_microbatch = (
         kept + (profile.head.saved if first else 0) + (profile.tail.saved if last else 0)
     )
-    memory.activations = (per_microbatch * in_flight(plan, rank) + remade) * mb * scale
+    tokens = mb / plan.cp  # a rank's share of its samples' tokens, in samples
+    memory.activations = (per_microbatch * in_flight(plan, rank) + remade) * tokens * scale
+    if plan.cp > 1:  # attention keeps the whole sequence's gathered K/V for backward
+        gathered = [_kv_bytes(p, profile) * (1 - 1 / plan.cp) for p in parts]
+        if plan.checkpointing == "none":
+            memory.activations += sum(gathered) * in_flight(plan, rank) * mb * scale
+        else:  # recomputation gathers them again: one block's at a time
+            memory.activations += max(gathered, default=0.0) * mb * scale
+        # the attention mask of the rank's queries over the whole sequence, one per
+        # micro-batch shared by the layers (attention.py), in the compute dtype
+        length = profile.tokens_per_sample
+        memory.activations += length / plan.cp * length * cbytes * in_flight(plan, rank)
     if last:  # the output's gradient, float32, beside the kept log-softmax
-        memory.buffers += 2 * profile.output_bytes * mb
+        memory.buffers += 2 * profile.output_bytes * tokens
     if plan.pp > 1 and parts:  # receive buffers: an activation and a gradient
-        memory.buffers += 2 * parts[0].input_bytes * mb * scale
+        memory.buffers += 2 * parts[0].input_bytes * tokens * scale
     if plan.offload:
         memory.host = memory.parameters + memory.gradients + memory.optimizer
         memory.parameters = memory.gradients = memory.optimizer = 0.0
@@ -394,8 +413,23 @@ def _group(plan: Plan, dim: str) -> tuple[int, int]:
     return stride * (degrees[dim] or 1), stride
 
 
-def _collective(hw: Hardware, plan: Plan, dim: str, nbytes: float, factor: float) -> float:
-    n = getattr(plan, dim) or 1
+def _kv_bytes(part: PartCost, profile: ModelProfile) -> float:
+    """The keys and values a block's attention reads, per sample: as profiled, else (no
+    block's attention seen: written by hand) two block inputs, an upper bound."""
+    if any(b.attention_kv_bytes for b in profile.blocks):
+        return part.attention_kv_bytes
+    return 2 * part.input_bytes
+
+
+def _shards(plan: Plan) -> int:
+    """The ranks a parameter is sharded over: FSDP2 shards over fsdp x cp."""
+    return plan.fsdp * plan.cp if plan.uses_fsdp else plan.fsdp
+
+
+def _collective(
+    hw: Hardware, plan: Plan, dim: str, nbytes: float, factor: float, n: int | None = None
+) -> float:
+    n = n or getattr(plan, dim) or 1
     if n == 1 or nbytes == 0:
         return 0.0
     span, stride = _group(plan, dim)
@@ -428,7 +462,8 @@ def _add_time(
         fwd_extra = (_block_flops(profile.head, plan.tp) if first else 0) + (
             _block_flops(profile.tail, plan.tp) if last else 0
         )
-        t_mb = (flops * (3 + recompute) / rate + fwd_extra * 3 / ends_rate) * mb
+        tokens = mb / plan.cp  # a rank's share of its samples' tokens, in samples
+        t_mb = (flops * (3 + recompute) / rate + fwd_extra * 3 / ends_rate) * tokens
         # fixed cost per operator: forward, about twice as many in backward, and the
         # forward again under recomputation; a GPU launches ahead of its kernels
         ops = sum(p.ops for p in parts) * (3 + recompute)
@@ -443,21 +478,27 @@ def _add_time(
         # tensor parallel: every row-parallel output is all-reduced, forward and backward
         for p in parts:
             calls = p.tp_reductions * (2 + (1 if plan.checkpointing == "full" else 0))
-            nbytes = p.input_bytes * mb * act_scale
+            nbytes = p.input_bytes * tokens * act_scale
             t_mb += calls * _collective(hw, plan, "tp", nbytes, 2.0)
+            if plan.cp > 1:  # K/V gathered (forward; again when recomputed), their
+                # gradient summed back (backward)
+                kv = _kv_bytes(p, profile) * mb * act_scale
+                gathers = 1 + (plan.checkpointing != "none")
+                t_mb += gathers * _collective(hw, plan, "cp", kv, 1.0)
+                t_mb += _collective(hw, plan, "cp", kv, 2.0)
         if gathered and profile.blocks:  # the head's outputs gathered, its input's gradient summed
-            t_mb += _collective(hw, plan, "tp", profile.output_bytes * mb * act_scale, 1.0)
+            t_mb += _collective(hw, plan, "tp", profile.output_bytes * tokens * act_scale, 1.0)
             t_mb += _collective(
-                hw, plan, "tp", profile.blocks[-1].input_bytes * mb * act_scale, 2.0
+                hw, plan, "tp", profile.blocks[-1].input_bytes * tokens * act_scale, 2.0
             )
         if plan.pp > 1 and parts:  # an activation out, a gradient back
-            t_mb += 2 * _collective(hw, plan, "pp", parts[0].input_bytes * mb * act_scale, 2.0)
+            t_mb += 2 * _collective(hw, plan, "pp", parts[0].input_bytes * tokens * act_scale, 2.0)
         params = sum(_split(p, plan.tp) for p in parts)
         params += (_split(profile.head, plan.tp) if first else 0) + (
             _split(profile.tail, plan.tp) if last else 0
         )
         if slowest is None or t_mb > slowest[0]:
-            slowest = (t_mb, params, len(parts), flops * (3 + recompute) * mb / rate)
+            slowest = (t_mb, params, len(parts), flops * (3 + recompute) * tokens / rate)
     assert slowest is not None
     t_mb, params, nblocks, _ = slowest
     share = SCHEDULE_TABLE[plan.schedule].bubble_share
@@ -466,22 +507,23 @@ def _add_time(
     # data parallel
     grad_bytes = params * GRADIENT_BYTES
     comm, hidden_behind = 0.0, 0.0
+    shards = _shards(plan)
     if plan.uses_fsdp:
         gathers = 2 if plan.reshard_after_forward else 1
-        if plan.fsdp > 1:
-            comm += m * gathers * _collective(hw, plan, "fsdp", params * cbytes, 1.0)
-            comm += _collective(hw, plan, "fsdp", grad_bytes, 1.0)
+        if shards > 1:
+            comm += m * gathers * _collective(hw, plan, "fsdp", params * cbytes, 1.0, shards)
+            comm += _collective(hw, plan, "fsdp", grad_bytes, 1.0, shards)
             # one gather per block and pass, one reduce-scatter per block: each pays latency
             comm += (m * gathers + 1) * nblocks * hw.latency
-        comm += _collective(hw, plan, "dp", grad_bytes / plan.fsdp, 2.0)
+        comm += _collective(hw, plan, "dp", grad_bytes / shards, 2.0)
         hidden_behind = compute
         tail = comm / max(nblocks, 1)
     else:
-        comm = _collective(hw, plan, "dp", grad_bytes, 2.0)
+        comm = _collective(hw, plan, "dp", grad_bytes, 2.0, (plan.dp or 1) * plan.cp)
         hidden_behind = t_mb * 2 / 3  # the last micro-batch's backward
         tail = comm * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1.0))
     exposed = max(comm - hidden_behind, 0.0) + min(tail, comm)
-    local = params / plan.fsdp
+    local = params / shards
     if plan.offload:
         step = local * (8 + state_bytes) * 2 / HOST_MEMORY_BANDWIDTH
         step += local * (profile.param_bytes + GRADIENT_BYTES) / PCIE_BANDWIDTH

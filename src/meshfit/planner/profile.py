@@ -59,6 +59,7 @@ class PartCost:
     kept_selective: float = 0.0  # bytes "selective" recomputation keeps
     kept_selective_split: float = 0.0
     input_bytes: float = 0.0  # the part's input ("full" recomputation keeps it; stages send it)
+    attention_kv_bytes: float = 0.0  # keys and values its attention reads (cp gathers them)
     tp_share: float = 0.0  # fraction of `params` tensor parallel splits
     tp_reductions: int = 0  # all-reduces of a tp forward (row-parallel outputs)
     tp_projections: int = 0  # layers tp splits (each a DTensor dispatch, forward and backward)
@@ -269,7 +270,11 @@ def _profile(
         handles.append(block.register_forward_hook(after(key, nxt), with_kwargs=True))
     was_training = model.training
     model.train()
-    attention = _FusedAttention(on_meta, counter)
+
+    def attended(nbytes: int) -> None:
+        parts[current[0]].attention_kv_bytes += nbytes
+
+    attention = _FusedAttention(on_meta, counter, attended)
     try:
         with (
             _repeats_skipped(stack, active=on_meta) as repeats,
@@ -486,6 +491,7 @@ def _per_sample(part: PartCost, samples: int) -> PartCost:
         "kept_selective",
         "kept_selective_split",
         "input_bytes",
+        "attention_kv_bytes",
     ):
         if name == "ops":
             continue
@@ -512,15 +518,19 @@ class _FusedAttention(TorchFunctionMode):
     (see the module doc). Elsewhere the call goes through unchanged, and its FLOPs are
     added by hand where FlopCounterMode has no formula for the kernel (CPU's)."""
 
-    def __init__(self, active: bool, counter: FlopCounterMode) -> None:
+    def __init__(
+        self, active: bool, counter: FlopCounterMode, attended: Callable[[int], None]
+    ) -> None:
         super().__init__()
         self.active = active
         self.counter = counter
+        self.attended = attended  # told the bytes of each call's keys and values
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
+        self.attended(_nbytes(args[1]) + _nbytes(args[2]))
         if not self.active:
             before = sum(self.counter.get_flop_counts().get("Global", {}).values())
             out = func(*args, **kwargs)

@@ -18,7 +18,7 @@ from typing import Any
 
 from meshfit.errors import MeshfitError
 from meshfit.plan import SCHEDULES, Plan
-from meshfit.planner.estimate import Estimate, _gib, estimate_profile
+from meshfit.planner.estimate import USABLE_MEMORY, Estimate, _gib, estimate_profile
 from meshfit.planner.hardware import Hardware
 from meshfit.planner.profile import ModelProfile, profile_model
 
@@ -95,6 +95,7 @@ class ModelLimits:
     pp_error: str | None = None
     fsdp_error: str | None = None  # FSDP2 cannot replace its weights
     batchnorm: bool = False  # one micro-batch only (meshfit refuses more)
+    sequence: int = 1  # tokens per sample (1: no token sequence to cut)
 
     @classmethod
     def of(cls, profile: ModelProfile) -> ModelLimits:
@@ -106,6 +107,7 @@ class ModelLimits:
             pp_error=profile.pp_error,
             fsdp_error=profile.own_weights_error,
             batchnorm=profile.has_batchnorm,
+            sequence=profile.tokens_per_sample,
         )
 
 
@@ -123,19 +125,22 @@ def candidate_plans(
     dropped: list[Dropped] = []
     for pp in _divisors(world_size):
         for tp in _divisors(world_size // pp):
-            for fsdp in _divisors(world_size // (pp * tp)):
-                dp = world_size // (pp * tp * fsdp)
-                base = Plan(dp=dp, fsdp=fsdp, tp=tp, pp=pp, precision=precision)
-                reason = _refusal(base, limits, devices_per_node)
-                if reason:
-                    dropped.append(Dropped(base, reason))
-                    continue
-                for plan in _variants(base, offload and not limits.fsdp_error, limits):
-                    why = _refusal_of_variant(plan, batch_size, limits.stage_blocks)
-                    if why:
-                        dropped.append(Dropped(plan, why))
-                    else:
-                        plans.append(plan)
+            for cp in _divisors(world_size // (pp * tp)):
+                if cp > 1 and limits.sequence <= 1:
+                    continue  # no token sequence: nothing for context parallel to cut
+                for fsdp in _divisors(world_size // (pp * tp * cp)):
+                    dp = world_size // (pp * tp * cp * fsdp)
+                    base = Plan(dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, precision=precision)
+                    reason = _refusal(base, limits, devices_per_node)
+                    if reason:
+                        dropped.append(Dropped(base, reason))
+                        continue
+                    for plan in _variants(base, offload and not limits.fsdp_error, limits):
+                        why = _refusal_of_variant(plan, batch_size, limits.stage_blocks)
+                        if why:
+                            dropped.append(Dropped(plan, why))
+                        else:
+                            plans.append(plan)
     return plans, dropped
 
 
@@ -155,6 +160,13 @@ def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:
         return f"refused: pp={plan.pp} exceeds the model's {blocks} blocks with parameters"
     if limits.fsdp_error and plan.uses_fsdp:
         return f"refused: {limits.fsdp_error}"
+    if plan.cp > 1 and limits.batchnorm:
+        return "refused: BatchNorm statistics would cover a rank's tokens only (cp)"
+    if plan.cp > 1 and limits.sequence % (2 * plan.cp):
+        return (
+            f"refused: a sequence of {limits.sequence} tokens does not cut into 2 x cp = "
+            f"{2 * plan.cp} chunks"
+        )
     return ""
 
 
@@ -249,7 +261,9 @@ def search_profile(
         else:
             need = max(e.memory.total, e.build)
             what = "does not fit" if need == e.memory.total else "its build does not fit"
-            dropped.append(Dropped(plan, f"{what}: {_gib(need)} > {_gib(hardware.device_memory)}"))
+            usable = _gib(hardware.device_memory * USABLE_MEMORY)
+            whole = f"{USABLE_MEMORY:.0%} of {_gib(hardware.device_memory)}"
+            dropped.append(Dropped(plan, f"{what}: {_gib(need)} > {usable} ({whole})"))
     # Fastest first; among equals the one with less memory, then the simpler plan.
     fitting.sort(key=lambda e: (-e.samples_per_s, e.memory.total, _complexity(e.plan)))
     return SearchResult(fitting, dropped, hardware, profile)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshfit.coupling.batch import BatchCoupling
+from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
 from meshfit.runtime.precision import Precision
 from meshfit.trees import call_model, map_tensors
@@ -122,6 +123,7 @@ class LocalRunner:
         gradient_sync: GradientSync | None = None,
         coupling: BatchCoupling | None = None,
         eager_forward_loss: Callable[[nn.Module, Any, Any], Any] | None = None,
+        sequence: Any = None,
     ) -> None:
         self.model = model
         self.gradient_sync = gradient_sync or NoGradientSync()
@@ -133,8 +135,17 @@ class LocalRunner:
         self.precision = precision
         self.microbatches = microbatches
         self.coupling = coupling
+        # context parallel's hook (parallel/context/): each micro-batch's sequences cut to
+        # this rank's tokens, its forward run with attention over the whole sequence
+        self.sequence = sequence
+        self._sequence_checked = sequence is None
 
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
+        if not self._sequence_checked:  # context parallel: the cut must keep the loss
+            from meshfit.parallel.context.probe import check_sequence_split
+
+            self._sequence_checked = True
+            check_sequence_split(self.model, self.sequence, self.probe_loss(), inputs, targets)
         micro = self.microbatches
         if micro == 1:  # the common case, without the accumulation's extra kernels
             with self.precision.autocast():
@@ -176,6 +187,12 @@ class LocalRunner:
         return set()
 
     def predict(self, inputs: Any) -> Any:
+        if self.sequence is not None:
+            raise MeshfitError(
+                "predict under context parallel is not built yet (each rank holds its "
+                "tokens' outputs); predict with a plan without cp, or load the checkpoint "
+                "in one process"
+            )
         return call_model(self.model, inputs)
 
     def from_loss_rank(self, local: torch.Tensor) -> None:
@@ -192,9 +209,12 @@ class LocalRunner:
         return loss_of
 
     def _loss(self, inputs: Any, targets: Any) -> LocalLoss:
-        if self.coupling is None:
-            return split_loss(self.forward_loss(self.model, inputs, targets))
-        with self.coupling.running(_batch_len(inputs)):
+        with contextlib.ExitStack() as stack:
+            if self.sequence is not None:
+                inputs, targets = self.sequence.local(inputs, targets)
+                stack.enter_context(self.sequence.running())
+            if self.coupling is not None:
+                stack.enter_context(self.coupling.running(_batch_len(inputs)))
             return split_loss(self.forward_loss(self.model, inputs, targets))
 
 

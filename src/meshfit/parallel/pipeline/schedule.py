@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_map_only
 
 from meshfit.coupling.batch import BatchCoupling
+from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
 from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
 from meshfit.parallel.pipeline.cut import PipelineSplit
@@ -57,6 +58,7 @@ class PipelineRunner:
     stage_loss: _StageLoss
     tied: TiedWeights | None = None  # weights the first and the last stage both hold
     coupling: BatchCoupling | None = None  # the scope each step's forward and loss run in
+    sequence: Any = None  # context parallel's hook (parallel/context/)
     pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
     foreign_state: frozenset[str] = frozenset()  # state keys another stage owns
 
@@ -119,6 +121,12 @@ class PipelineRunner:
         """The model's outputs on this rank's share (forward only, through the schedule),
         in the model's own form, on every rank of the pipeline (the last stage has them
         and broadcasts them)."""
+        if self.sequence is not None:
+            raise MeshfitError(
+                "predict under context parallel is not built yet (each rank holds its "
+                "tokens' outputs); predict with a plan without cp, or load the checkpoint "
+                "in one process"
+            )
         first = tensors_in(inputs)[0]
         args = (first,) if self.has_first else ()
         # torch's schedule calls the loss on the last stage whatever: a stand-in target
@@ -159,10 +167,15 @@ class PipelineRunner:
         # The batch's inputs reach every stage as a keyword, cut into micro-batches by
         # the schedule; the first stage's positional input is one of their tensors (a
         # stage cannot take a mapping positionally).
-        args = (tensors_in(inputs)[0],) if self.has_first else ()
-        target = targets if self.has_last else None
-        rows = tensors_in(inputs)[0].shape[0] // self.microbatches
-        with self.coupling.running(rows) if self.coupling else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if self.sequence is not None:  # the whole share cut at once: micro-batches are rows
+                inputs, targets = self.sequence.local(inputs, targets)
+                stack.enter_context(self.sequence.running())
+            args = (tensors_in(inputs)[0],) if self.has_first else ()
+            target = targets if self.has_last else None
+            rows = tensors_in(inputs)[0].shape[0] // self.microbatches
+            if self.coupling is not None:
+                stack.enter_context(self.coupling.running(rows))
             if train:
                 self.schedule.step(*args, target=target, losses=losses, model_inputs=inputs)
             else:
@@ -192,6 +205,7 @@ def build_pipeline(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     device: torch.device,
     coupling: BatchCoupling | None = None,
+    sequence: Any = None,
 ) -> PipelineRunner:
     """The PipelineStages of this rank's `stage_modules` (one per stage in split.mine,
     already replicated or sharded) and the schedule that runs them."""
@@ -222,6 +236,7 @@ def build_pipeline(
         tied=split.tied,
         foreign_state=split.foreign_state,
         coupling=coupling,
+        sequence=sequence,
     )
 
 

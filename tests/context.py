@@ -1,0 +1,236 @@
+"""Models, batches and worker runs for the context-parallel tests (tests/test_context.py):
+the zoo's families at a sequence length cp=4 can cut (16 tokens: 2 x 4 chunks of 2),
+Mistral with a sliding window shorter than the sequence, a model whose attention is
+written by hand (refused), and packed documents."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from zoo import zoo_optimizer
+
+import meshfit as mf
+
+VOCAB = 32
+LENGTH = 16
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * LENGTH,
+        )
+    )  # fmt: skip
+
+
+def qwen3() -> nn.Module:  # per-head q/k norms before the rotation
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+            max_position_embeddings=2 * LENGTH,
+        )
+    )  # fmt: skip
+
+
+def gpt2() -> nn.Module:  # learned absolute positions
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB, n_positions=2 * LENGTH, n_embd=16, n_layer=2, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+    )  # fmt: skip
+
+
+def mistral() -> nn.Module:  # a sliding window of 5 tokens, shorter than the sequence
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(
+        MistralConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+            max_position_embeddings=2 * LENGTH, sliding_window=5,
+        )
+    )  # fmt: skip
+
+
+def nanogpt() -> nn.Module:
+    from nanogpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(block_size=2 * LENGTH, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=16))
+
+
+def meshfit_gpt() -> nn.Module:
+    from meshfit.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=2 * LENGTH, n_layer=2, n_head=2, n_embd=16))
+
+
+class HandAttentionLM(nn.Module):
+    """A causal LM whose attention is written by hand with einsum and a causal mask
+    buffer, as research code sometimes is: nothing meshfit can find or swap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = 16
+        self.embed = nn.Embedding(VOCAB, width)
+        self.position = nn.Embedding(2 * LENGTH, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.head = nn.Linear(width, VOCAB)
+        self.register_buffer("causal", torch.tril(torch.ones(2 * LENGTH, 2 * LENGTH)).bool())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.shape[1]
+        x = self.embed(idx) + self.position(torch.arange(length, device=idx.device))
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = torch.einsum("btd,bsd->bts", q, k) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(~self.causal[:length, :length], float("-inf"))
+        x = x + self.out(torch.einsum("bts,bsd->btd", scores.softmax(-1), v))
+        return self.head(x)
+
+
+BUILDS = {
+    "llama": llama,
+    "qwen3": qwen3,
+    "gpt2": gpt2,
+    "mistral": mistral,
+    "nanogpt": nanogpt,
+    "gpt": meshfit_gpt,
+    "hand_attention": HandAttentionLM,
+}
+
+
+def _tokens(batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows (a collator's), -100 on the padding and a prompt."""
+    g = torch.Generator().manual_seed(90_000 + step)
+    ids = torch.zeros(batch, LENGTH, dtype=torch.long)
+    labels = torch.full((batch, LENGTH), -100)
+    mask = torch.zeros(batch, LENGTH, dtype=torch.long)
+    for i in range(batch):
+        n = int(torch.randint(LENGTH // 2, LENGTH + 1, (), generator=g))
+        ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[i, :n] = 1
+        labels[i, 2:n] = ids[i, 2:n]
+    return ids, labels, mask
+
+
+def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
+    """A batch as the family's users give it, for `loss` ("pair": mf.losses
+    cross_entropy(shift=True) on (inputs, labels); "model": the model's own loss on a
+    collator's dict; "next": a nanoGPT-style (x, next tokens))."""
+    ids, labels, mask = _tokens(batch, step)
+    if model in ("nanogpt", "gpt", "hand_attention"):
+        data = torch.cat([ids, ids[:, :1]], dim=1)
+        x, y = data[:, :-1], data[:, 1:].clone()
+        if model == "nanogpt":
+            return {"idx": x, "targets": y}, y
+        return x, y
+    if loss == "model":
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def loss_of(model: str, loss: str) -> Any:
+    if model == "nanogpt":
+        return lambda outputs, targets: outputs[1]  # the loss its forward computed
+    if model in ("gpt", "hand_attention"):
+        return lambda outputs, targets: F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+    return "model" if loss == "model" else mf.losses.cross_entropy(shift=True)
+
+
+def cp_run(spec: dict) -> dict:
+    """`spec["model"]` under `spec["plan"]` for 3 SGD steps on batches of 8 x 16 tokens
+    (float64); "loss": "pair" (default) or "model"; "packed": packed documents instead;
+    "undone_on_rank1": the negative control (rank 1 holds contiguous chunks, not its
+    load-balanced pair); "predict": engine.predict first (refused under cp)."""
+    torch.manual_seed(1234)
+    model = BUILDS[spec["model"]]().double()
+    loss = spec.get("loss", "pair")
+    with contextlib.ExitStack() as stack:
+        if spec.get("undone_on_rank1"):
+            stack.enter_context(_contiguous_on_rank1())
+        engine = mf.parallelize(
+            model, spec.get("plan"), loss_fn=loss_of(spec["model"], loss), optimizer=zoo_optimizer
+        )
+        if spec.get("predict"):
+            engine.predict(batch_of(spec["model"], loss, 0)[0])
+        losses = []
+        for step in range(3):
+            batch = (
+                packed_batch(step) if spec.get("packed") else batch_of(spec["model"], loss, step)
+            )
+            losses.append(float(engine.step(batch)))
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def many_cp_runs(specs: list[dict]) -> list[dict]:
+    from workers import runs_or_refusals
+
+    return runs_or_refusals(cp_run, specs)
+
+
+def documents(step: int, count: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(95_000 + step)
+    return [
+        torch.randint(1, VOCAB, (int(torch.randint(3, 9, (), generator=g)),), generator=g).tolist()
+        for _ in range(count)
+    ]
+
+
+def packed_batch(step: int) -> dict:
+    """8 rows of 16 tokens packed from short documents (mf.data.pack), the model's own
+    loss: a dict with input_ids, position_ids and labels."""
+    rows = mf.data.pack(documents(step, 40), LENGTH)[:8]
+    return mf.data.stack(rows)
+
+
+@contextlib.contextmanager
+def _contiguous_on_rank1():
+    import os
+    from unittest import mock
+
+    from meshfit.parallel.context import chunks
+
+    if os.environ.get("RANK") != "1":
+        yield
+        return
+
+    def contiguous(length: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+        share = length // cp
+        return torch.arange(rank * share, (rank + 1) * share, device=device)
+
+    with mock.patch.object(chunks, "local_positions", contiguous):
+        import meshfit.parallel.context as context
+
+        with mock.patch.object(context, "local_positions", contiguous):
+            yield
+
+
+def gpt_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """meshfit's GPT's token mean (a module function: verify sends it to its workers)."""
+    return F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+
+
+def cp_save_then_resume(path: str, plan: str | None, save: bool) -> list[float]:
+    """meshfit's GPT: 2 steps then a save (save=True), or a load of that checkpoint and
+    its third step (save=False), under `plan`."""
+    torch.manual_seed(1234)
+    engine = mf.parallelize(meshfit_gpt().double(), plan, loss_fn=gpt_loss, optimizer=zoo_optimizer)
+    if save:
+        losses = [float(engine.step(batch_of("gpt", "pair", step))) for step in range(2)]
+        engine.save(path)
+        return losses
+    engine.load(path)
+    return [float(engine.step(batch_of("gpt", "pair", 2)))]

@@ -1,0 +1,154 @@
+"""Context parallel (`Plan(cp=N)`): each sequence cut over N ranks (two load-balanced
+chunks each), attention over the whole sequence, positions and targets as one process
+sees them. Every run against one process on the same global batch, float64."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from context import (  # noqa: E402
+    LENGTH,
+    batch_of,
+    cp_run,
+    documents,
+    llama,
+    many_cp_runs,
+)
+from helpers import tolerance  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+from meshfit.verification.run import weight_differences  # noqa: E402
+
+RTOL = tolerance("float64")
+# transformers' causal-LM loss upcasts the logits to float32: the model's own loss value
+# sums in float32 (the weights stay float64)
+MODEL_LOSS_RTOL = 1e-5
+
+
+def distance(got: dict, ref: dict) -> tuple[float, float]:
+    losses = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    weights = max(weight_differences(got["state"], ref["state"]).values())
+    return losses, weights
+
+
+def assert_same(spec: dict, got: dict, ref: dict) -> None:
+    assert "refused" not in got, (spec, got.get("refused"))
+    losses, weights = distance(got, ref)
+    loss_rtol = MODEL_LOSS_RTOL if spec.get("loss") == "model" else RTOL
+    assert losses <= loss_rtol and weights <= RTOL, (spec, losses, weights)
+
+
+@pytest.mark.slow
+def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
+    """cp=2 on 2 workers: transformers' Llama (rotary, grouped-query attention), Qwen3
+    (q/k norms), GPT-2 (learned positions), Mistral (a sliding window of 5 over 16
+    tokens: exact), Llama with its own loss (shift_labels), nanoGPT's model.py and
+    meshfit's GPT (their own torch.arange positions and F.scaled_dot_product_attention),
+    packed documents (position_ids restarting). Controls: a model whose attention is
+    written by hand is refused by the first step's probe, naming the module; rank 1
+    holding contiguous chunks instead of its load-balanced pair is refused the same way
+    (the cut no longer keeps the loss)."""
+    specs = [
+        *({"model": m, "plan": "cp=2"} for m in ("llama", "qwen3", "gpt2", "mistral")),
+        {"model": "llama", "plan": "cp=2", "loss": "model"},
+        *({"model": m, "plan": "cp=2"} for m in ("nanogpt", "gpt")),
+        {"model": "llama", "plan": "cp=2", "loss": "model", "packed": True},
+    ]
+    controls = [
+        {"model": "hand_attention", "plan": "cp=2"},
+        {"model": "llama", "plan": "cp=2", "undone_on_rank1": True},
+        {"model": "llama", "plan": "cp=2", "predict": True},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
+    for spec, got in zip(specs, results, strict=False):
+        assert_same(spec, got, cp_run({**spec, "plan": None}))
+    hand, undone, predict = results[len(specs) :]
+    assert "context parallel cannot cut this model's sequences" in hand.get("refused", ""), hand
+    assert "out (Linear)" in hand["refused"] and "\n" not in hand["refused"]
+    assert "context parallel cannot cut this model's sequences" in undone.get("refused", "")
+    assert "predict" in predict.get("refused", "") and "\n" not in predict["refused"], predict
+
+
+@pytest.mark.slow
+def test_cp_composes_with_dp_fsdp_tp_and_pp_and_cp4() -> None:
+    """On 4 workers: cp=4 (16 tokens in 8 chunks of 2), dp x cp, fsdp x cp (FSDP2 shards
+    over fsdp x cp), cp x tp, cp x pp; Llama and nanoGPT, each the one-process run."""
+    plans = ("cp=4", "dp=2,cp=2", "fsdp=2,cp=2", "cp=2,tp=2", "cp=2,pp=2")
+    specs = [{"model": m, "plan": p} for m in ("llama", "nanogpt") for p in plans]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_cp_runs, nproc=4, args=(specs,))
+    references = {}
+    for spec, got in zip(specs, results, strict=True):
+        if spec["model"] not in references:
+            references[spec["model"]] = cp_run({**spec, "plan": None})
+        assert_same(spec, got, references[spec["model"]])
+
+
+@pytest.mark.slow
+def test_a_cp_checkpoint_resumes_in_one_process_and_under_fsdp_and_verify_says_same(
+    tmp_path,
+) -> None:
+    """A checkpoint saved under cp=2 after two steps continues in one process and under
+    fsdp=2 as the uninterrupted one-process run does (parameters are whole on every cp
+    rank; DCP reshards for FSDP2); mf.verify --plan cp=2 reads "same run"."""
+    from context import cp_save_then_resume, gpt_loss, meshfit_gpt
+
+    path = str(tmp_path / "ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = mf.launch(cp_save_then_resume, nproc=2, args=(path, "cp=2", True))
+        alone = cp_save_then_resume(path, None, False)
+        sharded = mf.launch(cp_save_then_resume, nproc=2, args=(path, "fsdp=2", False))
+        report = mf.verify(meshfit_gpt, "cp=2", batch_of("gpt", "pair", 0), loss_fn=gpt_loss)
+    whole = cp_run({"model": "gpt", "plan": None})["losses"]
+    assert first == pytest.approx(whole[:2], rel=RTOL)
+    assert alone == pytest.approx(whole[2:], rel=RTOL)
+    assert sharded == pytest.approx(whole[2:], rel=RTOL)
+    assert report.ok and report.verdict == "same run", report
+
+
+def test_packed_rows_keep_documents_apart() -> None:
+    """mf.data.pack: each document starts a row's positions again, its first token is
+    not predicted from the previous document, padding is masked; a transformers Llama on
+    the packed rows gives each document's tokens the logits it gives the document alone
+    (meshfit passes use_cache=False, without which transformers let them attend across:
+    0.06 apart), and the packed rows' loss is the documents' token mean."""
+    rows = mf.data.pack([[1, 2, 3], [4, 5, 6, 7, 8], [9]], 8)
+    assert [r["position_ids"].tolist() for r in rows] == [
+        [0, 1, 2, 0, 1, 2, 3, 4],
+        [0, 0, 1, 2, 3, 4, 5, 6],
+    ]
+    assert rows[0]["labels"].tolist() == [-100, 2, 3, -100, 5, 6, 7, 8]
+    assert rows[1]["labels"].tolist() == [-100] * 8
+    torch.manual_seed(0)
+    model = llama().double()
+    docs = documents(0, 6)
+    batch = mf.data.stack(mf.data.pack(docs, LENGTH))
+    engine = mf.parallelize(model, None, loss_fn="model")
+    packed = float(engine.evaluate(batch))
+    total = count = 0.0
+    for doc in docs:
+        ids = torch.tensor([doc])
+        out = model(input_ids=ids, labels=ids)
+        total += float(out.loss) * (len(doc) - 1)
+        count += len(doc) - 1
+    assert packed == pytest.approx(total / count, rel=1e-6)  # the loss sums in float32
+
+
+def test_a_sequence_cp_cannot_cut_is_refused_naming_the_fix() -> None:
+    """A sequence that does not cut into 2 x cp chunks is refused in one line naming
+    the fix (called as the runner calls it: one process runs no cut; prediction under cp
+    is refused in the cp=2 launch above)."""
+    from meshfit.parallel.context.chunks import check_length
+
+    check_length(16, 4)
+    with pytest.raises(mf.MeshfitError, match="multiple of 8 .*mf.data.pack"):
+        check_length(12, 4)
