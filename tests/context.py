@@ -101,8 +101,15 @@ class HandAttentionLM(nn.Module):
         return self.head(x)
 
 
+def qwen3_moe() -> nn.Module:  # a mixture of experts, its load-balancing loss on
+    from experts import qwen3_moe
+
+    return qwen3_moe()
+
+
 BUILDS = {
     "llama": llama,
+    "qwen3_moe": qwen3_moe,
     "qwen3": qwen3,
     "gpt2": gpt2,
     "mistral": mistral,

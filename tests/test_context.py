@@ -49,7 +49,11 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     (q/k norms), GPT-2 (learned positions), Mistral (a sliding window of 5 over 16
     tokens: exact), Llama with its own loss (shift_labels), nanoGPT's model.py and
     meshfit's GPT (their own torch.arange positions and F.scaled_dot_product_attention),
-    packed documents (position_ids restarting). Controls: a model whose attention is
+    packed documents (position_ids restarting), Qwen3-MoE with its load-balancing loss
+    (its router statistics summed over the cp ranks' tokens: before, each rank added the
+    loss of its own tokens, 3.4e-2 apart at the first step; the probe refused it, naming
+    attention).
+    Controls: a model whose attention is
     written by hand is refused by the first step's probe, naming the module; rank 1
     holding contiguous chunks instead of its load-balanced pair is refused the same way
     (the cut no longer keeps the loss)."""
@@ -58,6 +62,7 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         {"model": "llama", "plan": "cp=2", "loss": "model"},
         *({"model": m, "plan": "cp=2"} for m in ("nanogpt", "gpt")),
         {"model": "llama", "plan": "cp=2", "loss": "model", "packed": True},
+        {"model": "qwen3_moe", "plan": "cp=2", "loss": "model"},
     ]
     controls = [
         {"model": "hand_attention", "plan": "cp=2"},

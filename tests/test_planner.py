@@ -589,3 +589,41 @@ def test_meshfit_plan_seq_len_lengthens_the_batch_and_plans_cp(capsys, monkeypat
     out = capsys.readouterr().out
     assert "65,536 tokens per sequence" in out
     assert any(line.startswith("dp=1,cp=") or ",cp=" in line for line in out.splitlines())
+
+
+# ---- expert parallel ------------------------------------------------------------
+
+
+def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_alls():
+    """A Qwen3-MoE shape profiled on meta: its experts found (elements, the pairs each
+    layer sends: tokens x top-k x width x 2 bytes); ep=4 beside dp=4 keeps a quarter of
+    them per rank (the rest of the model whole, as dp=4 alone keeps it all); its step
+    pays the all-to-alls and saves the experts' gradient all-reduce; the search offers ep
+    for this model and not for a dense one."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    with torch.device("meta"):  # bf16: torch._grouped_mm's meta kernel takes no other
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    p = profile_model(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+    experts = 8 * (2 * 32 * 64 + 64 * 32)
+    assert p.experts == 8 and [b.expert_params for b in p.blocks] == [experts, experts]
+    assert p.blocks[0].dispatch_bytes == 16 * 2 * 64 * 2  # per sample
+    hw = dataclasses.replace(fast_net_slow_chips(), intra_node_bandwidth=1e6)
+    alone = estimate(p, Plan(dp=4), batch_size=8, hardware=hw)
+    placed = estimate(p, Plan(dp=4, ep=4), batch_size=8, hardware=hw)
+    saved = (alone.memory.parameters - placed.memory.parameters) / p.param_bytes
+    assert saved == pytest.approx(2 * experts * 3 / 4)
+    # on a slow network: the all-to-alls cost the step's critical path, and the experts'
+    # gradients, which dp=4 all-reduces whole, are not reduced at all (each on one rank)
+    assert placed.step_time.compute > alone.step_time.compute
+    assert placed.step_time.communication < alone.step_time.communication / 3
+    result = search_profile(p, 4, batch_size=8, hardware=fast_net_slow_chips())
+    assert {e.plan.ep for e in result.ranked} == {1, 2, 4}
+    assert all(e.plan.tp == e.plan.pp == 1 for e in result.ranked if e.plan.ep > 1)
+    dense = search_profile(hand_profile(), 4, batch_size=8, hardware=fast_net_slow_chips())
+    assert {e.plan.ep for e in dense.ranked} == {1}

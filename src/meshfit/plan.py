@@ -86,6 +86,9 @@ class Plan:
         attention costs every rank the same); attention gathers the keys and values of
         the cp group. Gradients are averaged over dp x fsdp x cp; FSDP2 shards over
         fsdp x cp.
+    ep: expert parallel degree: every mixture-of-experts layer's experts spread whole over
+        ep ranks, tokens sent to them (all-to-all). ep borrows its ranks from dp x fsdp
+        x cp (it does not multiply the processes) and must divide that number.
     tp: tensor-parallel degree.
     pp: pipeline-parallel stages.
     microbatches: how many micro-batches each rank's share of the global batch is cut
@@ -107,6 +110,7 @@ class Plan:
     dp: int | None = None
     fsdp: int = 1
     cp: int = 1
+    ep: int = 1
     tp: int = 1
     pp: int = 1
     microbatches: int | None = None
@@ -117,7 +121,7 @@ class Plan:
     reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "cp", "tp", "pp"):
+        for name in ("fsdp", "cp", "ep", "tp", "pp"):
             _check_positive_int(name, getattr(self, name))
         if self.dp is not None:
             _check_positive_int("dp", self.dp)
@@ -258,6 +262,29 @@ class Plan:
                 f"schedule {schedule!r} needs microbatches to be a multiple of pp={pp}, "
                 f"not {micro}; use microbatches={max(pp, micro // pp * pp)}"
             )
+        if self.ep > 1 and self.tp > 1:
+            raise MeshfitError(
+                f"ep={self.ep} does not combine with tensor parallel yet (plan {self}): tp "
+                f"splits every expert, ep places them whole; use ep with dp, fsdp or cp, "
+                f"or tp alone for the experts"
+            )
+        if self.ep > 1 and self.pp > 1:
+            # measured: a hang at the first step of dp=2,pp=2,ep=2 (torch's schedule runs
+            # each stage's forward and backward once to infer shapes, and the ranks of an
+            # ep group reached their all-to-alls in different phases)
+            raise MeshfitError(
+                f"ep={self.ep} does not combine with pipeline parallel yet (plan {self}): "
+                f"torch's pipeline schedule infers its stages' shapes with a forward and "
+                f"backward that the ranks of an ep group run apart, while ep's all-to-alls "
+                f"need them together; use ep with dp, fsdp or cp, or pp without ep"
+            )
+        loss_ranks = (self.dp or 1) * self.fsdp * self.cp
+        if self.ep > 1 and self.dp is not None and loss_ranks % self.ep:
+            raise MeshfitError(
+                f"ep={self.ep} borrows its ranks from dp x fsdp x cp = {loss_ranks} in plan "
+                f"{self}, and {self.ep} does not divide {loss_ranks}; use an ep that divides "
+                f"it, or make dp x fsdp x cp a multiple of {self.ep}"
+            )
         if not self.reshard_after_forward and self.dp is not None and not self.uses_fsdp:
             raise MeshfitError(
                 f"reshard_after_forward=False applies to sharded data parallel, but plan "
@@ -323,7 +350,7 @@ def _parse_value(key: str, raw: str) -> object:
         return None
     if key == "microbatches" and raw in ("auto", "none", "None"):
         return None
-    if key in (*DEGREES, "microbatches"):
+    if key in (*DEGREES, "ep", "microbatches"):
         try:
             return int(raw)
         except ValueError:

@@ -24,10 +24,12 @@ A dimension exists on the mesh only when its degree is above 1, except "fsdp", w
 exists whenever data parallelism runs on FSDP2 (Plan.uses_fsdp: FSDP2 given ("dp",
 "fsdp") replicates over the first and shards over the second).
 
-"ep" (expert parallel) has its place designed here (docs/architecture.md, "A new
-axis"): it borrows its ranks from the loss ranks (dp x fsdp x cp): a second mesh over
-the same ranks, (loss // ep, ep), the experts placed over "ep" and sharded or replicated
-over the rest.
+Expert parallel (`ep`) is not a dimension of the mesh: it borrows its ranks from the
+loss ranks (dp x fsdp x cp), as Megatron and torchtitan do: the loss ranks reshaped to
+(loss // ep, ep) between the pipeline and tensor dimensions, the experts spread over "ep"
+(neighbouring loss ranks: the innermost, whose links are the fastest, carry the
+all-to-alls; `ep_mesh`) and replicated over the other dimension, whose ranks sum the
+experts' gradients (`expert_replica_group`).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class Topology:
     dp_rank: int = 0  # this rank's share of it
     # Start-up lines on what meshfit chose for this plan (fit prints them)
     notes: list[str] = field(default_factory=list)
+    _experts: tuple | None = None  # expert parallel's mesh and group, made on first use
 
     @classmethod
     def create(cls, plan: Plan) -> Topology:
@@ -230,6 +233,44 @@ class Topology:
         shards = tuple(n for n in dims_with("shard") if self.has(n))
         shard = shards[0] if len(shards) == 1 else self._flat(shards).mesh_dim_names[0]
         return self.mesh[(*replicas, shard)] if replicas else self.mesh[shard]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks a layer's experts are spread over (plan.ep > 1): neighbouring loss
+        ranks, as a 1-D mesh (the experts' DTensors live on it). Collective the first
+        time: every rank asks."""
+        return self._expert_groups()[0]
+
+    @property
+    def expert_replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold the same experts (the loss ranks ep leaves), or None."""
+        return self._expert_groups()[1]
+
+    def _expert_groups(self) -> tuple[DeviceMesh, dist.ProcessGroup | None]:
+        """The loss ranks of each pipeline stage and tensor-parallel place reshaped to
+        (loss // ep, ep): "ep" spreads the experts, the other dimension replicates them.
+        Groups of their own (new_subgroups_by_enumeration), never the default group a
+        DeviceMesh reuses for a dimension over every rank: DDP's gradient all-reduces
+        run on that one during backward, in an order that depends on each rank's graph,
+        and the experts' all-to-alls in backward must not queue behind them (measured:
+        ep=2 on 2 ranks hung in backward, one rank in DDP's all-reduce, one in ep's)."""
+        if self._experts is None:
+            names = list(self.mesh.mesh_dim_names or ())
+            loss = [i for i, n in enumerate(names) if n in dims_with("loss")]
+            ranks, losses, ep = self.mesh.mesh, self.grad_average_size, self.plan.ep
+            # the loss dimensions are adjacent in MESH_ORDER: [outer | loss | inner]
+            outer = ranks.shape[: loss[0]].numel() if loss else ranks.numel()
+            grid = ranks.reshape(outer, losses // ep, ep, -1).movedim(3, 1)  # outer, inner, ..
+            spread = grid.reshape(-1, ep).tolist()
+            kept = grid.movedim(2, 3).reshape(-1, losses // ep).tolist()
+            mine, _ = dist.new_subgroups_by_enumeration(spread)
+            replicas, _ = dist.new_subgroups_by_enumeration(kept)
+            group_ranks = next(r for r in spread if self.rank in r)
+            mesh = DeviceMesh.from_group(
+                mine, self.device.type, mesh=torch.tensor(group_ranks), mesh_dim_names=("ep",)
+            )
+            self._experts = (mesh, replicas if losses // ep > 1 else None)
+        return self._experts
 
     @property
     def cp_mesh(self) -> DeviceMesh:

@@ -39,7 +39,11 @@ class BatchCoupling:
         self.topology = topology
         self.load_balancing = find_load_balancing(model)
         self.model_loss = model_loss
-        self.scope = Scope(groups=list(topology.batch_groups), pipeline=topology.plan.pp > 1)
+        self.scope = Scope(
+            groups=list(topology.batch_groups),
+            sum_groups=list(topology.loss_groups),
+            pipeline=topology.plan.pp > 1,
+        )
         self.verdict: Verdict | None = None
         config = getattr(model, "config", None)
         self._router_logits_on = bool(getattr(config, "output_router_logits", False))
@@ -76,7 +80,8 @@ class BatchCoupling:
 
     def count_step(self, inputs: Any, targets: Any, microbatches: int) -> None:
         """Before a step or evaluation: the load-balancing scale for a model's own (sum,
-        count) token loss, global count / (ranks x micro-batches) (coupling/moe.py)."""
+        count) token loss, global count / (loss ranks x micro-batches): every rank adds
+        it to its sum (coupling/moe.py)."""
         if not self.load_balancing.found:
             return
         self.refuse_under_pipeline(inputs)
@@ -84,9 +89,12 @@ class BatchCoupling:
             return
         if not self.model_loss.sums:
             return
-        local = self.model_loss.count(targets).to(torch.float64).reshape(1)
-        total = self.topology.batch_sum(local)[0]
-        self.scope.aux_scale = total / (self.topology.dp_size * microbatches)
+        # the share's whole sequences: summed over the ranks that split the batch only
+        # (context parallel's ranks hold the same samples, cut later)
+        total = self.model_loss.count(targets).to(torch.float64).reshape(1)
+        for group in self.topology.batch_groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        self.scope.aux_scale = total[0] / (self.topology.grad_average_size * microbatches)
 
     def check_first_batch(
         self,

@@ -8,14 +8,15 @@ P_i its mean router probability, both over every token of the batch and every la
 rank that forms it from its own tokens trains another run (measured: 3.3e-5 apart at
 every step under dp=2 on a tiny Qwen3-MoE). Inside meshfit's step the model's module
 calls meshfit's version instead: the same sums as transformers' function, then summed
-over the ranks that split the batch (`scope.sum_over`), so the loss is the one-process
-value and its gradient too. Outside a step (prediction, user code) the library's own
+over the ranks a loss is formed over (`scope.sum_over`: those that split the batch, and
+context parallel's, which split its sequences), so the loss is the one-process value
+and its gradient too. Outside a step (prediction, user code) the library's own
 function runs.
 
 The (sum, count) normalisation of a model's own token loss (losses.ModelOwnLoss: the
 model sums its token losses and meshfit divides by the global count) would divide the
 load-balancing term by the token count too; the step's `Scope.aux_scale` multiplies it
-by (global count / ranks / micro-batches) first, which leaves it as the model wrote it:
+by (global count / loss ranks / micro-batches) first, which leaves it as the model wrote it:
 the token mean plus the coefficient times the load-balancing loss.
 """
 
@@ -55,6 +56,27 @@ class LoadBalancing:
         saved = [(m, getattr(m, FUNCTION)) for m in self.modules]
         for module, original in saved:
             setattr(module, FUNCTION, _global_version(original, module.__name__))
+        try:
+            yield
+        finally:
+            for module, original in saved:
+                setattr(module, FUNCTION, original)
+
+    @contextlib.contextmanager
+    def left_out(self) -> Iterator[None]:
+        """The load-balancing loss as zero while the block runs: context parallel's probe
+        compares the model's reading of a sequence, whole and cut, without it (it is
+        meshfit's own sum over the ranks, tested apart; a rank's window alone would form
+        it from other tokens than the step does)."""
+        saved = [(m, getattr(m, FUNCTION)) for m in self.modules]
+
+        def zero(gate_logits: Any, *args: Any, **kwargs: Any) -> Any:
+            if gate_logits is None or not isinstance(gate_logits, tuple) or not gate_logits:
+                return 0
+            return gate_logits[0].new_zeros(())
+
+        for module, _ in saved:
+            setattr(module, FUNCTION, zero)
         try:
             yield
         finally:

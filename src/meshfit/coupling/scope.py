@@ -43,6 +43,8 @@ class Scope:
 
     groups: the process groups the global batch is split over, outermost first (dp,
         then fsdp: the order of the ranks' shares in the global batch).
+    sum_groups: those a summed statistic is summed over: the batch's, and context
+        parallel's (each of its ranks holds a part of every sequence's tokens).
     rows: the samples of this rank's running micro-batch (in-batch products are found
         by it).
     aux_scale: what a load-balancing loss is multiplied by so that meshfit's (sum,
@@ -55,6 +57,7 @@ class Scope:
     """
 
     groups: list[dist.ProcessGroup] = field(default_factory=list)
+    sum_groups: list[dist.ProcessGroup] = field(default_factory=list)
     rows: int | None = None
     aux_scale: torch.Tensor | float = 1.0
     products: bool = False
@@ -99,14 +102,14 @@ def gather_rows(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
 
 
 def sum_over(x: torch.Tensor, what: str) -> torch.Tensor:
-    """`x` summed over the scope's batch groups, its gradient summed back to every rank.
-    Outside a scope: `x`."""
+    """`x` summed over the scope's loss groups (the batch's and the sequence's), its
+    gradient summed back to every rank. Outside a scope: `x`."""
     scope = current()
     if scope is None:
         return x
     scope.met.add(what)
     if scope.replay is not None:
         return scope.replay.total(x)
-    for group in scope.groups:
+    for group in scope.sum_groups:
         x = SumOver.apply(x, group)
     return x

@@ -3,8 +3,9 @@
 gradient and returns it to the rank that holds the value. torch.distributed.nn's autograd
 all_gather and all_reduce did the same but are deprecated in torch 2.13, and the
 functional collectives' autograd variants are private and reduce-scatter, which gloo (CPU
-workers) does not run. Used by coupling/ (the global batch's rows and statistics) and
-context/ (the sequence's keys and values)."""
+workers) does not run. Used by coupling/ (the global batch's rows and statistics),
+context/ (the sequence's keys and values) and experts.py (tokens to their experts' ranks
+and back: `all_to_all`)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,33 @@ class SumOver(torch.autograd.Function):
         total = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
         return total, None
+
+
+def all_to_all(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """torch's all_to_all_single over the rows of `x` (`input_splits[r]` rows to rank r,
+    `output_splits[r]` from it), with the backward sending each row's gradient back the
+    way it came. torch.distributed.nn's autograd all_to_all did the same and is
+    deprecated; the functional collectives' one is private."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        back = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(
+            back, grad.contiguous(), input_splits, output_splits, group=ctx.group
+        )
+        return back, None, None, None

@@ -99,6 +99,7 @@ class Build:
     split: Any = None  # the pipeline cut (PipelineSplit), under pp
     modules: list[nn.Module] = field(default_factory=list)  # the parts, wrapped
     sequence: Any = None  # context parallel's runner hook (parallel/context/)
+    experts: Any = None  # expert parallel's placement and gradients (parallel/experts.py)
     runner: Runner | None = None
 
     @property
@@ -212,6 +213,14 @@ def _context_parallel(b: Build) -> None:
     b.sequence = SequenceSplit(b.model, b.topology, b.options.loss_fn)
 
 
+def _expert_parallel(b: Build) -> None:
+    """Every experts module's experts spread whole over the ep ranks, tokens sent to them
+    (parallel/experts.py); after the pipeline cut, so a rank places only its stages'."""
+    from meshfit.parallel.experts import ExpertParallel
+
+    b.experts = ExpertParallel(b.model, b.topology)
+
+
 def _pipeline_cut(b: Build) -> None:
     """The model pruned in place to this rank's stages before any sharding, so each rank
     shards / replicates only what it keeps (torchtitan's pipeline_llm cuts first too);
@@ -256,7 +265,8 @@ def _data_parallel(b: Build) -> None:
     if not b.parts:  # no pipeline: the whole model is the one part
         model = b.model
         b.parts = [ModelPart(units=_blocks_or_none(model), make_module=lambda: model)]
-    b.modules = apply_data_parallel(b.parts, b.topology, b.precision, b.values)
+    placed = set(b.experts.parameters) if b.experts is not None else set()
+    b.modules = apply_data_parallel(b.parts, b.topology, b.precision, b.values, placed)
     if b.split is not None and b.plan.uses_fsdp and not b.plan.defers_stage_reduction:
         from meshfit.parallel.fsdp import reduced_per_block
 
@@ -279,6 +289,7 @@ def _runner(b: Build) -> None:
             device=b.topology.device,
             coupling=b.coupling,
             sequence=b.sequence,
+            experts=b.experts,
         )
         b.modules = [b.model]  # what runs forward: this rank's pruned model
         return
@@ -296,6 +307,7 @@ def _runner(b: Build) -> None:
         coupling=b.coupling,
         eager_forward_loss=forward_loss,
         sequence=b.sequence,
+        experts=b.experts,
     )
 
 
@@ -313,6 +325,7 @@ FORMS: tuple[Form, ...] = (
     Form("recomputation", lambda b: b.plan.checkpointing != "none", _recomputation),
     Form("context parallel", lambda b: b.plan.cp > 1, _context_parallel),
     Form("pipeline cut", lambda b: b.plan.pp > 1, _pipeline_cut),
+    Form("expert parallel", lambda b: b.plan.ep > 1, _expert_parallel),
     Form("data parallel", lambda b: True, _data_parallel),
     Form("runner", lambda b: True, _runner),
     Form("checkpoint as weights", lambda b: b.values.checkpoint is not None, _values_last),
@@ -347,6 +360,7 @@ def apply_data_parallel(
     topology: Topology,
     precision: Precision,
     values: ModelValues | None = None,
+    placed: set[nn.Parameter] = frozenset(),
 ) -> list[nn.Module]:
     """Shard (FSDP2) or replicate (DDP) each part over the data-parallel ranks; the one
     path for whole models and pipeline stages alike. Returns the parts' modules. A meta
@@ -370,6 +384,7 @@ def apply_data_parallel(
                 precision,
                 device,
                 pipeline_stage=part.pipeline_stage,
+                ignored=placed,
             )
         else:
             module = part.make_module()
@@ -377,7 +392,11 @@ def apply_data_parallel(
                 from meshfit.parallel.ddp import replicate
 
                 module = replicate(
-                    module, topology.replica_group, device, pipeline_stage=part.pipeline_stage
+                    module,
+                    topology.replica_group,
+                    device,
+                    pipeline_stage=part.pipeline_stage,
+                    ignored=placed,
                 )
         modules.append(module)
     if values is not None and sharded:

@@ -18,6 +18,7 @@ def replicate(
     device: torch.device,
     *,
     pipeline_stage: bool = False,
+    ignored: set[nn.Parameter] = frozenset(),
 ) -> nn.Module:
     """Wrap `module` in DDP over `group` (the data-parallel replicas: Topology's "dp"
     group). DDP broadcasts rank 0's parameters and buffers at construction, so every
@@ -39,6 +40,9 @@ def replicate(
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         options[name] = False
+    if ignored:  # expert parallel's parameters: it reduces their gradients itself
+        names = [n for n, p in module.named_parameters() if p in ignored]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
     ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group, **options)
     if pipeline_stage:
         ddp.require_backward_grad_sync = False

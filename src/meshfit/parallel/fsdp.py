@@ -38,6 +38,7 @@ def shard_part(
     device: torch.device,
     *,
     pipeline_stage: bool = False,
+    ignored: set[nn.Parameter] = frozenset(),
 ) -> nn.Module:
     """Make each of `units` (that has parameters) its own FSDP unit, then put a root
     unit over the part's module, made by `make_module` once the units are sharded (a
@@ -65,12 +66,13 @@ def shard_part(
     module that holds no units (a parameter registered on the model itself) stays as it
     is."""
     options = _options(plan, precision, device)
-    scalars = _scalar_parameters(units, make_module)
+    scalars = _scalar_parameters(units, make_module) - set(ignored)
     if scalars:
-        options["ignored_params"] = scalars
         _average_gradients(scalars, mesh)
+    if scalars or ignored:  # `ignored`: expert parallel's, which it reduces itself
+        options["ignored_params"] = scalars | set(ignored)
     gathered = {**options, "reshard_after_forward": False}
-    sharded = [u for u in units if any(True for _ in u.parameters())]
+    sharded = [u for u in _callable(units) if any(True for _ in u.parameters())]
     for i, unit in enumerate(sharded):
         last = i == len(sharded) - 1 and not pipeline_stage
         fully_shard(unit, mesh=mesh, **(gathered if last else options))
@@ -83,6 +85,19 @@ def shard_part(
         del options["reshard_after_forward"]  # FSDP2's root default: kept gathered
     fully_shard(module, mesh=mesh, **options)
     return module
+
+
+def _callable(units: list[nn.Module]) -> list[nn.Module]:
+    """The units, a container among them (a block kept as an nn.ModuleDict of its
+    layers, which fully_shard refuses: "containers that do not implement forward")
+    replaced by its children, recursively."""
+    out: list[nn.Module] = []
+    for unit in units:
+        if isinstance(unit, (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)):
+            out.extend(_callable(list(unit.children())))
+        else:
+            out.append(unit)
+    return out
 
 
 def _scalar_parameters(

@@ -24,12 +24,15 @@ accounting, Rajbhandari et al. 2020; activations as counted in the profile):
   time with it (the gather is re-run in backward); and the additive mask of the rank's
   queries over the whole sequence, one per micro-batch in flight (S/cp x S in the
   compute dtype: quadratic in S, the price of an exact mask on any device). FSDP2 shards
-  over fsdp x cp.
+  over fsdp x cp. Expert parallel (ep) keeps 1/ep of every experts module whole (outside
+  FSDP2), the rest as the plan says.
 
 Time per step: the rank's FLOPs (forward, backward = 2 forwards, recomputation = one more)
 at the hardware's achieved matmul rate; tensor parallel's all-reduces (on the critical
-path); the pipeline's bubble ((pp - 1) micro-batch times, halved by interleaving); data
-parallel's gradient reduction and FSDP's gathers minus what hides behind computation
+path); context parallel's K/V gathers and expert parallel's all-to-alls (each MoE layer
+sends its (token, expert) pairs' hidden states out and back, forward and backward: on the
+critical path); the pipeline's bubble ((pp - 1) micro-batch times, halved by
+interleaving); data parallel's gradient reduction (the experts' over the ranks ep leaves) and FSDP's gathers minus what hides behind computation
 (all but the last bucket / block when the computation is longer); the optimizer step
 (memory-bound). Collectives cost 2(n-1)/n (all-reduce) or (n-1)/n (gather, scatter) of
 their bytes over the group's bandwidth, inside a node or across (mesh order pp, dp, fsdp,
@@ -335,6 +338,9 @@ def _rank_memory(
     if first and last:
         rest -= profile.tied_params  # one stage: a tied weight is one tensor
     local = (block_params + rest) / _shards(plan)
+    if plan.ep > 1:  # the experts: whole, 1/ep of them per rank, outside FSDP2
+        experts = sum(p.expert_params for p in parts)
+        local += experts / plan.ep - experts / _shards(plan)
     cbytes = _compute_bytes(plan, profile)
     memory = MemoryEstimate(
         parameters=local * profile.param_bytes,
@@ -421,6 +427,14 @@ def _kv_bytes(part: PartCost, profile: ModelProfile) -> float:
     return 2 * part.input_bytes
 
 
+def _ep_collective(hw: Hardware, plan: Plan, nbytes: float) -> float:
+    """An all-to-all of `nbytes` per rank over the ep group: neighbouring loss ranks
+    (topology.py), tp ranks apart; each rank keeps 1/ep of its bytes."""
+    span, stride = plan.ep * plan.tp, plan.tp
+    n = plan.ep
+    return (n - 1) / n * nbytes / hw.group_bandwidth(span, stride) + hw.latency
+
+
 def _shards(plan: Plan) -> int:
     """The ranks a parameter is sharded over: FSDP2 shards over fsdp x cp."""
     return plan.fsdp * plan.cp if plan.uses_fsdp else plan.fsdp
@@ -480,6 +494,11 @@ def _add_time(
             calls = p.tp_reductions * (2 + (1 if plan.checkpointing == "full" else 0))
             nbytes = p.input_bytes * tokens * act_scale
             t_mb += calls * _collective(hw, plan, "tp", nbytes, 2.0)
+            if plan.ep > 1 and p.dispatch_bytes:  # tokens to their experts and back,
+                # forward and backward (the forward again when recomputed)
+                pairs = p.dispatch_bytes * tokens * act_scale
+                passes = 2 + (plan.checkpointing != "none")
+                t_mb += 2 * passes * _ep_collective(hw, plan, pairs)
             if plan.cp > 1:  # K/V gathered (forward; again when recomputed), their
                 # gradient summed back (backward)
                 kv = _kv_bytes(p, profile) * mb * act_scale
@@ -505,8 +524,14 @@ def _add_time(
     bubble = (plan.pp - 1) * t_mb * share if plan.pp > 1 else 0.0
     compute = m * t_mb
     # data parallel
-    grad_bytes = params * GRADIENT_BYTES
     comm, hidden_behind = 0.0, 0.0
+    if plan.ep > 1:  # the experts: neither gathered nor reduced by FSDP2/DDP; 1/ep of
+        # their gradients summed over the ranks ep leaves
+        experts = sum(b.expert_params for b in profile.blocks) / plan.pp
+        params -= experts
+        replicas = (plan.dp or 1) * plan.fsdp * plan.cp // plan.ep
+        comm += _collective(hw, plan, "dp", experts / plan.ep * GRADIENT_BYTES, 2.0, replicas)
+    grad_bytes = params * GRADIENT_BYTES
     shards = _shards(plan)
     if plan.uses_fsdp:
         gathers = 2 if plan.reshard_after_forward else 1

@@ -32,17 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.experts import find_expert_layers
 from meshfit.parallel.recompute import _SAVE as SELECTIVE_KEEPS
+from meshfit.planner.fused_attention import FusedAttention
 from meshfit.trees import map_tensors, tensors_in
 
 
@@ -60,6 +60,8 @@ class PartCost:
     kept_selective_split: float = 0.0
     input_bytes: float = 0.0  # the part's input ("full" recomputation keeps it; stages send it)
     attention_kv_bytes: float = 0.0  # keys and values its attention reads (cp gathers them)
+    expert_params: int = 0  # elements of its experts' weights (of `params`; ep places them)
+    dispatch_bytes: float = 0.0  # its (token, expert) pairs' hidden states (ep sends them)
     tp_share: float = 0.0  # fraction of `params` tensor parallel splits
     tp_reductions: int = 0  # all-reduces of a tp forward (row-parallel outputs)
     tp_projections: int = 0  # layers tp splits (each a DTensor dispatch, forward and backward)
@@ -83,6 +85,7 @@ class ModelProfile:
     tokens_per_sample: int
     param_bytes: int  # element size of the parameters (4: fp32)
     tp_error: str | None = None  # why tensor parallel cannot split this model
+    experts: int = 0  # experts per mixture-of-experts layer (the fewest; 0: none)
     pp_error: str | None = None  # why meshfit's pipeline cut refuses it
     own_weights_error: str | None = None  # why FSDP2 (and tp) cannot replace its weights
     has_batchnorm: bool = False  # micro-batches would each be normalised alone
@@ -264,6 +267,16 @@ def _profile(
             part.kept_selective_split += _nbytes(t)
 
     handles = []
+    for layer in find_expert_layers(model):  # expert parallel's traffic: the pairs it sends
+
+        def dispatched(module: nn.Module, args: tuple) -> None:
+            if len(args) >= 2 and torch.is_tensor(args[0]) and torch.is_tensor(args[1]):
+                pairs = args[1].numel()
+                parts[current[0]].dispatch_bytes += (
+                    pairs * args[0].shape[-1] * args[0].element_size()
+                )
+
+        handles.append(layer.module.register_forward_pre_hook(dispatched))
     for i, (key, block) in enumerate(zip(keys, stack.blocks, strict=True)):
         nxt = keys[i + 1] if i + 1 < len(keys) else "tail"
         handles.append(block.register_forward_pre_hook(before(key), with_kwargs=True))
@@ -274,7 +287,7 @@ def _profile(
     def attended(nbytes: int) -> None:
         parts[current[0]].attention_kv_bytes += nbytes
 
-    attention = _FusedAttention(on_meta, counter, attended)
+    attention = FusedAttention(on_meta, counter, attended)
     try:
         with (
             _repeats_skipped(stack, active=on_meta) as repeats,
@@ -306,6 +319,7 @@ def _profile(
         tied_params=tied,
         output_bytes=output_bytes / samples,
         tokens_per_sample=tokens,
+        experts=min((layer.experts for layer in find_expert_layers(model)), default=0),
         param_bytes=next(model.parameters()).element_size(),
         block_kind=type(stack.blocks[0]).__name__ if keys else "",
         own_weights_error=(
@@ -416,6 +430,12 @@ def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) 
     for key, block in zip(stack.keys, stack.blocks, strict=True):
         unique = {id(p): p for p in block.parameters()}
         parts[key].params = sum(p.numel() for p in unique.values())
+        experts = {
+            id(p): p
+            for layer in find_expert_layers(block)
+            for p in layer.module.parameters(recurse=False)
+        }
+        parts[key].expert_params = sum(p.numel() for p in experts.values())
         parts[key].trains = any(p.requires_grad for p in unique.values())
         in_blocks.update(unique)
     # Outside the blocks: a parameter belongs to the head if a module that runs before
@@ -492,6 +512,7 @@ def _per_sample(part: PartCost, samples: int) -> PartCost:
         "kept_selective_split",
         "input_bytes",
         "attention_kv_bytes",
+        "dispatch_bytes",
     ):
         if name == "ops":
             continue
@@ -513,55 +534,8 @@ def _device_of(model: nn.Module) -> torch.device:
     raise MeshfitError(f"{type(model).__name__} has no parameters: there is nothing to plan")
 
 
-class _FusedAttention(TorchFunctionMode):
-    """On `meta`, run scaled_dot_product_attention as the fused memory-efficient kernel
-    (see the module doc). Elsewhere the call goes through unchanged, and its FLOPs are
-    added by hand where FlopCounterMode has no formula for the kernel (CPU's)."""
-
-    def __init__(
-        self, active: bool, counter: FlopCounterMode, attended: Callable[[int], None]
-    ) -> None:
-        super().__init__()
-        self.active = active
-        self.counter = counter
-        self.attended = attended  # told the bytes of each call's keys and values
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        self.attended(_nbytes(args[1]) + _nbytes(args[2]))
-        if not self.active:
-            before = sum(self.counter.get_flop_counts().get("Global", {}).values())
-            out = func(*args, **kwargs)
-            if sum(self.counter.get_flop_counts().get("Global", {}).values()) == before:
-                q, k = args[0], args[1]
-                flops = 4 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
-                self.counter.flop_counts["Global"][_HAND_COUNTED] += flops
-            return out
-        query, key, value = args[:3]
-        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-        scale = kwargs.get("scale")
-        if key.shape[-3] != query.shape[-3]:  # grouped-query attention: heads repeat
-            repeat = query.shape[-3] // key.shape[-3]
-            key = key.repeat_interleave(repeat, dim=-3)
-            value = value.repeat_interleave(repeat, dim=-3)
-        if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-        if mask is not None:
-            mask = mask.expand(*query.shape[:-1], key.shape[-2])
-        out = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, mask, True, 0.0, bool(causal), scale=scale
-        )
-        return out[0]
-
-
 # Operators besides views that launch no kernel.
 _NO_KERNEL = {torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default}
-
-
-_HAND_COUNTED = "scaled_dot_product_attention (counted by meshfit)"
 
 
 class _SelectiveOutputs(TorchDispatchMode):

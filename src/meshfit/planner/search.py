@@ -96,6 +96,7 @@ class ModelLimits:
     fsdp_error: str | None = None  # FSDP2 cannot replace its weights
     batchnorm: bool = False  # one micro-batch only (meshfit refuses more)
     sequence: int = 1  # tokens per sample (1: no token sequence to cut)
+    experts: int = 0  # experts per MoE layer (0: nothing for expert parallel to place)
 
     @classmethod
     def of(cls, profile: ModelProfile) -> ModelLimits:
@@ -108,6 +109,7 @@ class ModelLimits:
             fsdp_error=profile.own_weights_error,
             batchnorm=profile.has_batchnorm,
             sequence=profile.tokens_per_sample,
+            experts=profile.experts,
         )
 
 
@@ -126,22 +128,40 @@ def candidate_plans(
     for pp in _divisors(world_size):
         for tp in _divisors(world_size // pp):
             for cp in _divisors(world_size // (pp * tp)):
-                if cp > 1 and limits.sequence <= 1:
-                    continue  # no token sequence: nothing for context parallel to cut
+                if cp > 1 and limits.sequence < CP_FROM_TOKENS:
+                    continue  # no long token sequence: cp costs more than it saves
                 for fsdp in _divisors(world_size // (pp * tp * cp)):
                     dp = world_size // (pp * tp * cp * fsdp)
-                    base = Plan(dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, precision=precision)
-                    reason = _refusal(base, limits, devices_per_node)
-                    if reason:
-                        dropped.append(Dropped(base, reason))
-                        continue
-                    for plan in _variants(base, offload and not limits.fsdp_error, limits):
-                        why = _refusal_of_variant(plan, batch_size, limits.stage_blocks)
-                        if why:
-                            dropped.append(Dropped(plan, why))
-                        else:
-                            plans.append(plan)
+                    for ep in _expert_degrees(dp * fsdp * cp, tp, pp, limits):
+                        base = Plan(
+                            dp=dp, fsdp=fsdp, cp=cp, ep=ep, tp=tp, pp=pp, precision=precision
+                        )
+                        reason = _refusal(base, limits, devices_per_node)
+                        if reason:
+                            dropped.append(Dropped(base, reason))
+                            continue
+                        for plan in _variants(base, offload and not limits.fsdp_error, limits):
+                            why = _refusal_of_variant(plan, batch_size, limits.stage_blocks)
+                            if why:
+                                dropped.append(Dropped(plan, why))
+                            else:
+                                plans.append(plan)
     return plans, dropped
+
+
+# Context parallel is searched from this many tokens per sequence: below it each rank's
+# K/V gathers and its share of the exact mask cost more than the activations it saves
+# (BENCHMARKS.md, "Context parallel"), and the search over 1,024 GPUs took 20 s with cp
+# at every length, 3 s without.
+CP_FROM_TOKENS = 4096
+
+
+def _expert_degrees(loss_ranks: int, tp: int, pp: int, limits: ModelLimits) -> list[int]:
+    """ep=1, and for a mixture of experts each ep that divides both the loss ranks it
+    borrows and the experts (meshfit builds ep beside dp, fsdp and cp: not tp or pp)."""
+    if not limits.experts or tp > 1 or pp > 1:
+        return [1]
+    return [e for e in _divisors(loss_ranks) if limits.experts % e == 0]
 
 
 def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:

@@ -124,6 +124,7 @@ class LocalRunner:
         coupling: BatchCoupling | None = None,
         eager_forward_loss: Callable[[nn.Module, Any, Any], Any] | None = None,
         sequence: Any = None,
+        experts: Any = None,
     ) -> None:
         self.model = model
         self.gradient_sync = gradient_sync or NoGradientSync()
@@ -139,13 +140,26 @@ class LocalRunner:
         # this rank's tokens, its forward run with attention over the whole sequence
         self.sequence = sequence
         self._sequence_checked = sequence is None
+        # expert parallel (parallel/experts.py): its experts' gradients, reduced once the
+        # step's last backward is done
+        self.experts = experts
 
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
+        result = self._train(inputs, targets)
+        if self.experts is not None:
+            self.experts.reduce_gradients()
+        return result
+
+    def _train(self, inputs: Any, targets: Any) -> LocalLoss:
         if not self._sequence_checked:  # context parallel: the cut must keep the loss
             from meshfit.parallel.context.probe import check_sequence_split
 
             self._sequence_checked = True
-            check_sequence_split(self.model, self.sequence, self.probe_loss(), inputs, targets)
+            balancing = self.coupling.load_balancing if self.coupling is not None else None
+            left_out = balancing.left_out() if balancing is not None and balancing.found else None
+            check_sequence_split(
+                self.model, self.sequence, self.probe_loss(), inputs, targets, left_out
+            )
         micro = self.microbatches
         if micro == 1:  # the common case, without the accumulation's extra kernels
             with self.precision.autocast():

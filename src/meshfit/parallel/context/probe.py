@@ -20,6 +20,7 @@ vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,9 +42,12 @@ def check_sequence_split(
     run_loss: Callable[[Any, Any], tuple[torch.Tensor, torch.Tensor | None]],
     inputs: Any,
     targets: Any,
+    left_out: Any = None,
 ) -> None:
     """Refuse (one line, on every rank alike) a model whose loss the sequence cut changes.
-    `run_loss(inputs, targets)` is the runner's forward and loss of one micro-batch."""
+    `run_loss(inputs, targets)` is the runner's forward and loss of one micro-batch;
+    `left_out`, a context both runs go in (a load-balancing loss as zero: meshfit's own,
+    coupling/moe.py)."""
     from meshfit.parallel.context import _sequence_length
 
     length = _sequence_length(inputs)
@@ -51,7 +55,7 @@ def check_sequence_split(
     recorded: dict[str, list[torch.Tensor]] = {}
     seen: dict[str, list[torch.Tensor]] = {}
     difference, dtype = 0.0, None
-    with held_still(model):
+    with held_still(model), left_out or contextlib.nullcontext():
         for start in dict.fromkeys((0, length - width)):  # the row's start, else its end
             row = (_window(inputs, length, start, width), _window(targets, length, start, width))
             recorded.clear()

@@ -59,6 +59,7 @@ class PipelineRunner:
     tied: TiedWeights | None = None  # weights the first and the last stage both hold
     coupling: BatchCoupling | None = None  # the scope each step's forward and loss run in
     sequence: Any = None  # context parallel's hook (parallel/context/)
+    experts: Any = None  # expert parallel's gradients, reduced after the step (experts.py)
     pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
     foreign_state: frozenset[str] = frozenset()  # state keys another stage owns
 
@@ -104,6 +105,8 @@ class PipelineRunner:
         result = self._run(inputs, targets, train=True)
         if self.tied is not None:
             self.tied.sum_gradients()
+        if self.experts is not None:
+            self.experts.reduce_gradients()
         return result
 
     def probe_loss(self) -> None:
@@ -206,6 +209,7 @@ def build_pipeline(
     device: torch.device,
     coupling: BatchCoupling | None = None,
     sequence: Any = None,
+    experts: Any = None,
 ) -> PipelineRunner:
     """The PipelineStages of this rank's `stage_modules` (one per stage in split.mine,
     already replicated or sharded) and the schedule that runs them."""
@@ -237,6 +241,7 @@ def build_pipeline(
         foreign_state=split.foreign_state,
         coupling=coupling,
         sequence=sequence,
+        experts=experts,
     )
 
 
