@@ -295,3 +295,23 @@ def test_run_config_starts_the_workers_with_torchrun_options_passed(tmp_path) ->
     assert "plan:" not in result.stdout  # redirected
     rank0 = list(logs.glob("**/attempt_0/0/stdout.log"))
     assert len(rank0) == 1 and "plan: dp=2" in rank0[0].read_text()
+
+
+def test_a_save_under_a_rank_guard_and_a_raising_rank_are_named(tmp_path) -> None:
+    """`meshfit run` of a script that saves under `if engine.rank == 0:`: one meshfit line
+    naming the call and the fix (it was gloo's "Connection closed by peer" traceback,
+    then "worker rank 0 exited with code 1 without raising an exception", which was
+    false). A rank raising its own error is named with it, its traceback kept."""
+    script = os.path.join(SCRIPTS, "guarded_save.py")
+    guarded = meshfit("run", "--nproc", "2", script, str(tmp_path / "out"), timeout=120)
+    assert guarded.returncode == 2, guarded.stderr
+    line = guarded.stderr.strip().splitlines()[-1]
+    assert line.startswith("meshfit: error: engine.save_model is called by every rank"), line
+    assert "rank 1 had ended its script" in line and "if engine.rank == 0:" in line, line
+    raised = meshfit("run", "--nproc", "2", script, str(tmp_path / "out"), "raise", timeout=120)
+    assert raised.returncode == 1, raised.stderr
+    assert "RuntimeError: an error of the script's own" in raised.stderr  # the traceback
+    assert raised.stderr.strip().splitlines()[-1] == (
+        "meshfit: worker rank 0 raised RuntimeError: an error of the script's own; its "
+        "traceback is above"
+    ), raised.stderr

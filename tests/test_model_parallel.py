@@ -11,10 +11,10 @@ from helpers import assert_same_run, check_against_one_process, make_spec
 from workers import (
     GPT4,
     TINY_GPT,
-    balance_run,
     build,
     dropout_tp_runs,
     engine_run,
+    many_balance_runs,
     many_engine_runs,
     skewed_sequential,
 )
@@ -92,12 +92,17 @@ def test_pipeline_cuts_balance_forward_flops() -> None:
     assert max(balanced) < max(by_count), (balanced, by_count)
     # Through parallelize on 2 workers: rank 0's count sets the cut, and the run
     # still trains like one process (losses equal whatever the cut).
-    got = mf.launch(balance_run, nproc=2, args=(True,))
+    # Without example_inputs the engine builds on its first batch's micro-batch, and
+    # counts FLOPs on it; by parameter count only when it is read before any batch.
+    got, first, by_params = mf.launch(
+        many_balance_runs, nproc=2, args=(["given", "first batch", "none"],)
+    )
     assert got["costs"].unit == "flops" and got["starts"] == [0, 1], got["describe"]
     assert got["describe"].startswith("pipeline cut by forward FLOPs: stage 0: blocks 0-0 (")
-    by_params = mf.launch(balance_run, nproc=2, args=(False,))
+    assert first["costs"].unit == "flops" and first["starts"] == [0, 1], first["describe"]
     assert by_params["costs"].unit == "params" and by_params["starts"] == [0, 1]
     assert got["losses"] == pytest.approx(by_params["losses"], rel=1e-5)
+    assert first["losses"] == pytest.approx(got["losses"], rel=1e-5)
 
 
 def test_pipeline_stages_send_activations_that_are_not_contiguous() -> None:

@@ -1,8 +1,8 @@
 """The model zoo matrix: every family of `zoo.py` (transformers, among them Qwen2-MoE,
-Mamba, Whisper and ConvNeXt; peft LoRA, Keras 3, nanoGPT, timm, torchvision-style vision
-code, meshfit's own; and losses that couple the samples of a batch: CLIP, SigLIP,
-sentence pairs with in-batch negatives, Qwen3-MoE and Mixtral with their load-balancing
-loss) under dp, fsdp, tp, pp and a 2-D plan, against one process.
+Mamba, Whisper, ConvNeXt and Falcon; peft LoRA, Keras 3, nanoGPT, timm (ViT, ConvNeXt),
+torchvision-style vision code, meshfit's own; and losses that couple the samples of a
+batch: CLIP, SigLIP, sentence pairs with in-batch negatives, Qwen3-MoE and Mixtral with
+their load-balancing loss) under dp, fsdp, tp, pp and a 2-D plan, against one process.
 Every cell either trains the one-process run (losses and final weights) or is refused
 with one meshfit line naming the cause; none trains another run. Each column is one
 launch of workers running all its cells."""
@@ -39,7 +39,9 @@ REFUSED = {
     # Keras keeps its layers' weights in one table of the model: nothing to cut or split
     ("keras_mlp", "tp=2"): "nothing to split in Sequential: it is a Keras model",
     # a state-space block: its scan reads every channel through exp(A_log), no pair to cut
-    ("mamba", "tp=2"): "nothing to split in MambaForCausalLM",
+    # (named: A_log, and in_proj's split output meeting x_proj's reduced one in out_proj)
+    ("mamba", "tp=2"): "in_proj's split output meets x_proj's output (whole on every rank) "
+    "in out_proj",
     **{
         ("keras_mlp", p): "blocks in Sequential: it is a Keras model" for p in ("pp=2", "dp=2,pp=2")
     },

@@ -592,16 +592,20 @@ def skewed_sequential() -> torch.nn.Sequential:
     return torch.nn.Sequential(*heavy, *light)
 
 
-def balance_run(measured: bool) -> dict:
-    """Cut the skewed model over pp=2; report cut points and stage costs."""
+def balance_run(example: str) -> dict:
+    """Cut the skewed model over pp=2; report cut points and stage costs. `example`:
+    "given" (example_inputs), "first batch" (none: the engine builds on its first
+    batch), "none" (none, and the runner read before any batch)."""
     model = skewed_sequential()
     x = torch.randn(256, 64)
     engine = mf.parallelize(
         model,
         "pp=2",
         loss_fn=F.mse_loss,
-        example_inputs=x[:64] if measured else None,
+        example_inputs=x[:64] if example == "given" else None,
     )
+    if example == "none":
+        engine.runner  # noqa: B018 - built now, with no example to count FLOPs on
     losses = [float(engine.step((x, torch.zeros(256, 64)))) for _ in range(2)]
     pipe = engine.runner
     return {
@@ -610,6 +614,10 @@ def balance_run(measured: bool) -> dict:
         "describe": pipe.describe(),
         "losses": losses,
     }
+
+
+def many_balance_runs(examples: list[str]) -> list[dict]:
+    return [balance_run(example) for example in examples]
 
 
 def llama_config(**overrides):
@@ -940,6 +948,8 @@ def lm_run(spec: dict) -> dict:
     options = dict(spec.get("options", {}))
     if spec.get("plan") is None:  # the one-process reference: no form to split for
         options = {k: v for k, v in options.items() if k not in ("tp_plan", "pp_split")}
+    # the controls' patches hold until the first step, where the engine builds its split
+    # (on the first batch: no example_inputs)
     with contextlib.ExitStack() as stack:
         if spec.get("unsummed"):  # negative control: per-head norms' gradient parts unsummed
             stack.enter_context(_tp_gradients_unsummed(check=not spec.get("unchecked")))
@@ -950,18 +960,18 @@ def lm_run(spec: dict) -> dict:
             optimizer=optimizer_factory("sgd"),
             **options,
         )
-    if spec.get("local_split_size"):  # with a hand-written plan for GPT-2's fused c_attn
-        for module in model.modules():
-            if hasattr(module, "split_size"):
-                module.split_size //= engine.plan.tp
-    if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
-        engine.model_loss.sums = False
-    if spec.get("tied_unsummed"):  # negative control: tied copies under pp apart
-        engine.runner.tied.sum_gradients = lambda: None
-    losses = [
-        float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
-        for step in range(spec.get("steps", 3))
-    ]
+        if spec.get("local_split_size"):  # with a hand-written plan for GPT-2's fused c_attn
+            for module in model.modules():
+                if hasattr(module, "split_size"):
+                    module.split_size //= engine.plan.tp
+        if spec.get("model_mean"):  # negative control: the model's own per-micro-batch mean
+            engine.model_loss.sums = False
+        if spec.get("tied_unsummed"):  # negative control: tied copies under pp apart
+            engine.runner.tied.sum_gradients = lambda: None
+        losses = [
+            float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
+            for step in range(spec.get("steps", 3))
+        ]
     eval_loss = float(engine.evaluate(sft_batch(spec["model"], spec.get("batch", 8), 999)))
     if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
         engine.save(spec["save"])
@@ -1614,3 +1624,17 @@ def unseeded_runs(specs: list[dict]) -> list[dict]:
         warned = [str(w.message) for w in caught if "initial weights" in str(w.message)]
         results.append({"losses": losses, "state": engine.full_state_dict(), "warned": warned})
     return results
+
+
+def guarded_save(path: str, call: str = "save_model") -> None:
+    """A habit from other trainers: the save under `if engine.rank == 0:` (meshfit's
+    saves are collectives: every rank gives its part)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    engine = mf.parallelize(model, "fsdp=2", loss_fn=F.mse_loss)
+    engine.step((torch.randn(4, 8), torch.randn(4, 4)))
+    if engine.rank == 0:
+        if call == "save_model":
+            engine.save_model(path)
+        else:
+            engine.save(path)

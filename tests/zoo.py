@@ -118,6 +118,17 @@ def hf_mixtral() -> nn.Module:  # mixture of experts: 4 experts, 2 per token
     )
 
 
+def hf_falcon() -> nn.Module:  # multi-query, attention and MLP in parallel, `mlp += attn`
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False,
+        alibi=False, max_position_embeddings=LENGTH,
+    )  # fmt: skip
+    return FalconForCausalLM(config)
+
+
 def hf_opt() -> nn.Module:  # final_layer_norm registered before the layers, run after
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -479,6 +490,12 @@ def timm_vit() -> nn.Module:
 
 
 # ---- Keras 3 ---------------------------------------------------------------------------
+def timm_convnext() -> nn.Module:  # blocks inside stages (tests/timm_convnext.py)
+    from timm_convnext import convnext_atto
+
+    return convnext_atto(num_classes=5, depths=(2, 2), dims=(8, 16), ls_init_value=0.5)
+
+
 def keras_mlp() -> nn.Module:
     os.environ.setdefault("KERAS_BACKEND", "torch")
     import keras
@@ -545,6 +562,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(hf_qwen3_moe, _lm_batch, _causal, dtype="float32"),  # as mixtral
     "t5": Family(hf_t5, _t5_batch, _masked),
     "opt": Family(hf_opt, _lm_batch, _causal),
+    "falcon": Family(hf_falcon, _lm_batch, _causal),
     "bert": Family(hf_bert, lambda b, s: _lm_batch(b, s, masked_lm=True), _masked),
     "vit": Family(hf_vit, _vit_batch, lambda: _logits_loss),
     "resnet": Family(SmallResNet, _images, lambda: F.cross_entropy),
@@ -553,6 +571,7 @@ FAMILIES: dict[str, Family] = {
     "gpt": Family(_own("gpt4"), _own_batch("gpt4"), _own_loss("gpt4")),
     "nanogpt": Family(nanogpt, _nanogpt_batch, lambda: _nanogpt_loss),
     "timm_vit": Family(timm_vit, _images, lambda: F.cross_entropy),
+    "timm_convnext": Family(timm_convnext, _images, lambda: F.cross_entropy),
     "qwen2_moe": Family(hf_qwen2_moe, _lm_batch, _causal, dtype="float32"),  # as mixtral
     # float32: its blocks keep the residual stream in float32 (residual_in_fp32)
     "mamba": Family(hf_mamba, _lm_batch, _causal, dtype="float32"),

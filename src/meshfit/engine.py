@@ -13,8 +13,10 @@ holds autocast / FSDP2 policy / gradient scaler, and the Engine drives them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +41,7 @@ from meshfit.runtime.batches import (
     split_batch,
     to_device,
 )
+from meshfit.runtime.examples import Examples, forms_example
 from meshfit.runtime.precision import Precision
 from meshfit.runtime.prediction import predict_global_batch
 from meshfit.state.checkpoint import (
@@ -49,9 +52,22 @@ from meshfit.state.checkpoint import (
     save_checkpoint,
 )
 from meshfit.topology import Topology
+from meshfit.trees import map_tensors
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class _Built:
+    """What the plan's forms made of the user's model, and the optimizer over it."""
+
+    parallel_model: nn.Module
+    runner: Any
+    tp_report: Any
+    own_hooks: Any
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
 
 
 class Engine:
@@ -84,7 +100,7 @@ class Engine:
         self.last_metrics: dict[str, torch.Tensor] = {}  # of the last step / evaluation
         # what couples the samples of a batch, and the scope each micro-batch runs in
         self.coupling = BatchCoupling(model, topology, self.model_loss)
-        forms = FormOptions(
+        self._forms = FormOptions(
             loss_fn=loss_fn,
             tp_plan=options.tp_plan,
             pp_split=options.pp_split,
@@ -94,11 +110,14 @@ class Engine:
             init=options.init,
             weights=options.weights,
         )
-        self.parallel_model, self.runner, self.tp_report, self.own_hooks = apply_plan(
-            model, topology, self.precision, forms, self.coupling
-        )
-        self.optimizer = _build_optimizer(options.optimizer, self.parallel_model)
-        self.lr_scheduler = _build_scheduler(options.lr_scheduler, self.optimizer)
+        self._built: _Built | None = None
+        # tp traces its split and pp times its blocks on an example micro-batch. Without
+        # example_inputs, the first batch the engine is given is that example: the forms,
+        # optimizer and scheduler are built then (a made-up input guessed wrong for
+        # vision models, a UNet's timestep, OPT's cut). What reads them before builds
+        # them on the made-up input, as before.
+        if options.example_inputs is not None or (self.plan.tp == 1 and self.plan.pp == 1):
+            self._build(options.example_inputs)
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
         self._batch_checked = False  # until a training step has worked
@@ -108,6 +127,54 @@ class Engine:
         self.last_eval_count: torch.Tensor | None = None
         self._gradient_bytes: int | None = None  # measured at the optimizer step, on request
         self._measure_gradients = False
+
+    # ---- the split model, built on the example or the first batch ---------------------
+    def _build(self, example_inputs: Any) -> _Built:
+        if self._built is None:
+            forms = replace(self._forms, example_inputs=example_inputs)
+            with watchdog.phase("setup", "setup (the model's split, on the first batch)"):
+                parts = apply_plan(
+                    self.user_model, self.topology, self.precision, forms, self.coupling
+                )
+            optimizer = _build_optimizer(self.options.optimizer, parts[0])
+            scheduler = _build_scheduler(self.options.lr_scheduler, optimizer)
+            self._built = _Built(*parts, optimizer, scheduler)
+        return self._built
+
+    def _build_on(self, inputs: Any) -> None:
+        """Build on the first global batch's `inputs`: the micro-batch pp times its
+        blocks on, two samples for tp's trace (prepare.forms_example), the same on every
+        rank since every rank holds the global batch."""
+        if self._built is not None:
+            return
+        size = batch_size(inputs, "inputs")
+        first = lambda n: (map_tensors(inputs, lambda t: t[:n]), None)  # noqa: E731
+        self._build(forms_example(self.topology, Examples(first, size)))
+
+    @property
+    def parallel_model(self) -> nn.Module:
+        """What runs forward: the user's model under the plan's forms."""
+        return self._build(None).parallel_model
+
+    @property
+    def runner(self) -> Any:
+        return self._build(None).runner
+
+    @property
+    def tp_report(self) -> Any:
+        return self._build(None).tp_report
+
+    @property
+    def own_hooks(self) -> Any:
+        return self._build(None).own_hooks
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._build(None).optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self._build(None).lr_scheduler
 
     # ---- what the topology knows -------------------------------------------------
     @property
@@ -153,6 +220,7 @@ class Engine:
         loss_fn="model": the mapping the model takes, labels included); returns the
         global mean loss as a 0-dim tensor (the same on every rank; `float(loss)`
         reads it, which waits for the device)."""
+        self._build_on(self.split_batch(batch)[0])
         inputs, targets = self.local_share(batch, self.plan.num_microbatches)
         return self.step_local(inputs, targets)
 
@@ -234,13 +302,15 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch: Any) -> torch.Tensor:
         """Mean loss over the GLOBAL batch without training; the same on every rank."""
+        self._build_on(self.split_batch(batch)[0])
         inputs, targets = self.local_share(batch, self.runner.eval_microbatches)
         return self.evaluate_local(inputs, targets)
 
     @torch.no_grad()
     def evaluate_local(self, inputs: Any, targets: Any) -> torch.Tensor:
         with watchdog.phase("evaluate", f"evaluation after step {self.step_count}"):
-            return self._evaluate(inputs, targets)
+            with _on_every_rank("evaluate"):
+                return self._evaluate(inputs, targets)
 
     def _evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
         self.parallel_model.eval()
@@ -286,7 +356,11 @@ class Engine:
         """The model's outputs on the GLOBAL batch `inputs` (a tensor, or a mapping the
         model takes as keywords), gathered whole on every rank as CPU tensors, in the
         model's own form; no gradients, evaluation mode. Every rank calls it."""
-        with watchdog.phase("evaluate", f"prediction after step {self.step_count}"):
+        self._build_on(inputs)
+        with (
+            watchdog.phase("evaluate", f"prediction after step {self.step_count}"),
+            _on_every_rank("predict"),
+        ):
             return predict_global_batch(
                 self.parallel_model, self.runner, self.topology, self.precision, inputs
             )
@@ -295,7 +369,7 @@ class Engine:
     def save(self, path: str, *, extra: dict[str, Any] | None = None) -> str:
         """Save model, optimizer and progress to the directory `path` (DCP, written
         aside then committed, so a crash never leaves a half checkpoint there)."""
-        with watchdog.phase("save", f"the save of {path}"):
+        with watchdog.phase("save", f"the save of {path}"), _on_every_rank("save"):
             return save_checkpoint(self.training_state(), path, extra=extra)
 
     def save_model(self, path: str, max_shard_size: int | str = "5GB") -> str | None:
@@ -315,7 +389,8 @@ class Engine:
             distributed=self.mesh is not None,
             config=getattr(self.user_model, "config", None),
         )
-        return save_model(state, path, max_shard_size)
+        with watchdog.phase("save", f"the save_model of {path}"), _on_every_rank("save_model"):
+            return save_model(state, path, max_shard_size)
 
     def load(self, path: str) -> dict[str, Any]:
         """Load a checkpoint saved by `save` (or the newest one under a checkpoint root
@@ -348,9 +423,26 @@ class Engine:
         """The whole model's state under its own names, as full CPU tensors, on every
         rank: tensor-parallel shards are gathered and pipeline stages merged. For
         exporting or comparing weights (it holds the whole model in CPU memory)."""
-        with watchdog.phase("gather", f"gathering the full state after step {self.step_count}"):
+        gathering = f"gathering the full state after step {self.step_count}"
+        with watchdog.phase("gather", gathering), _on_every_rank("full_state_dict"):
             model, runner = self.parallel_model, self.runner
             return gather_full_state(model, self.mesh is not None, runner, self.own_hooks)
+
+
+@contextlib.contextmanager
+def _on_every_rank(call: str) -> Iterator[None]:
+    """engine.`call` is a collective: a failure because other ranks never called it (a
+    rank guard, as other trainers' saves take) is said in one line (watchdog's
+    explain_one_sided_call), not as gloo's or NCCL's lost connection."""
+    try:
+        yield
+    except MeshfitError:
+        raise
+    except Exception as exc:
+        line = watchdog.explain_one_sided_call(call, exc)
+        if line is None:
+            raise
+        raise MeshfitError(line) from exc
 
 
 def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim.Optimizer:

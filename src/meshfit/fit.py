@@ -19,9 +19,10 @@ from meshfit.errors import MeshfitError
 from meshfit.launch import watchdog
 from meshfit.launch.elastic import elastic_nodes, record_reached
 from meshfit.options import EngineOptions, LossFn, engine_options
-from meshfit.prepare import Examples, prepare
+from meshfit.prepare import prepare
 from meshfit.runtime.batch_errors import first_batch_explained
 from meshfit.runtime.batches import check_batch_divides
+from meshfit.runtime.examples import Examples
 from meshfit.training.callbacks import Callback as CallbackBase
 from meshfit.training.checks import (
     check_args,

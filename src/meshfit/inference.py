@@ -115,7 +115,8 @@ def _engine_for(
     if checkpoint is not None:
         load_weights(model, checkpoint)
     from meshfit.options import engine_options
-    from meshfit.prepare import Examples, as_plan, auto_requested, prepare
+    from meshfit.prepare import as_plan, auto_requested, prepare
+    from meshfit.runtime.examples import Examples
 
     if isinstance(plan, str) and auto_requested(plan):
         raise MeshfitError(

@@ -18,6 +18,7 @@ from meshfit.errors import MeshfitError
 from meshfit.launch import watchdog
 from meshfit.options import EngineOptions, LossFn, OptimizerFactory, SchedulerFactory
 from meshfit.plan import Plan, is_auto
+from meshfit.runtime.examples import Examples, forms_example
 from meshfit.topology import Topology
 from meshfit.trees import tensors_in
 
@@ -70,9 +71,12 @@ def parallelize(
     pp_split: for pp > 1, the block indices where stages 2, 3, ... begin, instead of
         the balanced cut meshfit chooses.
     example_inputs: one micro-batch of inputs; with pp > 1 meshfit counts each block's
-        forward FLOPs on it and balances the stages by them (else by parameter count), and
-        checks the cut on it on every rank before training; with tp > 1 it traces the
-        blocks on it (else on an input it makes up).
+        forward FLOPs on it and balances the stages by them, and checks the cut on it on
+        every rank before training; with tp > 1 it traces the blocks on it. Without it,
+        the first batch given to step, evaluate or predict serves (the split, optimizer
+        and scheduler are built then); what reads them earlier (engine.optimizer,
+        engine.load) builds them on an input meshfit makes up, and pp balances by
+        parameter count.
     sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global
         batch, over the data-parallel ranks, as in one process (default). A BatchNorm
         model is then refused with more than one micro-batch, which BatchNorm would
@@ -127,19 +131,6 @@ def parallelize(
     return engine
 
 
-# (inputs, targets) of the first n samples of the user's data, None when it has none
-FirstSamples = Callable[[int], "tuple[Any, Any] | None"]
-
-
-@dataclass(frozen=True)
-class Examples:
-    """The user's own data as the planner and the forms see it: `first(n)` gives the
-    first n samples as one (inputs, targets) batch; `batch_size` is the global batch."""
-
-    first: FirstSamples
-    batch_size: int
-
-
 @dataclass(frozen=True)
 class Job:
     """A plan resolved on this job: its Topology, the planner's choice for an "auto"
@@ -185,20 +176,6 @@ def prepare(
     if options.example_inputs is None and examples is not None:
         options = replace(options, example_inputs=forms_example(topology, examples))
     return Job(topology, auto, options)
-
-
-def forms_example(topology: Topology, examples: Examples) -> Any:
-    """The inputs the forms are shown: under a pipeline plan one micro-batch (its blocks'
-    FLOPs, counted on it, balance the stages; the cut is checked on it); under tensor
-    parallel two samples (the split is traced and checked on them: the user's batch, not
-    one meshfit makes up, since a vision or speech model takes no token ids); None for
-    the other plans, which use none."""
-    plan = topology.plan
-    if plan.pp == 1 and plan.tp == 1:
-        return None
-    size = topology.microbatch_size(examples.batch_size)
-    batch = examples.first(size if plan.pp > 1 else min(size, 2))
-    return None if batch is None else batch[0]
 
 
 def options_fit(options: EngineOptions, plan: Plan) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 EXITED = "exited"  # the kind a rank publishes when its script has ended
@@ -35,6 +36,12 @@ class RankState:
     in_user_code: bool = False
     waits_in: str = ""  # the innermost frame of meshfit's, when it is there
     collective: str = ""  # the torch.distributed call the main thread is in, if any
+    # Whether the main thread computes: it used most of the time since the last heartbeat
+    # on a CPU. A collective, a sleep or any blocking call waits off the CPU; a loop that
+    # does not end keeps it busy (its frame alone cannot tell: a tight loop is sampled at
+    # the same bytecode each time). This tells "every rank waits for a collective" from
+    # "every rank computes in a loop of its own".
+    computing: bool = False
 
 
 def frozen_ranks(
@@ -84,6 +91,16 @@ def main_thread_place() -> tuple[str, bool, str, str]:
     return user, innermost == "user", ours, collective
 
 
+def main_thread_cpu_seconds() -> float | None:
+    """The CPU time the main thread has used (Linux: its thread CPU clock); None where
+    the platform cannot say."""
+    try:
+        main = threading.main_thread().ident
+        return time.clock_gettime(time.pthread_getcpuclockid(main))  # type: ignore[arg-type]
+    except (AttributeError, OSError, OverflowError, TypeError):
+        return None
+
+
 def _kind_of(filename: str) -> str:
     if filename.startswith(_MESHFIT_DIR):
         return "meshfit"
@@ -117,12 +134,7 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
     stuck = stuck_ranks(states, frozen, world_size)
     waiters = sorted(r for r, s in states.items() if s.waiting and r not in stuck)
     if len(stuck) == world_size and not frozen:
-        s = states[stuck[0]]
-        what = (
-            f"every rank waits in {s.doing} and none has progressed for "
-            f"{s.stalled_s:.0f} s: a collective does not complete (mismatched calls across "
-            f"ranks, or a network fault)"
-        )
+        what = _everyone_stuck(states, stuck)
     else:
         parts = []
         for r in stuck:
@@ -159,11 +171,70 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
         in_user = any(r in states and states[r].in_user_code for r in stuck)
         took = f" ({waited:.0f} s so far)" if in_user else ""
         wait = f"; {who} {', '.join(map(str, waiters))} {verb} for it{at}{took}" if waiters else ""
+        alone = _called_alone(states, stuck, waiters)
+        if alone:  # not slow, not a fault: neither a restart nor a longer timeout helps
+            return f"hang detected: {'; '.join(parts)}{wait}{alone}"
         what = "; ".join(parts) + wait
     return (
         f"hang detected: {what}. Python stacks of the live ranks: {where}/rank-*.txt. "
         f"With --max-restarts the job restarts from the last checkpoint; if the phase is "
         f"just slow, raise --hang-timeout (now {_timeout():.0f} s; 0 turns it off)"
+    )
+
+
+# The phases of the engine's collective calls (engine.py), by the start of their `doing`.
+ENGINE_CALLS = {
+    "the save_model of": "save_model",
+    "the save of": "save",
+    "gathering the full state": "full_state_dict",
+    "evaluation after": "evaluate",
+    "prediction after": "predict",
+}
+
+
+def _called_alone(states: dict[int, RankState], stuck: list[int], waiters: list[int]) -> str:
+    """The fix, when the ranks holding the others up have ended their scripts while the
+    others wait in an engine call: it was called on some ranks only (a rank guard)."""
+    if not waiters or not all(r in states and states[r].kind == EXITED for r in stuck):
+        return ""
+    doing = states[waiters[0]].doing
+    call = next((c for start, c in ENGINE_CALLS.items() if doing.startswith(start)), None)
+    if call is None:
+        return ""
+    return (
+        f": engine.{call} is called by every rank together (each rank gives its part; a "
+        f"file is written once, by rank 0), not under a rank guard such as `if "
+        f"engine.rank == 0:`; call it on every rank"
+    )
+
+
+def _everyone_stuck(states: dict[int, RankState], stuck: list[int]) -> str:
+    """Every rank is held where it is: the stacks say whether they wait for one another
+    (a collective) or each computes in a loop that does not end, and whose loop it is."""
+    s = states[stuck[0]]
+    every = [states[r] for r in stuck]
+    if all(t.computing and not t.collective for t in every):
+        if all(t.in_user_code for t in every):
+            frames = sorted({t.frame for t in every})
+            return (
+                f"every rank is computing in {', '.join(frames)} inside {s.doing}, in no "
+                f"collective, and none has returned for {s.stalled_s:.0f} s: the script's "
+                f"or model's own code does not end (a loop, or work slower than the hang "
+                f"timeout)"
+            )
+        frames = sorted({t.waits_in or t.frame for t in every})
+        return (
+            f"every rank is computing in meshfit's own {', '.join(frames)} during {s.doing}, "
+            f"in no collective, and none has left it for {s.stalled_s:.0f} s: a loop in "
+            f"meshfit that does not end. This is a meshfit bug; please report it with the "
+            f"stacks below, and meanwhile try another plan"
+        )
+    calls = {t.collective for t in every}
+    call = f" ({calls.pop()})" if len(calls) == 1 and "" not in calls else ""
+    return (
+        f"every rank waits in {s.doing} and none has progressed for "
+        f"{s.stalled_s:.0f} s: a collective{call} does not complete (mismatched calls "
+        f"across ranks, or a network fault)"
     )
 
 

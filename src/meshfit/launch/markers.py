@@ -11,6 +11,7 @@ import tempfile
 
 MARKER_DIR_ENV = "MESHFIT_MARKER_DIR"  # set by the launcher, which removes it at the end
 KILLED_MARKER_PREFIX = "killed-by-hang-verdict-"
+RAISED_MARKER_PREFIX = "raised-"
 
 
 def _claim_report() -> bool:
@@ -39,3 +40,26 @@ def note_killed(pid: int) -> None:
 
 def killed_by_verdict(marker_dir: str, pid: int) -> bool:
     return os.path.exists(os.path.join(marker_dir, f"{KILLED_MARKER_PREFIX}{pid}"))
+
+
+def note_raised(exc: BaseException) -> None:
+    """Leave word for `meshfit run` that this worker raised (Python prints its traceback
+    and exits with status 1), so the launcher names the exception instead of calling it
+    an exit without one."""
+    where = os.environ.get(MARKER_DIR_ENV)
+    if where:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        with (
+            contextlib.suppress(OSError),
+            open(os.path.join(where, f"{RAISED_MARKER_PREFIX}{os.getpid()}"), "w") as f,
+        ):
+            f.write(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+
+
+def raised_by(marker_dir: str, pid: int) -> str | None:
+    """What worker `pid` raised ("RuntimeError: ..."), if it left word (note_raised)."""
+    try:
+        with open(os.path.join(marker_dir, f"{RAISED_MARKER_PREFIX}{pid}")) as f:
+            return f.read()
+    except OSError:
+        return None

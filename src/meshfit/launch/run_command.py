@@ -31,7 +31,7 @@ from meshfit.launch import (
     watchdog,
 )
 from meshfit.launch.elastic import ELASTIC_ENV, ELASTIC_RDZV_CONF
-from meshfit.launch.markers import MARKER_DIR_ENV, killed_by_verdict
+from meshfit.launch.markers import MARKER_DIR_ENV, killed_by_verdict, raised_by
 from meshfit.launch.worker_errors import EXIT_USER_ERROR
 
 
@@ -372,8 +372,14 @@ def run(options: RunOptions) -> int:
             reported.add(watchdog.EXIT_HANG)
         if reported:
             return min(reported)  # a worker already printed the one-line reason
+        raised = raised_by(markers, info.pid)
+        how = (
+            f"raised {raised}; its traceback"
+            if raised
+            else f"{died_how(info.exitcode)}; its message, if any,"
+        )
         print(
-            f"meshfit: worker rank {rank} {died_how(info.exitcode)}; its message, if any, is above",
+            f"meshfit: worker rank {rank} {how} is above",
             file=sys.stderr,
             flush=True,
         )

@@ -67,6 +67,7 @@ from meshfit.launch.hang_verdict import (  # noqa: F401
     describe,
     frozen_ranks,
     hang_timeout,
+    main_thread_cpu_seconds,
     main_thread_place,
     stuck_ranks,
 )
@@ -98,6 +99,13 @@ _longest: dict[str, float] = {}  # kind -> longest completed duration on this ra
 _lock = threading.Lock()
 _dump_dir: str | None = None
 _watchdog: _Watchdog | None = None
+# A main thread on a CPU for more than this share of the time between two heartbeats
+# computes (hang_verdict.RankState.computing): a blocked one uses next to none, and a
+# spinning one keeps at least this much of a core shared by two or three processes.
+COMPUTING_SHARE = 0.25
+# How long a rank waits in a phase after every peer has exited before the verdict: the
+# exits are published as they happen, so a few heartbeats are enough.
+ALONE_GRACE_S = 3.0
 _on_hang: Callable[[str], None] | None = None  # mf.launch records the line for the parent
 # Set once a hang verdict is being carried out: the main thread, failing meanwhile in a
 # collective whose peer just exited, leaves the report and the exit to the watchdog.
@@ -256,9 +264,11 @@ class _Watchdog(threading.Thread):
         self.host = socket.gethostname()
         self._neighbour, self._neighbour_beat = -1, -1
         self._neighbour_seen = time.monotonic()
+        self._cpu = (time.monotonic(), main_thread_cpu_seconds())  # at the last heartbeat
         # How far round the ring the first rank that may still run is: a rank that has
         # exited stays exited within an attempt, so the walk never passes it again.
         self._skip = 1
+        self._alone = False  # every other rank has exited (_neighbour_frozen finds it)
 
     def run(self) -> None:
         try:
@@ -267,12 +277,18 @@ class _Watchdog(threading.Thread):
                 if self.store.check(["verdict"]):
                     self._obey(json.loads(self.store.get("verdict")))
                 stalled = state.waiting and state.stalled_s > self._allowed(state.kind)
-                if stalled or self._neighbour_frozen():
+                if stalled or self._neighbour_frozen() or self._alone_waiting(state):
                     self._diagnose()
                 if self.halt.wait(self.interval):
                     return
         except Exception:  # noqa: BLE001 - the store is gone (job ending): stop watching
             return
+
+    def _alone_waiting(self, state: RankState) -> bool:
+        """Waiting in a phase (a collective) while every other rank has ended its script:
+        nothing can complete it, so say so now rather than after the hang timeout (a
+        save under `if engine.rank == 0:` waited 120 s for a verdict)."""
+        return self._alone and state.waiting and state.stalled_s > ALONE_GRACE_S
 
     def _publish(self) -> RankState:
         self.beat += 1
@@ -296,6 +312,7 @@ class _Watchdog(threading.Thread):
                 break
             self._skip += 1
         else:
+            self._alone = True
             return False  # every other rank has exited
         now = time.monotonic()
         if (neighbour, record["beat"]) != (self._neighbour, self._neighbour_beat):
@@ -321,6 +338,10 @@ class _Watchdog(threading.Thread):
         with _lock:
             current, since = _current, _since
         frame, in_user_code, waits_in, collective = main_thread_place()
+        now, cpu = time.monotonic(), main_thread_cpu_seconds()
+        (then, before), self._cpu = self._cpu, (now, cpu)
+        busy = None if cpu is None or before is None else (cpu - before) / max(now - then, 1e-3)
+        computing = busy is not None and busy > COMPUTING_SHARE
         return RankState(
             rank=self.rank,
             beat=self.beat,
@@ -336,6 +357,7 @@ class _Watchdog(threading.Thread):
             in_user_code=in_user_code,
             waits_in=waits_in,
             collective=collective,
+            computing=computing,
         )
 
     def _allowed(self, kind: str) -> float:
@@ -353,13 +375,17 @@ class _Watchdog(threading.Thread):
     def _diagnose(self) -> None:
         """Read every rank twice, some heartbeats apart, and publish who is stuck."""
         first = self._read_all()
-        for _ in range(4):  # keep beating meanwhile: a peer may be diagnosing us too
+        for _ in range(0 if self._alone else 4):  # keep beating: a peer may diagnose us too
             time.sleep(self.interval)
             self._publish()
         second = self._read_all()
         frozen = frozen_ranks(first, second, self.world_size, self.rank)
         own = self._own_state()
-        if not frozen and not (own.waiting and own.stalled_s > self._allowed(own.kind)):
+        if (
+            not frozen
+            and not (own.waiting and own.stalled_s > self._allowed(own.kind))
+            and not self._alone_waiting(own)
+        ):
             return  # progress was made meanwhile
         try:
             line = describe(second, frozen, self.world_size, dump_dir())
@@ -395,7 +421,8 @@ class _Watchdog(threading.Thread):
                     markers.note_killed(pid)
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)  # frozen: it cannot exit by itself
-            time.sleep(2 * self.interval + 0.5)  # let stuck ranks write their stacks
+            if not self._alone:  # no peer left to write its stack
+                time.sleep(2 * self.interval + 0.5)  # let stuck ranks write their stacks
         else:
             time.sleep(0.2)
         os._exit(EXIT_HANG)
@@ -461,4 +488,38 @@ def explain_collective_timeout(exc: BaseException) -> str | None:
     return (
         f"a collective timed out after {timeout} s (MESHFIT_TIMEOUT_S) while this rank was "
         f"in {doing}: {first_line}.{who}"
+    )
+
+
+def explain_one_sided_call(call: str, exc: BaseException) -> str | None:
+    """The meshfit line for a collective engine call (save_model, save, evaluate,
+    predict, full_state_dict) that failed because other ranks never called it (a rank
+    guard, `if engine.rank == 0:`): which ranks were elsewhere, from their heartbeats.
+    None when the peers were in the same call (another fault) or nothing is known."""
+    watchdog = _watchdog
+    if watchdog is None:
+        return None
+    try:
+        states = watchdog._read_all()
+    except Exception:  # noqa: BLE001 - no store: nothing to tell
+        return None
+    with _lock:
+        doing = _current.doing
+    elsewhere = []
+    for rank in sorted(states):
+        state = states[rank]
+        if rank == watchdog.rank:
+            continue
+        if state.kind == EXITED:
+            elsewhere.append(f"rank {rank} had ended its script")
+        elif state.doing != doing:
+            elsewhere.append(f"rank {rank} was in {state.doing}")
+    if not elsewhere:
+        return None
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    return (
+        f"engine.{call} is called by every rank together (each rank gives its part; a file "
+        f"is written once, by rank 0), but rank {watchdog.rank} called it alone: "
+        f"{'; '.join(elsewhere)} ({type(exc).__name__} here: {first}). Call engine.{call} "
+        f"on every rank, without a rank guard such as `if engine.rank == 0:`"
     )

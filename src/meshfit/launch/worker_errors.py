@@ -12,7 +12,7 @@ import os
 import sys
 
 from meshfit.errors import MeshfitError
-from meshfit.launch.markers import _claim_report
+from meshfit.launch.markers import _claim_report, note_raised
 
 EXIT_USER_ERROR = 2
 
@@ -40,6 +40,7 @@ def _hook(exc_type, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signatu
             print(f"meshfit: error: {exc}", file=sys.__stderr__, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_USER_ERROR)
+    note_raised(exc)
     sys.__excepthook__(exc_type, exc, tb)
 
 

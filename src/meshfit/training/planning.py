@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from meshfit.engine import Engine
-from meshfit.prepare import Examples
+from meshfit.runtime.examples import Examples
 from meshfit.topology import Topology
 from meshfit.training.progress import TrainingDisplay
 from meshfit.training.resume import Start

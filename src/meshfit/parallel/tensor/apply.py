@@ -158,6 +158,8 @@ def split(
     # what the split module no longer needs.
     for name, style in styles.items():
         parallelize_module(model, mesh, {name: style})
+        if getattr(style, "use_local_output", False):
+            model.get_submodule(name).register_forward_hook(_owned_output)
         if after_each is not None:
             after_each(name)
     if not any(p.is_meta for p in model.parameters()):
@@ -172,6 +174,15 @@ def split(
             [modules[n] for n in derivation.summed_inputs],
             lambda inner: _summing_inputs(inner, group),
         )
+
+
+def _owned_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """A torch style's output as a tensor of its own. DTensor's to_local hands back its
+    local tensor as a view made inside a custom autograd Function, which autograd forbids
+    modifying in place; models do (Falcon's parallel attention: `mlp_output +=
+    attention_output`, an `nn.ReLU(inplace=True)` after a split Linear). The copy is one
+    activation's memcpy per split layer, beside its matrix product."""
+    return output.clone() if isinstance(output, torch.Tensor) else output
 
 
 def gathered_heads(

@@ -90,7 +90,15 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
         whole: dict[str, str] = {}
         shared = _shared_kv_projections(trace, modules, tp) if tp and tp > 1 else {}
         trace.across_width -= set(shared)  # kept whole: a norm over its width is fine
-        block_plan = _classify(trace, whole)
+        try:
+            block_plan = _classify(trace, whole)
+        except _Unsettled as unsettled:
+            raise MeshfitError(
+                f"tensor parallel's derivation does not settle on block {name!r} of "
+                f"{type(model).__name__} (it keeps re-deciding {', '.join(unsettled.names[:3])}): "
+                f"a meshfit bug, please report it; train this model with dp, fsdp or pp, "
+                f"or give tp_plan= yourself"
+            ) from None
         block_plan.update(_channel_layers(trace, block_plan, modules))
         replicated = _replicate_shared_kv(trace, block_plan, modules, shared, whole, tp or 1)
         kept = [n for n in shared if f"{n}.weight" in replicated]
@@ -225,6 +233,18 @@ def _dummy_inputs(model: nn.Module) -> Any:
     return x.to(device=device, dtype=first.weight.dtype)
 
 
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+class _Unsettled(Exception):
+    """_classify's rounds did not settle (the names it kept re-deciding)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(names)
+        self.names = names
+
+
 def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[str, str]:
     """Megatron's pairs in one block's trace. A projection whose inputs are all replicated
     (the block input, a row-parallel output, an unsplit projection of those) is column-
@@ -239,12 +259,20 @@ def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[s
     them (see _owner_problems); why a module's weights stay whole goes into `whole`."""
     demoted: set[str] = set(trace.across_width) | set(trace.misused)
     whole = {} if whole is None else whole
-    while True:
+    # why a projection was first demoted: said when the block splits nothing
+    first_why = {
+        n: f"{_leaf(n)}'s output is normalised or reduced over its whole width"
+        for n in sorted(trace.across_width)
+    }
+    for _ in range(len(trace.calls) + 2):  # each round demotes a call: bounded
         state: dict[str, str] = {}
         bad: set[str] = set()
         for call in trace.calls:
             if call.name in state:  # called twice in one block: leave it whole
-                bad.add(call.name)
+                if state[call.name] == "col":
+                    bad.add(call.name)
+                bad |= {s for s in call.sources if state.get(s) == "col"}
+                state[call.name] = "whole"
                 continue
             tables = {s for s in call.sources if s.startswith(TABLE)}
             srcs = call.sources - tables
@@ -269,15 +297,33 @@ def _classify(trace: _BlockTrace, whole: dict[str, str] | None = None) -> dict[s
             else:
                 state[call.name] = "whole"
                 bad |= sharded
+                for s in sharded - set(first_why):
+                    others = sorted(
+                        "the block's input" if r == "H" else f"{_leaf(r)}'s output"
+                        for r in replicated
+                    )
+                    first_why[s] = (
+                        f"{_leaf(s)}'s split output meets {' and '.join(others) or 'an output'}"
+                        f" (whole on every rank) in {_leaf(call.name)}, which no column/row "
+                        f"pair allows"
+                    )
         bad |= {s for s in trace.reaches_output if state.get(s) == "col"}
         read_by_row = {s for c in trace.calls if state.get(c.name) == "row" for s in c.sources}
         bad |= {n for n, s in state.items() if s == "col" and n not in read_by_row}
         bad |= _owner_problems(trace, state, whole)
         if not bad:
             break
+        if bad <= demoted:  # the same round again: it would never settle
+            raise _Unsettled(sorted(bad))
         demoted |= bad
+    else:
+        raise _Unsettled(sorted(demoted))
     for name, why in trace.misused.items():  # a module without a reason of its own above
         whole.setdefault(name.rsplit(".", 1)[0], f"{name.rsplit('.', 1)[-1]}: {why}")
+    if first_why and "row" not in state.values():  # nothing split: say where pairing broke
+        name, why = next(iter(first_why.items()))
+        owner = name.rsplit(".", 1)[0]
+        whole[owner] = f"{whole[owner]}; {why}" if owner in whole else why
     plan: dict[str, str] = {n: "colwise" for n, s in state.items() if s == "table"}
     for call in trace.calls:
         if state.get(call.name) == "col":

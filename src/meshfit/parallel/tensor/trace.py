@@ -334,9 +334,10 @@ def _equal_last_dim_parts(func: Any, x: torch.Tensor, out: Any) -> int:
 def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
     """(qualified name, block) of every block of the stack's type, in every container
     holding only such blocks: an encoder-decoder's two stacks (T5) both split. Then the
-    blocks of every other stack outside them: a container of two or more modules of
-    one other type, each holding two or more projections (Whisper's decoder layers,
-    beside its encoder's): each kind is traced, split and reported as the first."""
+    blocks of every other stack outside them (not around them): a container of two or
+    more modules of one other type, each holding two or more projections (Whisper's
+    decoder layers, beside its encoder's): each kind is traced, split and reported as
+    the first."""
     kind = type(stack.blocks[0])
     units = []
     for name, container in model.named_modules():
@@ -352,6 +353,9 @@ def _block_units(model: nn.Module, stack: Any) -> list[tuple[str, nn.Module]]:
             continue
         if f"{name}.".startswith(inside) or name + "." in inside:
             continue
+        if not name or any(unit.startswith(f"{name}.") for unit in inside):
+            continue  # around blocks already found (timm ConvNeXt's stages): as units
+            # too, their projections were recorded twice and never classified
         children = list(container.children())
         if len({type(c) for c in children}) != 1 or type(children[0]) is kind:
             continue
