@@ -518,3 +518,20 @@ def test_a_kernel_refusing_the_model_s_dtype_names_the_model_s_dtype() -> None:
     assert "(the model's parameters in float64)" in message, message
     assert "build the model in a dtype its layers take, if one refuses float64" in message
     assert "\n" not in message
+
+
+def test_a_micro_batch_count_meshfit_chose_is_named_with_the_option_that_changes_it() -> None:
+    """pp's default of 2 x pp micro-batches was said as a bare "4 micro-batch(es)": the
+    refusal names it as the default and the plan field that changes it; a count the
+    user chose is said as it is."""
+    from meshfit.runtime.batches import check_microbatches
+
+    with pytest.raises(mf.MeshfitError) as caught:
+        check_microbatches(6, mf.Plan.parse("dp=1,pp=2"), 1)
+    assert "4 micro-batches (pp=2's default, 2 x pp; choose another with microbatches=" in str(
+        caught.value
+    )
+    assert "'dp=1,pp=2,microbatches=2'" in str(caught.value)
+    with pytest.raises(mf.MeshfitError) as caught:
+        check_microbatches(6, mf.Plan.parse("dp=1,pp=2,microbatches=4"), 1)
+    assert "default" not in str(caught.value)

@@ -315,3 +315,13 @@ def test_a_save_under_a_rank_guard_and_a_raising_rank_are_named(tmp_path) -> Non
         "meshfit: worker rank 0 raised RuntimeError: an error of the script's own; its "
         "traceback is above"
     ), raised.stderr
+
+
+def test_a_plan_that_cannot_fill_the_world_is_refused_before_workers_start(tmp_path) -> None:
+    """`meshfit run --nproc 2 --plan fsdp=4`: the launcher knows both numbers, so it
+    refuses before starting any worker (each worker refused it after starting)."""
+    script = os.path.join(SCRIPTS, "guarded_save.py")
+    result = meshfit("run", "--nproc", "2", "--plan", "fsdp=4", script, str(tmp_path / "out"))
+    assert result.returncode != 0
+    assert "--plan fsdp=4 does not fit the 2 worker(s) this run starts" in result.stderr
+    assert "starting 2 CPU workers" not in result.stderr + result.stdout

@@ -278,6 +278,19 @@ def test_meshfit_run_weights_loads_them_into_the_script_s_model(tmp_path) -> Non
         assert torch.equal(out["state"][name], value), name
 
 
+def test_what_weights_read_is_said_at_start_up(tmp_path, capsys) -> None:
+    """A start-up line says what weights= read: how many tensors, from where, in how
+    many files, and how (slices into a meta build; whole into one built with values)."""
+    saved = _pretrained("llama", tmp_path / "llama")
+    files = len(list((tmp_path / "llama").glob("*.safetensors")))
+    for on_meta, how in ((True, "each rank read only the slices it keeps"), (False, "whole")):
+        model, loss_fn, _ = meta_model("llama", on_meta=on_meta)
+        mf.parallelize(model, None, loss_fn=loss_fn, weights=str(tmp_path / "llama"))
+        line = next(x for x in capsys.readouterr().out.splitlines() if "weights:" in x)
+        assert line.startswith(f"meshfit: weights: {len(saved)} tensors (") and how in line
+        assert f"from {tmp_path / 'llama'} ({files} files)" in line, line
+
+
 def test_weights_that_do_not_fit_the_model_are_refused_by_name(tmp_path) -> None:
     _pretrained("llama", tmp_path / "llama")
     model, loss_fn, _ = meta_model("gpt2")

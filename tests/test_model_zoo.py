@@ -134,14 +134,20 @@ def test_every_family_under_a_2d_plan_matches_one_process_or_is_refused() -> Non
 
 @pytest.mark.slow
 def test_tp_without_example_inputs_traces_vision_and_speech_models_on_made_up_inputs() -> None:
-    """parallelize(model, "tp=2") with no example_inputs: tp traces on an input it makes
-    up. Hugging Face's own dummy_inputs are token ids for every model, which a ViT,
-    ConvNeXt or Whisper does not take (they were refused, "pass example_inputs"); now
-    their main input is shaped by the config, and timm's ViT gets images of its
-    patch embedding's img_size. Each trains the one-process run."""
+    """parallelize(model, "tp=2") with no example_inputs, and the engine's parts read
+    before its first batch (else it builds on that batch): tp traces on an input it
+    makes up. Hugging Face's own dummy_inputs are token ids for every model, which a
+    ViT, ConvNeXt or Whisper does not take (they were refused, "pass example_inputs");
+    now their main input is shaped by the config, and timm's ViT gets images of its
+    patch embedding's img_size. Each trains the one-process run. Built on its first
+    batch instead: transformers' ResNet (traced on token ids it was refused) and OPT
+    under pp (its final norm, registered before its layers, placed by a forward)."""
     specs = [
-        {"model": f, "plan": "tp=2", "no_example": True}
+        {"model": f, "plan": "tp=2", "no_example": "made up"}
         for f in ("vit", "convnext", "whisper", "timm_vit")
+    ] + [
+        {"model": "hf_resnet", "plan": "tp=2", "no_example": "first batch"},
+        {"model": "opt", "plan": "pp=2", "no_example": "first batch"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

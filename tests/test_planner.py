@@ -232,6 +232,23 @@ def fast_net_slow_chips() -> Hardware:
                     latency=0.0, op_overhead=0.0)  # fmt: skip
 
 
+def test_when_no_plan_fits_the_nearest_are_shown_with_what_would_fit():
+    """No plan fits (65,536 tokens: an empty table and a count of drops, no way out):
+    the three nearest in memory, by how much each is over, and the levers."""
+    profile = hand_profile(params=20000)
+    hw = dataclasses.replace(fast_net_slow_chips(), device_memory=2e5)
+    result = search_profile(profile, 8, batch_size=16, hardware=hw)
+    assert not result.ranked
+    table = result.table()
+    lines = table.splitlines()
+    assert lines[0] == "no plan fits; the nearest in memory:", table
+    near = [line for line in lines[1:4] if line.startswith("  ")]
+    assert len(near) == 3 and all("per rank, over by" in line for line in near), table
+    needs = sorted(d.need for d in result.dropped if d.need)
+    assert f"{needs[0] / (0.92 * 2e5):.1f}x the devices for the nearest" in table, table
+    assert "bf16 (--precision bf16)" in table and table.splitlines()[-1].startswith("dropped: ")
+
+
 def test_search_never_ranks_a_plan_that_does_not_fit():
     profile = hand_profile(params=20000)
     hw = dataclasses.replace(fast_net_slow_chips(), device_memory=1.2e6)
@@ -588,6 +605,14 @@ def test_meshfit_plan_seq_len_lengthens_the_batch_and_plans_cp(capsys, monkeypat
     assert main(["plan", "longtarget:fn", "--nproc", "4", "--seq-len", "65536", "--top", "40"]) == 0
     out = capsys.readouterr().out
     assert "65,536 tokens per sequence" in out
+    assumed = next(line for line in out.splitlines() if line.startswith("assuming: "))
+    assert assumed.startswith("assuming: fp32 (the default on CPU workers"), assumed
+    assert "8 bytes of optimizer state per parameter (AdamW, the default)" in assumed
+    # a GPU preset plans bf16 unless told: what people train in
+    assert main(["plan", "longtarget:fn", "--hardware", "h100", "--nodes", "1"]) == 1
+    gpu = capsys.readouterr().out
+    assert "assuming: bf16 (the default on GPUs; --precision fp32" in gpu
+    assert "no plan fits: the global batch divides over no plan's" in gpu, gpu
     assert any(line.startswith("dp=1,cp=") or ",cp=" in line for line in out.splitlines())
 
 

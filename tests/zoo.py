@@ -419,6 +419,20 @@ def _noise_loss(outputs: Any, noise: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(outputs.sample, noise)
 
 
+def hf_resnet() -> nn.Module:  # BatchNorm CNN; its main input, pixel_values, not token ids
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 2], layer_type="basic", num_labels=5
+    )
+    return ResNetForImageClassification(config)
+
+
+def _pixel_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
+    images, labels = _images(batch, step, size=16)
+    return {"pixel_values": images}, labels
+
+
 # ---- torchvision-style vision code -----------------------------------------------------
 class BasicBlock(nn.Module):
     """torchvision's ResNet BasicBlock, small: conv-BN-ReLU-conv-BN plus a shortcut
@@ -595,6 +609,8 @@ FAMILIES: dict[str, Family] = {
 # down block to an up block, so no pipeline cut exists: tested on its own)
 OTHERS: dict[str, Family] = {
     "unet": Family(diffusers_unet, _unet_batch, lambda: _noise_loss),
+    # transformers' ResNet: the engine's build on its first batch (test_model_zoo)
+    "hf_resnet": Family(hf_resnet, _pixel_batch, lambda: _logits_loss),
 }
 
 
@@ -664,6 +680,8 @@ def zoo_run(spec: dict) -> dict:
             **(family.options or {}),
             **spec.get("options", {}),
         )
+    if spec.get("no_example") == "made up":  # read before any batch: built on a made-up one
+        engine.runner  # noqa: B018
     losses = [float(engine.step(batch(step))) for step in range(3)]
     if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
         engine.save(spec["save"])

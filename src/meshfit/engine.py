@@ -235,7 +235,7 @@ class Engine:
         if not self.parallel_model.training:  # train() walks every module: only on change
             self.parallel_model.train()
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        check_microbatches(batch_size(inputs, "inputs"), self.plan.num_microbatches, self.dp_size)
+        check_microbatches(batch_size(inputs, "inputs"), self.plan, self.dp_size)
         if not self._batch_checked:
             self._check_coupling(inputs, targets)
         self.coupling.count_step(inputs, targets, self.plan.num_microbatches)

@@ -268,6 +268,23 @@ def check_elastic_plan(options: RunOptions, nproc: int) -> None:
             ) from None
 
 
+def check_plan_fits_world(options: RunOptions, nproc: int) -> None:
+    """A fixed --plan that cannot fill the world this run starts (--nproc x --nnodes) is
+    refused before any worker starts (each worker refused it after starting)."""
+    from meshfit.plan import Plan, is_auto
+
+    if options.plan is None or is_auto(options.plan) or is_elastic(options):
+        return  # an elastic run's worlds: check_elastic_plan
+    world = nproc * options.nnodes
+    try:
+        Plan.parse(options.plan).resolve(world).validate()
+    except MeshfitError as refused:
+        raise MeshfitError(
+            f"--plan {options.plan} does not fit the {world} worker(s) this run starts "
+            f"(--nproc {nproc} x --nnodes {options.nnodes}): {refused}"
+        ) from None
+
+
 def too_few_nodes(options: RunOptions, argv: list[str]) -> str:
     """Why the rendezvous timed out, and what to do: fewer than MIN nodes were there
     within join_timeout (at the start, or after a node was lost)."""
@@ -313,6 +330,7 @@ def run(options: RunOptions) -> int:
         from meshfit.plan import Plan
 
         Plan.check_text(options.plan)  # refuse bad text here, not in every worker
+        check_plan_fits_world(options, setup.nproc)
         setup.env[PLAN_ENV] = options.plan
     if options.weights is not None:
         if not os.path.exists(options.weights):

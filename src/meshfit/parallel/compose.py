@@ -315,6 +315,12 @@ def _values_last(b: Build) -> None:
     b.values.after_forms(b.modules[0], strided=b.plan.tp > 1)
 
 
+def _say_weights(b: Build) -> None:
+    line = b.values.describe()
+    if line and b.topology.rank == 0:
+        print(f"meshfit: {line}", flush=True)
+
+
 FORMS: tuple[Form, ...] = (
     Form("initial values", lambda b: True, _values_first),
     Form("SyncBatchNorm", lambda b: b.options.sync_batchnorm, _batchnorm),
@@ -329,6 +335,7 @@ FORMS: tuple[Form, ...] = (
     Form("data parallel", lambda b: True, _data_parallel),
     Form("runner", lambda b: True, _runner),
     Form("checkpoint as weights", lambda b: b.values.checkpoint is not None, _values_last),
+    Form("weights said", lambda b: b.options.weights is not None, _say_weights),
 )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from meshfit.planner.profile import ModelProfile, profile_model
 class Dropped:
     plan: Plan
     reason: str
+    need: float = 0.0  # bytes per rank, for a plan dropped because it does not fit
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SearchResult:
     dropped: list[Dropped] = field(default_factory=list)
     hardware: Hardware | None = None
     profile: ModelProfile | None = None  # what the plans were estimated from
+    precision: str = "fp32"
 
     @property
     def best(self) -> Estimate:
@@ -69,6 +71,8 @@ class SearchResult:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         if len(self.ranked) > limit:
             lines.append(f"... and {len(self.ranked) - limit} more that fit")
+        if not self.ranked:
+            lines = self._nearest()
         if self.dropped:
             counts: dict[str, int] = {}
             for d in self.dropped:
@@ -81,6 +85,37 @@ class SearchResult:
                 )
             )
         return "\n".join(lines)
+
+    def _nearest(self) -> list[str]:
+        """When no plan fits: the three that come nearest in memory, by how much each is
+        over, and what would make one fit."""
+        near = sorted((d for d in self.dropped if d.need), key=lambda d: d.need)[:3]
+        if not near or self.hardware is None:
+            if any(d.reason.startswith("batch does not divide") for d in self.dropped):
+                return [
+                    "no plan fits: the global batch divides over no plan's data-parallel "
+                    "ranks and micro-batches; give a larger one (--batch-size, a multiple "
+                    "of the device count) or fewer devices"
+                ]
+            return ["no plan fits"]
+        usable = self.hardware.device_memory * USABLE_MEMORY
+        lines = ["no plan fits; the nearest in memory:"]
+        lines += [
+            f"  {d.plan}: {_gib(d.need)} per rank, over by {_gib(d.need - usable)}" for d in near
+        ]
+        levers = [
+            f"{near[0].need / usable:.1f}x the devices for the nearest (--nproc, --nodes: "
+            f"fsdp and pp shard the model state, cp the sequence)",
+            "a smaller global batch (--batch-size)",
+        ]
+        tokens = self.profile.tokens_per_sample if self.profile is not None else 1
+        if tokens > 1:
+            levers.append("shorter sequences (--seq-len)")
+            if tokens < CP_FROM_TOKENS:
+                levers.append(f"cp plans are searched from {CP_FROM_TOKENS:,} tokens")
+        if self.precision == "fp32":
+            levers.append("bf16 (--precision bf16) halves parameters and activations")
+        return [*lines, "to fit: " + "; ".join(levers)]
 
 
 @dataclass
@@ -283,10 +318,10 @@ def search_profile(
             what = "does not fit" if need == e.memory.total else "its build does not fit"
             usable = _gib(hardware.device_memory * USABLE_MEMORY)
             whole = f"{USABLE_MEMORY:.0%} of {_gib(hardware.device_memory)}"
-            dropped.append(Dropped(plan, f"{what}: {_gib(need)} > {usable} ({whole})"))
+            dropped.append(Dropped(plan, f"{what}: {_gib(need)} > {usable} ({whole})", need))
     # Fastest first; among equals the one with less memory, then the simpler plan.
     fitting.sort(key=lambda e: (-e.samples_per_s, e.memory.total, _complexity(e.plan)))
-    return SearchResult(fitting, dropped, hardware, profile)
+    return SearchResult(fitting, dropped, hardware, profile, precision)
 
 
 def search_model(

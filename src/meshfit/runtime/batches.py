@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from meshfit.errors import MeshfitError
+from meshfit.plan import Plan
 from meshfit.topology import Topology
 from meshfit.trees import map_tensors, tensors_in
 
@@ -23,18 +24,33 @@ def check_batch_divides(batch_size: int, topology: Topology, microbatches: int) 
         options = [str(n) for n in (lower, lower + unit) if n > 0]
         raise MeshfitError(
             f"a global batch of {batch_size} samples does not split over {dp_size} "
-            f"data-parallel rank(s) x {microbatches} micro-batch(es) (needs a multiple of "
+            f"data-parallel rank(s) x {microbatches} micro-batch(es)"
+            f"{_default_microbatches(topology.plan, microbatches)} (needs a multiple of "
             f"{unit}); use a batch size of {' or '.join(options)}"
         )
 
 
-def check_microbatches(size: int, microbatches: int, dp_size: int) -> None:
-    """Refuse a rank's share of `size` samples that does not split into `microbatches`."""
+def check_microbatches(size: int, plan: Plan, dp_size: int) -> None:
+    """Refuse a rank's share of `size` samples that does not split into the plan's
+    micro-batches."""
+    microbatches = plan.num_microbatches
     if size % microbatches:
         raise MeshfitError(
-            f"this rank's {size} samples do not split into {microbatches} micro-batches; "
-            f"make the global batch a multiple of {microbatches * dp_size}"
+            f"this rank's {size} samples do not split into {microbatches} micro-batches"
+            f"{_default_microbatches(plan, microbatches)}; make the global batch a multiple "
+            f"of {microbatches * dp_size}"
         )
+
+
+def _default_microbatches(plan: Plan, microbatches: int) -> str:
+    """Where the micro-batch count came from, when the user did not choose it: pp's
+    default, and the option that changes it."""
+    if plan.microbatches is not None or plan.pp == 1 or microbatches != plan.num_microbatches:
+        return ""
+    return (
+        f" (pp={plan.pp}'s default, 2 x pp; choose another with microbatches= in the plan, "
+        f"e.g. '{plan},microbatches={plan.pp}')"
+    )
 
 
 def split_batch(batch: Any, model_loss: bool = False) -> tuple[Any, Any]:

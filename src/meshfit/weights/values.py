@@ -16,6 +16,7 @@ model's values).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,28 @@ class ModelValues:
         from meshfit.weights.materialize import materialize
 
         materialize(self.initializer, self.model, device, self.files)
+
+    def describe(self) -> str | None:
+        """The start-up line of what `weights=` read (None without it): a planted change
+        to a head was the only way to tell the weights had been read."""
+        if self.checkpoint is not None:
+            return (
+                f"weights: the model values of the meshfit checkpoint {self.checkpoint}, "
+                f"read by DCP (each rank its pieces)"
+            )
+        if self.files is None:
+            return None
+        values = sum(math.prod(shape) for shape in self.files.shapes.values())
+        files = len(set(self.files.files.values()))
+        how = (
+            "each rank read only the slices it keeps (the model was built on meta)"
+            if self.meta
+            else "read whole into each rank's model before the plan split it"
+        )
+        return (
+            f"weights: {len(self.files.shapes)} tensors ({values / 1e6:,.1f}M values) from "
+            f"{self.files.path} ({files} file{'s' if files != 1 else ''}); {how}"
+        )
 
     def after_forms(self, parallel_model: nn.Module, strided: bool) -> None:
         """A meshfit checkpoint as weights: its model values read by DCP into the split
