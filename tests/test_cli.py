@@ -325,3 +325,38 @@ def test_a_plan_that_cannot_fill_the_world_is_refused_before_workers_start(tmp_p
     assert result.returncode != 0
     assert "--plan fsdp=4 does not fit the 2 worker(s) this run starts" in result.stderr
     assert "starting 2 CPU workers" not in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_the_hugging_face_fine_tune_example_runs_as_written_under_every_form(tmp_path) -> None:
+    """The newcomer's path (examples/hf_finetune.py, the guide's first section): a Llama
+    built on meta, weights= from a save_pretrained folder, fit with the model's own loss
+    on a collator's batches, save_model read back by from_pretrained. Run as written in
+    one process and by `meshfit run` under fsdp=2, tp=2 and pp=2: the same losses (float32)
+    and the same saved weights."""
+    from safetensors.torch import load_file
+
+    from meshfit.verification.run import weight_differences
+
+    example = os.path.join(os.path.dirname(HERE), "examples", "hf_finetune.py")
+    weights = str(tmp_path / "pretrained")
+    runs = {}
+    for plan in (None, "fsdp=2", "tp=2", "pp=2"):
+        out = str(tmp_path / (plan or "one"))
+        args = [example, "--weights", weights, "--out", out, "--steps", "4"]
+        if plan is None:
+            result = subprocess.run(
+                [sys.executable, *args], capture_output=True, text=True, timeout=300
+            )
+        else:
+            result = meshfit("run", "--nproc", "2", "--plan", plan, *args, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses = next(x for x in result.stdout.splitlines() if x.startswith("losses: "))
+        assert "from_pretrained reads 180,800 parameters" in result.stdout, result.stdout
+        runs[plan] = ([float(x) for x in losses.split()[1:]], load_file(f"{out}/model.safetensors"))
+    one_losses, one_state = runs.pop(None)
+    for plan, (losses, state) in runs.items():
+        assert losses == pytest.approx(one_losses, rel=1e-5), plan
+        worst = max(weight_differences(state, one_state).values())
+        print(f"{plan}: losses {losses[-1]:.6f}, weights {worst:.1e} off one process")
+        assert worst < 1e-5, (plan, worst)  # float32: measured 3e-8 to 7e-7
