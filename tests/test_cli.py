@@ -360,3 +360,30 @@ def test_the_hugging_face_fine_tune_example_runs_as_written_under_every_form(tmp
         worst = max(weight_differences(state, one_state).values())
         print(f"{plan}: losses {losses[-1]:.6f}, weights {worst:.1e} off one process")
         assert worst < 1e-5, (plan, worst)  # float32: measured 3e-8 to 7e-7
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_in_one_line_naming_the_newest_checkpoint(tmp_path) -> None:
+    """A scheduler's preemption (SIGTERM to `meshfit run`) ended in torch's SignalException
+    traceback with no word of the last checkpoint: one line, and the checkpoint."""
+    import signal
+    import time
+
+    script = os.path.join(SCRIPTS, "checkpoint_then_wait.py")
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.Popen(
+        [sys.executable, "-m", "meshfit.cli", "run", "--nproc", "2", script, str(tmp_path)],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"done-{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and run.poll() is None, run.stderr.read()
+        time.sleep(0.2)
+    run.send_signal(signal.SIGTERM)
+    stderr = run.communicate(timeout=60)[1]
+    assert run.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"meshfit: stopped by SIGTERM: every worker was stopped; the newest intact checkpoint "
+        f"is {tmp_path / 'step-00000004'} (step 4): run the same command to resume from it"
+    ), stderr

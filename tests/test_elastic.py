@@ -277,7 +277,12 @@ def test_a_fixed_plan_keeps_its_model_parallel_degrees_and_changes_dp() -> None:
 def test_an_elastic_run_asks_torchrun_for_min_max_nodes_and_quick_rejoins() -> None:
     from meshfit.errors import MeshfitError
     from meshfit.launch import WorkerSetup
-    from meshfit.launch.run_command import RunOptions, check_elastic, torchrun_argv
+    from meshfit.launch.run_command import (
+        ELASTIC_RESTARTS,
+        RunOptions,
+        check_elastic,
+        torchrun_argv,
+    )
 
     options = RunOptions(
         target="train.py", nnodes=4, min_nodes=2, master="10.0.0.1:29500", max_restarts=3,
@@ -292,8 +297,11 @@ def test_an_elastic_run_asks_torchrun_for_min_max_nodes_and_quick_rejoins() -> N
     assert conf == {"keep_alive_interval": "2", "keep_alive_max_attempt": "3",
                     "last_call_timeout": "9", "join_timeout": "60"}  # fmt: skip
     assert argv.count("--rdzv-conf") == 1 and "--log-dir" in argv
+    # without a restart budget an elastic run takes the default (said at start-up)
+    assert (
+        check_elastic(dataclasses.replace(options, max_restarts=0)).max_restarts == ELASTIC_RESTARTS
+    )
     for change, words in (
-        ({"max_restarts": 0}, "give --max-restarts"),
         ({"node_rank": 0}, "drop --node-rank"),
         ({"master": None}, "needs --master"),
     ):

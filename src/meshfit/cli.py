@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|MIN:MAX",
         help="number of nodes (default 1; under srun, the step's SLURM_STEP_NUM_NODES); "
         "MIN:MAX makes the run elastic: it goes on while MIN nodes remain and grows back "
-        "up to MAX (needs --max-restarts; see 'Elastic runs' in docs/guide.md)",
+        "up to MAX (with --max-restarts K, 3 by default; see 'Elastic runs' in docs/guide.md)",
     )
     run.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     run.add_argument(

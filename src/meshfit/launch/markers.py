@@ -63,3 +63,30 @@ def raised_by(marker_dir: str, pid: int) -> str | None:
             return f.read()
     except OSError:
         return None
+
+
+CHECKPOINT_MARKER = "newest-checkpoint"
+
+
+def note_checkpoint(path: str, step: int) -> None:
+    """Leave word for `meshfit run` of the newest committed checkpoint (rank 0, after each
+    save): what a run stopped by a signal says it can resume from."""
+    where = os.environ.get(MARKER_DIR_ENV)
+    if where:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(where, CHECKPOINT_MARKER + ".tmp"), "w") as f:
+                f.write(f"{step}\n{path}")
+            os.replace(
+                os.path.join(where, CHECKPOINT_MARKER + ".tmp"),
+                os.path.join(where, CHECKPOINT_MARKER),
+            )
+
+
+def newest_checkpoint(marker_dir: str) -> tuple[int, str] | None:
+    """(step, path) of the newest checkpoint a worker committed in this run, if any."""
+    try:
+        with open(os.path.join(marker_dir, CHECKPOINT_MARKER)) as f:
+            step, path = f.read().split("\n", 1)
+        return int(step), path
+    except (OSError, ValueError):
+        return None

@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshfit.errors import MeshfitError
@@ -31,7 +31,12 @@ from meshfit.launch import (
     watchdog,
 )
 from meshfit.launch.elastic import ELASTIC_ENV, ELASTIC_RDZV_CONF
-from meshfit.launch.markers import MARKER_DIR_ENV, killed_by_verdict, raised_by
+from meshfit.launch.markers import (
+    MARKER_DIR_ENV,
+    killed_by_verdict,
+    newest_checkpoint,
+    raised_by,
+)
 from meshfit.launch.worker_errors import EXIT_USER_ERROR
 
 
@@ -225,10 +230,16 @@ def elastic_rdzv_conf(args: list[str]) -> tuple[list[str], str]:
     return rest, ",".join(f"{k}={v}" for k, v in conf.items())
 
 
-def check_elastic(options: RunOptions) -> None:
-    """Refuse an elastic run that could not re-form its group."""
+# The restarts an elastic run takes when --max-restarts is not given: it re-forms its
+# group by restarting the workers, so a budget of none could never re-form.
+ELASTIC_RESTARTS = 3
+
+
+def check_elastic(options: RunOptions) -> RunOptions:
+    """Refuse an elastic run that could not re-form its group; one without a restart
+    budget takes ELASTIC_RESTARTS (said at start-up)."""
     if not is_elastic(options):
-        return
+        return options
     if options.node_rank is not None:
         raise MeshfitError(
             f"--nnodes {nnodes_arg(options)} (elastic) assigns node ranks as nodes join; "
@@ -240,11 +251,8 @@ def check_elastic(options: RunOptions) -> None:
             f"node that hosts the rendezvous (it must stay up: the others re-form around it)"
         )
     if options.max_restarts < 1:
-        raise MeshfitError(
-            f"--nnodes {nnodes_arg(options)} (elastic) re-forms the group by restarting the "
-            f"workers after a node is lost: give --max-restarts K, the failures the run may "
-            f"survive (e.g. --max-restarts 3; a node joining costs none)"
-        )
+        return replace(options, max_restarts=ELASTIC_RESTARTS)
+    return options
 
 
 def check_elastic_plan(options: RunOptions, nproc: int) -> None:
@@ -285,6 +293,27 @@ def check_plan_fits_world(options: RunOptions, nproc: int) -> None:
         ) from None
 
 
+def stopped_by_signal(signum: int, marker_dir: str) -> str:
+    """The one line of a run stopped by a signal (a scheduler's preemption sends SIGTERM;
+    torch's agent raised its SignalException traceback): the workers were stopped, and
+    the newest intact checkpoint to resume from. meshfit does not save on a signal: the
+    grace a scheduler gives may be shorter than a save, and a half save is never kept."""
+    import signal
+
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    newest = newest_checkpoint(marker_dir)
+    resume = (
+        f"the newest intact checkpoint is {newest[1]} (step {newest[0]}): run the same "
+        f"command to resume from it"
+        if newest
+        else "no checkpoint was written in this run (fit(checkpoint_dir=...) writes them)"
+    )
+    return f"stopped by {name}: every worker was stopped; {resume}"
+
+
 def too_few_nodes(options: RunOptions, argv: list[str]) -> str:
     """Why the rendezvous timed out, and what to do: fewer than MIN nodes were there
     within join_timeout (at the start, or after a node was lost)."""
@@ -311,6 +340,7 @@ def run(options: RunOptions) -> int:
     """Run a script on workers the way torchrun would, with meshfit's defaults.
     Returns the exit status (0 when every worker succeeded)."""
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
@@ -320,7 +350,8 @@ def run(options: RunOptions) -> int:
         raise MeshfitError(f"--nnodes must be at least 1, not {options.nnodes}")
     if options.max_restarts < 0:
         raise MeshfitError(f"--max-restarts must be >= 0, not {options.max_restarts}")
-    check_elastic(options)
+    budget_given = options.max_restarts > 0
+    options = check_elastic(options)
     setup = plan_workers(options.nproc, options.devices, options.threads)
     check_elastic_plan(options, setup.nproc)
     if is_elastic(options):
@@ -354,8 +385,10 @@ def run(options: RunOptions) -> int:
     if is_elastic(options):
         print(
             f"meshfit: elastic run: when a node is lost (while {options.min_nodes} remain; "
-            f"{options.max_restarts} failures at most) or one joins, the group re-forms and "
-            f"fit resumes from the newest checkpoint with the plan fitted to the new world",
+            f"{options.max_restarts} failures at most"
+            f"{'' if budget_given else ', the default: --max-restarts K to change'}) or one "
+            f"joins, the group re-forms and fit resumes from the newest checkpoint with the "
+            f"plan fitted to the new world",
             file=sys.stderr,
             flush=True,
         )
@@ -379,6 +412,9 @@ def run(options: RunOptions) -> int:
     except RendezvousTimeoutError:
         print(f"meshfit: {too_few_nodes(options, argv)}", file=sys.stderr, flush=True)
         return 1
+    except SignalException as stopped:
+        print(f"meshfit: {stopped_by_signal(stopped.sigval, markers)}", file=sys.stderr, flush=True)
+        return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
         rank, info = failed.get_first_failure()
         code = info.exitcode if info.exitcode and info.exitcode > 0 else 1

@@ -296,6 +296,9 @@ def save_checkpoint(
                 if not existed:  # nothing names it: all or nothing
                     shutil.rmtree(path, ignore_errors=True)
                 raise
+        from meshfit.launch.markers import note_checkpoint
+
+        note_checkpoint(os.path.abspath(path), state.step)  # for `meshfit run`'s stop line
 
     try:
         on_every_rank(prepare, what)
