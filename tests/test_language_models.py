@@ -205,16 +205,21 @@ def test_t5_under_pp_sends_its_position_bias_across_the_cut() -> None:
     """T5's first encoder block computes a position bias from its own weights and the
     forward's loop hands it to the next blocks: the second stage recomputed it as zeros
     (measured before any check: losses apart from step 0), then pp refused T5. Now the
-    check forward on example_inputs finds it, the stage before the cut sends it with the
-    hidden state and gets its gradient back: the one-process run, over 4 micro-batches.
-    Without example_inputs nothing has found it, so the cut refuses, before any update."""
+    check forward on an example micro-batch finds it (example_inputs, else the engine's
+    first batch), the stage before the cut sends it with the hidden state and gets its
+    gradient back: the one-process run, over 4 micro-batches. Built before any batch
+    (the runner read first) nothing has found it, so the cut refuses, before any update."""
     spec = {"model": "t5", "plan": "pp=2,microbatches=4"}
     example = sft_batch("t5", 2, 0)[0]
-    sent = mf.launch(lm_run, nproc=2, args=({**spec, "options": {"example_inputs": example}},))
-    assert_same_run(sent, lm_run({"model": "t5"}), _rtol("t5"))
+    sent, first = mf.launch(
+        many_lm_runs, nproc=2, args=([{**spec, "options": {"example_inputs": example}}, spec],)
+    )
+    reference = lm_run({"model": "t5"})
+    assert_same_run(sent, reference, _rtol("t5"))
+    assert_same_run(first, reference, _rtol("t5"))
     unknown = r"cannot cut before block 'encoder\.block\.1'.* pass example_inputs="
-    with pytest.raises(mf.MeshfitError, match=unknown):
-        mf.launch(lm_run, nproc=2, args=(spec,))
+    with pytest.raises(mf.MeshfitError, match=unknown):  # one rank refuses at its step
+        mf.launch(lm_run, nproc=2, args=({**spec, "early": True},))
 
 
 def test_a_mean_loss_over_ignored_targets_warns_once_with_the_fix() -> None:

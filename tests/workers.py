@@ -968,6 +968,8 @@ def lm_run(spec: dict) -> dict:
             engine.model_loss.sums = False
         if spec.get("tied_unsummed"):  # negative control: tied copies under pp apart
             engine.runner.tied.sum_gradients = lambda: None
+        if spec.get("early"):  # the engine's parts read before any batch: built with none
+            engine.runner  # noqa: B018
         losses = [
             float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
             for step in range(spec.get("steps", 3))
@@ -1612,15 +1614,16 @@ def unseeded_runs(specs: list[dict]) -> list[dict]:
         original = same_start.start_from_rank0
         if spec.get("keep_own"):
             same_start.start_from_rank0 = lambda model: False
-        try:
+        try:  # through the first step: tp and pp build there (no example_inputs)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 engine = mf.parallelize(
                     model, spec["plan"], loss_fn=loss_fn, optimizer=optimizer_factory("sgd")
                 )
+                losses = [float(engine.step(make_batch(spec["model"], 16, 0)))]
         finally:
             same_start.start_from_rank0 = original
-        losses = [float(engine.step(make_batch(spec["model"], 16, step))) for step in range(3)]
+        losses += [float(engine.step(make_batch(spec["model"], 16, step))) for step in (1, 2)]
         warned = [str(w.message) for w in caught if "initial weights" in str(w.message)]
         results.append({"losses": losses, "state": engine.full_state_dict(), "warned": warned})
     return results
