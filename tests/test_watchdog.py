@@ -306,4 +306,6 @@ def test_a_save_under_a_rank_guard_is_named_within_seconds(tmp_path) -> None:
         assert f"engine.{call} is called by every rank together" in line, line
         assert "rank 1 has exited" in line and "if engine.rank == 0:" in line, line
         assert "--hang-timeout" not in line and "\n" not in line
-        assert time.monotonic() - start < 60  # the hang timeout is 120 s
+        # the hang timeout is 120 s, and its verdict 20 s more: this is the early one (6 s
+        # alone here, up to 25 s inside the whole suite on the 2-core VM)
+        assert time.monotonic() - start < 100
