@@ -202,9 +202,17 @@ def _called_alone(states: dict[int, RankState], stuck: list[int], waiters: list[
     if call is None:
         return ""
     return (
-        f": engine.{call} is called by every rank together (each rank gives its part; a "
-        f"file is written once, by rank 0), not under a rank guard such as `if "
-        f"engine.rank == 0:`; call it on every rank"
+        f": {collective_call(call)}, not under a rank guard such as `if engine.rank == 0:`; "
+        f"call it on every rank"
+    )
+
+
+def collective_call(call: str) -> str:
+    """What an engine call under a rank guard must be told: the hang verdict's (a peer
+    ended its script) and watchdog.explain_one_sided_call's (a peer's connection closed)."""
+    return (
+        f"engine.{call} is called by every rank together (each rank gives its part; a file "
+        f"is written once, by rank 0)"
     )
 
 

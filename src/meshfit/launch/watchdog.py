@@ -64,6 +64,7 @@ from meshfit.launch.hang_verdict import (  # noqa: F401
     EXITED,
     HANG_TIMEOUT_ENV,
     RankState,
+    collective_call,
     describe,
     frozen_ranks,
     hang_timeout,
@@ -518,8 +519,7 @@ def explain_one_sided_call(call: str, exc: BaseException) -> str | None:
         return None
     first = (str(exc).strip().splitlines() or [""])[0][:160]
     return (
-        f"engine.{call} is called by every rank together (each rank gives its part; a file "
-        f"is written once, by rank 0), but rank {watchdog.rank} called it alone: "
+        f"{collective_call(call)}, but rank {watchdog.rank} called it alone: "
         f"{'; '.join(elsewhere)} ({type(exc).__name__} here: {first}). Call engine.{call} "
         f"on every rank, without a rank guard such as `if engine.rank == 0:`"
     )
