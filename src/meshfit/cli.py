@@ -274,7 +274,8 @@ def _add_worker_options(parser: argparse.ArgumentParser) -> None:
         "--max-restarts",
         type=int,
         default=0,
-        help="restart the workers up to K times after a failure (default 0)",
+        help="restart the workers up to K times after a failure (default 0; 3 for an "
+        "elastic run, --nnodes MIN:MAX)",
     )
     parser.add_argument(
         "--hang-timeout",
