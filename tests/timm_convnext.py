@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm_vit import Mlp  # timm.layers.Mlp, which ConvNeXt shares with the ViT
 
 
 class LayerNorm2d(nn.LayerNorm):
@@ -20,29 +21,6 @@ class LayerNorm2d(nn.LayerNorm):
         x = x.permute(0, 2, 3, 1)
         x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         x = x.permute(0, 3, 1, 2)
-        return x
-
-
-class Mlp(nn.Module):
-    """MLP as used in Vision Transformer, MLP-Mixer and related networks"""
-
-    def __init__(self, in_features, hidden_features=None, act_layer=nn.GELU, bias=True):
-        super().__init__()
-        hidden_features = hidden_features or in_features
-        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
-        self.act = act_layer()
-        self.drop1 = nn.Dropout(0.0)
-        self.norm = nn.Identity()
-        self.fc2 = nn.Linear(hidden_features, in_features, bias=bias)
-        self.drop2 = nn.Dropout(0.0)
-
-    def forward(self, x):
-        x = self.fc1(x)
-        x = self.act(x)
-        x = self.drop1(x)
-        x = self.norm(x)
-        x = self.fc2(x)
-        x = self.drop2(x)
         return x
 
 
