@@ -23,6 +23,8 @@ the CPU test of the emulated path uses, tests/test_precision_fp8.py) of bf16's.
     python benchmarks/gpu_fp8.py --steps 500 --batch-size 8
     python benchmarks/gpu_fp8.py --dry-run           # the runs it would do, then stop
     python benchmarks/gpu_fp8.py --quick             # tiny Llama; on CPU fp8 is emulated
+    python benchmarks/gpu_fp8.py --chunked-loss      # mf.losses.cross_entropy() with
+                                                     # chunked_loss=True, both precisions
 
 Writes JSON to benchmarks/results/gpu-fp8-<gpu>.json. fp8 needs a GPU of CUDA
 capability 8.9 or later (H100, H200, L4, L40) and pip install 'meshfit[fp8]'.
@@ -132,14 +134,15 @@ def flops_per_token(n_params: int, fields: dict, seq: int) -> float:
     return 6 * matmul + 12 * fields["num_hidden_layers"] * fields["hidden_size"] * seq
 
 
-def run(precision, fields, batches, device, warmup, compile) -> dict:
+def run(precision, fields, batches, device, warmup, compile, chunked=False) -> dict:
     model = make_model(fields, device)
     engine = mf.parallelize(
         model,
         mf.Plan(dp=1, precision=precision),
         optimizer=adamw,
-        loss_fn=next_token_loss,
+        loss_fn=mf.losses.cross_entropy() if chunked else next_token_loss,
         compile=compile,
+        chunked_loss=chunked,
     )
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     losses = []
@@ -190,6 +193,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--precisions", default="bf16,fp8", help="comma list")
     parser.add_argument("--no-compile", action="store_true", help="eager (fp8 is slow so)")
+    parser.add_argument(
+        "--chunked-loss",
+        action="store_true",
+        help="the LM head and loss a chunk of tokens at a time (chunked_loss=True)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -232,7 +240,9 @@ def main() -> None:
 
     rows = []
     for precision in precisions:
-        row = run(precision, fields, batches, device, args.warmup, not args.no_compile)
+        row = run(
+            precision, fields, batches, device, args.warmup, not args.no_compile, args.chunked_loss
+        )
         row["tokens_per_s"] = tokens_per_step / row["step_s"]
         row["mfu_vs_bf16_peak"] = row["tokens_per_s"] * per_token / (peak_tflops * 1e12)
         rows.append(row)
@@ -242,6 +252,9 @@ def main() -> None:
             f"{row['float8_linears']} Float8Linear",
             flush=True,
         )
+        if args.out:  # each row as it ends, in case the run is cut short
+            with open(args.out + ".partial", "w") as f:
+                json.dump(rows, f, default=str)
     by = {r["precision"]: r for r in rows}
     summary = {}
     if "bf16" in by and "fp8" in by:
@@ -266,6 +279,7 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "compiled": not args.no_compile,
+        "chunked_loss": args.chunked_loss,
         "fp8_emulated": emulated,
         "chain_entropy": chain.entropy(),
         "initial_loss_expected": math.log(fields["vocab_size"]),

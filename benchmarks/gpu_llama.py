@@ -16,6 +16,9 @@ the preset's datasheet peak, hardware.py).
     python benchmarks/gpu_llama.py                   # eager and compiled, batch 4 x 2048
     python benchmarks/gpu_llama.py --modes compile --batch-size 8
     python benchmarks/gpu_llama.py --quick           # tiny Llama: a smoke test (CPU ok)
+    python benchmarks/gpu_llama.py --modes compile --rows whole:4,chunked:4,chunked:8
+                                                     # the LM head and loss whole or in chunks
+                                                     # (chunked_loss=True), at batch 4 and 8
 
 Writes JSON to benchmarks/results/gpu-llama-<gpu>.json.
 """
@@ -51,11 +54,21 @@ class CollatedTokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
-def run(fields: dict, args: argparse.Namespace, compiled: bool, device: torch.device) -> dict:
+def run(
+    fields: dict,
+    args: argparse.Namespace,
+    compiled: bool,
+    device: torch.device,
+    batch_size: int,
+    chunked: bool,
+) -> dict:
     model = make_model(fields, "cpu")  # fit moves it
     n_params = sum(p.numel() for p in model.parameters())
     steps = args.warmup + args.steps
-    data = CollatedTokens(steps * args.batch_size, args.seq, fields["vocab_size"])
+    data = CollatedTokens(steps * batch_size, args.seq, fields["vocab_size"])
+    # the profile covers 3 steps of the last logged window (the median of the windows'
+    # rates is what the row reports, so one slowed window does not move it)
+    profiler = KernelProfile(steps - 4, steps - 1) if args.profile and device.type == "cuda" else None
     start = time.perf_counter()
     history = mf.fit(
         model,
@@ -63,13 +76,15 @@ def run(fields: dict, args: argparse.Namespace, compiled: bool, device: torch.de
         plan="precision=bf16",
         loss_fn="model",
         optimizer=adamw,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         max_steps=steps,
         log_every=args.log_every,
         shuffle=False,
         progress=False,
         compile=compiled,
         report_memory=True,
+        chunked_loss=chunked,
+        callbacks=[profiler] if profiler is not None else (),
     )
     wall = time.perf_counter() - start
     # fit logs a rate every log_every steps; the ones after the warm-up are the steady state
@@ -84,13 +99,60 @@ def run(fields: dict, args: argparse.Namespace, compiled: bool, device: torch.de
         torch.cuda.reset_peak_memory_stats(device)
     return {
         "mode": "compile" if compiled else "eager",
+        "loss": "chunked" if chunked else "whole",
+        "batch_size": batch_size,
         "params": n_params,
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token(n_params, fields, args.seq),
         "fit_logged_mfu": statistics.median(logged_mfu) if logged_mfu else None,
         "peak_gib": peak,
         "wall_s": wall,
+        "profile": profiler.shares if profiler is not None else None,
     }
+
+
+# What a kernel's name says it does (CUDA kernels of cuBLAS, flash attention, fused AdamW
+# and Inductor's Triton kernels); the first pattern that matches wins.
+KERNEL_KINDS = (
+    ("matrix products", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("fused elementwise (Triton)", ("triton",)),
+    ("copies", ("memcpy", "memset", "copy")),
+)
+
+
+class KernelProfile(mf.Callback):
+    """torch.profiler over steps [first, last): the GPU's time by kind of kernel, as
+    shares of the steps' wall time (what is left is the GPU idle: host work, launches)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.prof = None
+        self.began = 0.0
+        self.shares: dict | None = None
+
+    def on_step_begin(self, step: int, engine) -> None:
+        if step == self.first:
+            torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+            self.began = time.perf_counter()
+        elif step == self.last and self.prof is not None:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.began
+            self.prof.__exit__(None, None, None)
+            kinds: dict[str, float] = {}
+            for event in self.prof.key_averages():
+                us = getattr(event, "self_device_time_total", 0) or 0
+                name = event.key.lower()
+                kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+                kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
+            busy = sum(kinds.values())
+            self.shares = {k: v / wall for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
+            self.shares["GPU idle"] = max(0.0, 1 - busy / wall)
+            self.shares["wall_s_per_step"] = wall / (self.last - self.first)
+            print(f"profile, steps {self.first}-{self.last - 1}: {json.dumps(self.shares)}", flush=True)
 
 
 def main() -> None:
@@ -98,10 +160,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model: a smoke test")
     parser.add_argument("--modes", default="eager,compile", help="comma list of eager,compile")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help="comma list of LOSS:BATCH (LOSS whole or chunked: chunked_loss=True); "
+        "default whole:<--batch-size>",
+    )
+    parser.add_argument(
+        "--deadline-s", type=float, default=None, help="start no row after this many seconds"
+    )
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=40, help="steps after the warm-up")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind (CUDA)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,15 +182,26 @@ def main() -> None:
         fields, args.batch_size, args.seq = TINY, 2, 32
         args.steps, args.warmup, args.log_every = 4, 2, 2
     peak_tflops = matmul_tflops(device) if not args.quick else matmul_tflops(device, n=256)
+    began = time.perf_counter()
+    wanted = [r.split(":") for r in (args.rows or f"whole:{args.batch_size}").split(",")]
     rows = []
-    for mode in args.modes.split(","):
-        row = run(fields, args, mode == "compile", device)
+    for mode, (loss, batch) in ((m, w) for m in args.modes.split(",") for w in wanted):
+        if args.deadline_s and time.perf_counter() - began > args.deadline_s:
+            print(f"skipped {mode} {loss}:{batch}: past --deadline-s", flush=True)
+            continue
+        batch_size = 2 if args.quick else int(batch)
+        row = run(fields, args, mode == "compile", device, batch_size, loss == "chunked")
         if row["tokens_per_s"]:
             row["mfu_vs_measured_peak"] = (
                 row["tokens_per_s"] * row["flops_per_token"] / (peak_tflops * 1e12)
             )
         rows.append(row)
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
+        _write(args, device, peak_tflops, rows)
+    _table(peak_tflops, rows)
+
+
+def _write(args: argparse.Namespace, device: torch.device, peak_tflops: float, rows: list) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {
         "benchmark": "gpu-llama",
@@ -126,7 +209,6 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "matmul_tflops_bf16": peak_tflops,
-        "batch_size": args.batch_size,
         "seq": args.seq,
         "quick": args.quick,
         "rows": rows,
@@ -140,17 +222,22 @@ def main() -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
+    print(f"results in {out}", flush=True)
+
+
+def _table(peak_tflops: float, rows: list) -> None:
     print(
-        f"| mode | tokens/s | MFU (measured peak {peak_tflops:.0f} TFLOP/s) | MFU fit logged | peak GiB |"
+        f"| mode | LM head and loss | batch | tokens/s | MFU (measured peak "
+        f"{peak_tflops:.0f} TFLOP/s) | MFU fit logged | peak GiB |"
     )
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mfu = r.get("mfu_vs_measured_peak")
         print(
-            f"| {r['mode']} | {r['tokens_per_s'] or 0:,.0f} | {mfu * 100 if mfu else 0:.1f}% | "
-            f"{(r['fit_logged_mfu'] or 0) * 100:.1f}% | {r['peak_gib'] or 0:.1f} |"
+            f"| {r['mode']} | {r['loss']} | {r['batch_size']} | {r['tokens_per_s'] or 0:,.0f} | "
+            f"{mfu * 100 if mfu else 0:.1f}% | {(r['fit_logged_mfu'] or 0) * 100:.1f}% | "
+            f"{r['peak_gib'] or 0:.1f} |"
         )
-    print(f"results in {out}")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class Engine:
             compile=options.compile,
             init=options.init,
             weights=options.weights,
+            chunked_loss=options.chunked_loss,
         )
         self._built: _Built | None = None
         # tp traces its split and pp times its blocks on an example micro-batch. Without

@@ -51,7 +51,16 @@ def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[An
     """
 
     def loss(outputs: Any, targets: torch.Tensor) -> LossPair:
+        from meshfit.parallel.head_loss import linear_cross_entropy, take_deferred
+
         logits = logits_of(outputs)
+        deferred = take_deferred(logits)  # chunked_loss=True: the head's input instead
+        if deferred is not None:
+            hidden, weight, bias, chunk = deferred
+            if shift and not _preshifted():
+                hidden, targets = hidden[..., :-1, :], targets[..., 1:]
+            total = linear_cross_entropy(hidden, weight, bias, targets, ignore_index, chunk)
+            return total, (targets != ignore_index).sum()
         if shift and not _preshifted():
             logits, targets = logits[..., :-1, :], targets[..., 1:]
         logits = logits.reshape(-1, logits.shape[-1])
@@ -61,6 +70,7 @@ def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[An
         return total, (targets != ignore_index).sum()
 
     loss.shifts_targets = shift  # type: ignore[attr-defined]  # context parallel reads it
+    loss.deferred_head = "outputs"  # type: ignore[attr-defined]  # chunked_loss=True applies
     return loss
 
 
@@ -113,6 +123,15 @@ class ModelOwnLoss:
         kind = _token_loss_kind(model)
         self.shifted = kind == "causal"
         self.sums = kind is not None and takes_num_items(model)
+
+    @property
+    def deferred_head(self) -> str | None:
+        """For chunked_loss=True (parallel/head_loss.py): the Hugging Face token loss the
+        model computes ("causal" or "masked"), which meshfit can take over; None for any
+        other model loss."""
+        if not self.sums:
+            return None
+        return "causal" if self.shifted else "masked"
 
     @property
     def shifts_targets(self) -> bool:

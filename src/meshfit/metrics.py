@@ -48,6 +48,8 @@ def check_metrics(metrics: Any) -> dict[str, Metric]:
 class MetricTap:
     """loss_fn, with the metrics computed beside it (without gradients) on each call."""
 
+    deferred_head = "metrics"  # they read the logits: chunked_loss=True cannot apply
+
     def __init__(self, loss_fn: Callable[[Any, Any], Any], metrics: dict[str, Metric]) -> None:
         self.loss_fn = loss_fn
         self.metrics = metrics

@@ -58,6 +58,7 @@ class EngineOptions:
     metrics: dict[str, Any] | None = None
     init: InitFn | None = None  # for a model on meta: materialize.py's init passes
     weights: str | os.PathLike | None = None  # pretrained safetensors (weight_files.WeightFiles)
+    chunked_loss: bool | int = False  # the LM head and loss a chunk of tokens at a time
 
     def __post_init__(self) -> None:
         _check_loss(self.loss_fn)
@@ -76,6 +77,12 @@ class EngineOptions:
         for name in ("compile", "sync_batchnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise MeshfitError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        chunked = self.chunked_loss
+        if not isinstance(chunked, bool) and not (isinstance(chunked, int) and chunked > 0):
+            raise MeshfitError(
+                f"chunked_loss must be True, False or a number of tokens per chunk, not "
+                f"{chunked!r}"
+            )
         if self.blocks is not None and not isinstance(self.blocks, str):
             raise MeshfitError(
                 f"blocks must be the name of the container of the model's blocks, e.g. "

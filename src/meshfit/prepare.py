@@ -43,6 +43,7 @@ def parallelize(
     metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
     init: Callable[[nn.Module], None] | Sequence[Callable[[nn.Module], None]] | None = None,
     weights: str | os.PathLike | None = None,
+    chunked_loss: bool | int = False,
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
@@ -105,6 +106,14 @@ def parallelize(
         With a model built on meta each rank reads only the slices it keeps. Or a meshfit
         checkpoint (a step directory, or a checkpoint_dir for its newest step): its model
         values only, read by DCP into the split model (each rank its pieces).
+    chunked_loss: compute the LM head's product and the cross-entropy a chunk of tokens
+        at a time, gradients included, so no step holds the whole logits (a 128k
+        vocabulary at 8,192 tokens: 4.2 GB of float32 logits and as much for their
+        gradient). True: 64M logits a chunk; a number: that many tokens a chunk. For
+        ``loss_fn=mf.losses.cross_entropy(...)`` and for ``loss_fn="model"`` on a Hugging
+        Face causal or masked LM; the same loss and gradients as the whole computation
+        (parallel/head_loss.py). Under tp a head split over the vocabulary computes its
+        logits as before.
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
@@ -122,6 +131,7 @@ def parallelize(
         metrics=metrics,
         init=init,
         weights=weights,
+        chunked_loss=chunked_loss,
     )
     job = prepare(model, plan, options)
     engine = job.engine(model)

@@ -81,6 +81,7 @@ class FormOptions:
     compile: bool = False
     init: Any = None
     weights: str | None = None
+    chunked_loss: bool | int = False
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Build:
     modules: list[nn.Module] = field(default_factory=list)  # the parts, wrapped
     sequence: Any = None  # context parallel's runner hook (parallel/context/)
     experts: Any = None  # expert parallel's placement and gradients (parallel/experts.py)
+    head_deferred: bool = False  # chunked_loss=True: the LM head defers to the loss
     runner: Runner | None = None
 
     @property
@@ -205,6 +207,14 @@ def _recomputation(b: Build) -> None:
     b.model = apply_recomputation(b.model, b.plan.checkpointing)
 
 
+def _chunked_loss(b: Build) -> None:
+    """The LM head's logits never whole: the head defers to the loss inside a step, which
+    computes them a chunk of tokens at a time (parallel/head_loss.py)."""
+    from meshfit.parallel.head_loss import chunked_loss_for
+
+    b.head_deferred = chunked_loss_for(b.model, b.options.loss_fn, b.options.chunked_loss, b.topology.rank)
+
+
 def _context_parallel(b: Build) -> None:
     """Each sequence cut over the cp ranks: a runner hook, nothing changed in the model
     (parallel/context/)."""
@@ -290,6 +300,7 @@ def _runner(b: Build) -> None:
             coupling=b.coupling,
             sequence=b.sequence,
             experts=b.experts,
+            head_deferred=b.head_deferred,
         )
         b.modules = [b.model]  # what runs forward: this rank's pruned model
         return
@@ -308,6 +319,7 @@ def _runner(b: Build) -> None:
         eager_forward_loss=forward_loss,
         sequence=b.sequence,
         experts=b.experts,
+        head_deferred=b.head_deferred,
     )
 
 
@@ -329,6 +341,7 @@ FORMS: tuple[Form, ...] = (
     Form("initialisation (meta)", lambda b: b.values.meta, lambda b: b.values.record_initialization(b.model)),
     Form("tensor parallel", lambda b: b.plan.tp > 1, _tensor_parallel),
     Form("recomputation", lambda b: b.plan.checkpointing != "none", _recomputation),
+    Form("chunked loss", lambda b: b.options.chunked_loss is not False, _chunked_loss),
     Form("context parallel", lambda b: b.plan.cp > 1, _context_parallel),
     Form("pipeline cut", lambda b: b.plan.pp > 1, _pipeline_cut),
     Form("expert parallel", lambda b: b.plan.ep > 1, _expert_parallel),

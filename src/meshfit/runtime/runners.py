@@ -125,6 +125,7 @@ class LocalRunner:
         eager_forward_loss: Callable[[nn.Module, Any, Any], Any] | None = None,
         sequence: Any = None,
         experts: Any = None,
+        head_deferred: bool = False,
     ) -> None:
         self.model = model
         self.gradient_sync = gradient_sync or NoGradientSync()
@@ -143,6 +144,8 @@ class LocalRunner:
         # expert parallel (parallel/experts.py): its experts' gradients, reduced once the
         # step's last backward is done
         self.experts = experts
+        # chunked_loss=True: the LM head defers to the loss inside a step (head_loss.py)
+        self.head_deferred = head_deferred
 
     def train(self, inputs: Any, targets: Any) -> LocalLoss:
         result = self._train(inputs, targets)
@@ -229,6 +232,10 @@ class LocalRunner:
                 stack.enter_context(self.sequence.running())
             if self.coupling is not None:
                 stack.enter_context(self.coupling.running(_batch_len(inputs)))
+            if self.head_deferred:
+                from meshfit.parallel.head_loss import deferred_head
+
+                stack.enter_context(deferred_head())
             return split_loss(self.forward_loss(self.model, inputs, targets))
 
 

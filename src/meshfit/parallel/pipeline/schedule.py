@@ -60,6 +60,7 @@ class PipelineRunner:
     coupling: BatchCoupling | None = None  # the scope each step's forward and loss run in
     sequence: Any = None  # context parallel's hook (parallel/context/)
     experts: Any = None  # expert parallel's gradients, reduced after the step (experts.py)
+    head_deferred: bool = False  # chunked_loss=True: the LM head defers to the loss (head_loss.py)
     pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
     foreign_state: frozenset[str] = frozenset()  # state keys another stage owns
 
@@ -179,6 +180,10 @@ class PipelineRunner:
             rows = tensors_in(inputs)[0].shape[0] // self.microbatches
             if self.coupling is not None:
                 stack.enter_context(self.coupling.running(rows))
+            if self.head_deferred and self.has_last:
+                from meshfit.parallel.head_loss import deferred_head
+
+                stack.enter_context(deferred_head())
             if train:
                 self.schedule.step(*args, target=target, losses=losses, model_inputs=inputs)
             else:
@@ -210,6 +215,7 @@ def build_pipeline(
     coupling: BatchCoupling | None = None,
     sequence: Any = None,
     experts: Any = None,
+    head_deferred: bool = False,
 ) -> PipelineRunner:
     """The PipelineStages of this rank's `stage_modules` (one per stage in split.mine,
     already replicated or sharded) and the schedule that runs them."""
@@ -242,6 +248,7 @@ def build_pipeline(
         coupling=coupling,
         sequence=sequence,
         experts=experts,
+        head_deferred=head_deferred,
     )
 
 

@@ -1,0 +1,308 @@
+"""`chunked_loss=True`: the LM head's product and the cross-entropy computed a chunk of
+tokens at a time, so no step ever holds the whole logits.
+
+A language model's last Linear maps every token to the vocabulary: at 8,192 tokens a
+step and a 128,256-word vocabulary that is 1.05G logits, 4.2 GB in float32 and as much
+again for their gradient, more than the rest of a 1B model's activations. Here the head
+does not compute them. While a training or evaluation step runs (the runner arms it),
+the head returns a stand-in of the logits' shape (NaN, a stride-0 view: nothing
+allocated) and records its input; the loss that receives the stand-in (meshfit's
+`mf.losses.cross_entropy`, or a Hugging Face model's own causal-LM or masked-LM loss,
+which meshfit swaps for the step) computes the same sum from the head's input and
+weight, `CHUNK_LOGITS` logits at a time, and the gradients of the head's input, weight
+and bias in the same pass (as Liger-Kernel's fused linear cross-entropy does): three
+matrix products per chunk, as the whole computation has, and only one chunk's logits
+alive at any moment.
+
+Equal to the whole computation: the same products in the same precision (under autocast
+the chunk's product is bf16 and the loss float32, as `logits.float()` makes it), summed
+per chunk; tested in float64 against it under one process, dp, fsdp and pp, tied heads
+and the model's own loss included (tests/test_head_loss.py).
+
+Where it does not apply it says so instead of guessing: a head that tensor parallel
+split over the vocabulary (its weight a DTensor) computes its logits as before; a model
+that changes its logits between the head and the loss (Gemma 2's soft-capping, Cohere's
+scale) or a loss that reads them otherwise is refused at the first step in one line,
+since the stand-in holds no values; metrics, which read the logits, are refused at build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.errors import MeshfitError
+
+# Logits per chunk: 64M, 256 MB in float32 (512 tokens of a 128,256-word vocabulary).
+# Large enough that each chunk's three products run at the matrix units' rate, small
+# next to the whole (1.05G logits at 8,192 tokens x 128k words).
+CHUNK_LOGITS = 1 << 26
+
+# Whether a step is running with the head deferred (a stack: the runner arms it around
+# a micro-batch's forward and loss), and the head outputs the loss has not taken yet:
+# (stand-in, the head's input, weight, bias, tokens per chunk).
+_ARMED = [False]
+_PENDING: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
+
+_NOT_REACHED = (
+    "chunked_loss=True computes the loss from the LM head's input, but the head's output "
+    "{how}; the model may change its logits before its loss (soft-capping or a scale, as "
+    "Gemma 2 and Cohere do) or a loss reads them otherwise; train with chunked_loss=False"
+)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    loss_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The summed cross-entropy of `F.linear(hidden, weight, bias)` against `targets`
+    (tokens whose target is `ignore_index` count for nothing), computed `chunk_tokens`
+    tokens at a time (default: CHUNK_LOGITS logits a chunk). The logits are widened to
+    float32 at least (`mf.losses.cross_entropy`'s rule), or cast to `loss_dtype` (float32
+    for transformers' losses, whose `logits.float()` narrows float64 too).
+    Differentiable in hidden, weight and bias."""
+    vocab = weight.shape[0]
+    chunk = chunk_tokens or max(1, CHUNK_LOGITS // vocab)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return _LinearCrossEntropy.apply(
+        flat, weight, bias, targets.reshape(-1), ignore_index, chunk, loss_dtype
+    )
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and, when gradients are wanted, the gradients of the
+    summed loss too (chunk by chunk, nothing of the logits kept); backward scales them
+    by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, chunk, loss_dtype):  # type: ignore[override]
+        wants = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        total = None
+        grad_h = torch.empty_like(hidden) if wants[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if wants[1] else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if wants[2] else None
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = F.linear(h, weight, bias)
+            z = logits.to(loss_dtype or torch.promote_types(logits.dtype, torch.float32))
+            lse = torch.logsumexp(z, dim=-1)
+            real = t != ignore_index
+            picked = torch.where(real, t, 0)
+            target_logit = z.gather(1, picked[:, None]).squeeze(1)
+            part = torch.where(real, lse - target_logit, 0).sum()
+            total = part if total is None else total + part
+            if not any(wants):
+                continue
+            # d(sum of losses)/d(logits): softmax - one-hot, zero for ignored tokens
+            g = torch.exp(z - lse[:, None])
+            g.scatter_add_(1, picked[:, None], -torch.ones_like(g[:, :1]))
+            g = (g * real[:, None]).to(logits.dtype)
+            if grad_h is not None:
+                grad_h[start : start + chunk] = (g @ weight.to(g.dtype)).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += (g.t() @ h.to(g.dtype)).to(acc)
+            if grad_b is not None:
+                grad_b += g.sum(0).to(acc)
+        ctx.save_for_backward(
+            *(x if x is not None else torch.empty(0) for x in (grad_h, grad_w, grad_b))
+        )
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):  # type: ignore[override]
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        wants = ctx.needs_input_grad[:3]
+        w_dtype, b_dtype = ctx.dtypes
+        return (
+            grad_h * grad_total.to(grad_h.dtype) if wants[0] else None,
+            (grad_w * grad_total).to(w_dtype) if wants[1] else None,
+            (grad_b * grad_total).to(b_dtype) if wants[2] else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+# ---- the head deferred during a step -------------------------------------------------
+
+
+@contextlib.contextmanager
+def deferred_head() -> Iterator[None]:
+    """Around one micro-batch's forward and loss (the runners enter it): chunked heads
+    return a stand-in and their input goes to the loss; a head output the loss did not
+    take is refused when it ends."""
+    _ARMED.append(True)
+    _PENDING.clear()
+    try:
+        yield
+        if _PENDING:
+            raise MeshfitError(_NOT_REACHED.format(how="never reached the loss"))
+    finally:
+        _ARMED.pop()
+        _PENDING.clear()
+
+
+def take_deferred(logits: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
+    """(the head's input, weight, bias, tokens per chunk) when `logits` is a chunked
+    head's stand-in, else None; refuses logits made from a stand-in (their values are
+    not the logits)."""
+    if not _PENDING:
+        return None
+    for i, (stand_in, hidden, weight, bias, chunk) in enumerate(_PENDING):
+        if logits is stand_in:
+            del _PENDING[i]
+            return hidden, weight, bias, chunk
+    raise MeshfitError(_NOT_REACHED.format(how="reached the loss changed"))
+
+
+def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """NaN of the logits' shape without their memory: a value read from it poisons what
+    it feeds, so a use meshfit did not foresee shows, never passes silently."""
+    return torch.full((), float("nan"), dtype=dtype, device=hidden.device).expand(
+        *hidden.shape[:-1], vocab
+    )
+
+
+def _deferred_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if not _ARMED[-1] or isinstance(self.weight, DTensor):
+        return self._meshfit_base_forward(hidden)
+    dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(
+        hidden.device.type
+    ) else torch.promote_types(hidden.dtype, self.weight.dtype)
+    stand_in = _stand_in(hidden, self.out_features, dtype)
+    _PENDING.append((stand_in, hidden, self.weight, self.bias, self._meshfit_chunk_tokens))
+    return stand_in
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _chunked_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        methods = {"forward": _deferred_forward, "_meshfit_base_forward": cls.forward}
+        _CLASSES[cls] = type(f"Chunked{cls.__name__}", (cls,), methods)
+    return _CLASSES[cls]
+
+
+def chunked_loss_for(model: nn.Module, loss_fn: Any, option: bool | int, rank: int) -> bool:
+    """Install the deferred head for `chunked_loss=option` (True: CHUNK_LOGITS logits a
+    chunk; a number: that many tokens a chunk) when the loss can take it; say so on rank
+    0. Refuses, in one line, a loss that reads the logits itself."""
+    kind = getattr(loss_fn, "deferred_head", None)
+    if kind == "metrics":
+        raise MeshfitError(
+            "chunked_loss=True never computes the whole logits, and metrics= read them; "
+            "drop the metrics (evaluate computes the loss) or train with chunked_loss=False"
+        )
+    if kind is None:
+        raise MeshfitError(
+            f"chunked_loss=True computes the loss itself from the LM head's input, which it "
+            f"can for loss_fn=mf.losses.cross_entropy(...) and for loss_fn='model' on a "
+            f"Hugging Face causal or masked LM; {_name(loss_fn)} is neither: use one of "
+            f"those or chunked_loss=False"
+        )
+    chunk = None if option is True else int(option)
+    head = install(model, chunk, kind if kind != "outputs" else None)
+    if rank == 0:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(head.weight, DTensor):
+            print(
+                "meshfit: chunked_loss: the LM head is split over the vocabulary by tp, and "
+                "its logits are computed as before (chunks over the shards are not built)",
+                flush=True,
+            )
+        else:
+            print(
+                f"meshfit: chunked_loss: the LM head's logits ({head.out_features:,} words) "
+                f"computed {head._meshfit_chunk_tokens:,} tokens at a time, never whole",
+                flush=True,
+            )
+    return True
+
+
+def _name(loss_fn: Any) -> str:
+    if type(loss_fn).__name__ == "ModelOwnLoss":
+        return "loss_fn='model' on this model (not Hugging Face's token loss)"
+    return f"loss_fn={getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"
+
+
+def find_head(model: nn.Module) -> nn.Linear | None:
+    """The model's LM head: `get_output_embeddings()` (Hugging Face models), else a
+    Linear named `lm_head` (nanoGPT, meshfit's GPT); None when there is neither."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Linear) else None
+
+
+def install(model: nn.Module, chunk_tokens: int | None, model_loss_kind: str | None) -> nn.Linear:
+    """Make `model`'s LM head defer to the loss inside a step (its class becomes a
+    subclass whose forward does; outside a step it is the Linear it was), and, for the
+    model's own loss, wrap its `loss_function` to take the deferred head. Returns the
+    head; refuses a model without one."""
+    head = find_head(model)
+    if head is None:
+        raise MeshfitError(
+            f"chunked_loss=True needs the model's LM head, but {type(model).__name__} has "
+            f"no get_output_embeddings() Linear and no Linear named lm_head; train with "
+            f"chunked_loss=False"
+        )
+    head.__class__ = _chunked_class(type(head))
+    head._meshfit_chunk_tokens = chunk_tokens or max(1, CHUNK_LOGITS // head.out_features)
+    if model_loss_kind is not None:
+        model.loss_function = _ModelLoss(model.loss_function, model_loss_kind == "causal")
+    return head
+
+
+class _ModelLoss:
+    """A Hugging Face model's own causal-LM / masked-LM loss (transformers'
+    ForCausalLMLoss / ForMaskedLMLoss: the same labels, shift and reduction) over a
+    deferred head; the library's own function on real logits."""
+
+    def __init__(self, original: Callable[..., Any], causal: bool) -> None:
+        self.original = original
+        self.causal = causal
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        deferred = take_deferred(logits)
+        if deferred is None:
+            extra = {"shift_labels": shift_labels} if shift_labels is not None else {}
+            return self.original(
+                logits, labels, vocab_size, num_items_in_batch, ignore_index, **extra, **kwargs
+            )
+        hidden, weight, bias, chunk = deferred
+        if self.causal and shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = (shift_labels if self.causal else labels).to(hidden.device)
+        total = linear_cross_entropy(
+            hidden, weight, bias, targets, ignore_index, chunk, loss_dtype=torch.float32
+        )
+        if num_items_in_batch is None:  # the library's mean
+            return total / (targets != ignore_index).sum()
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
