@@ -68,7 +68,9 @@ def run(
     data = CollatedTokens(steps * batch_size, args.seq, fields["vocab_size"])
     # the profile covers 3 steps of the last logged window (the median of the windows'
     # rates is what the row reports, so one slowed window does not move it)
-    profiler = KernelProfile(steps - 4, steps - 1) if args.profile and device.type == "cuda" else None
+    profiler = (
+        KernelProfile(steps - 4, steps - 1) if args.profile and device.type == "cuda" else None
+    )
     start = time.perf_counter()
     history = mf.fit(
         model,
@@ -146,13 +148,18 @@ class KernelProfile(mf.Callback):
             for event in self.prof.key_averages():
                 us = getattr(event, "self_device_time_total", 0) or 0
                 name = event.key.lower()
-                kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+                kind = next(
+                    (k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other"
+                )
                 kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
             busy = sum(kinds.values())
             self.shares = {k: v / wall for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
             self.shares["GPU idle"] = max(0.0, 1 - busy / wall)
             self.shares["wall_s_per_step"] = wall / (self.last - self.first)
-            print(f"profile, steps {self.first}-{self.last - 1}: {json.dumps(self.shares)}", flush=True)
+            print(
+                f"profile, steps {self.first}-{self.last - 1}: {json.dumps(self.shares)}",
+                flush=True,
+            )
 
 
 def main() -> None:

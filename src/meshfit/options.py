@@ -80,8 +80,7 @@ class EngineOptions:
         chunked = self.chunked_loss
         if not isinstance(chunked, bool) and not (isinstance(chunked, int) and chunked > 0):
             raise MeshfitError(
-                f"chunked_loss must be True, False or a number of tokens per chunk, not "
-                f"{chunked!r}"
+                f"chunked_loss must be True, False or a number of tokens per chunk, not {chunked!r}"
             )
         if self.blocks is not None and not isinstance(self.blocks, str):
             raise MeshfitError(

@@ -212,7 +212,9 @@ def _chunked_loss(b: Build) -> None:
     computes them a chunk of tokens at a time (parallel/head_loss.py)."""
     from meshfit.parallel.head_loss import chunked_loss_for
 
-    b.head_deferred = chunked_loss_for(b.model, b.options.loss_fn, b.options.chunked_loss, b.topology.rank)
+    b.head_deferred = chunked_loss_for(
+        b.model, b.options.loss_fn, b.options.chunked_loss, b.topology.rank
+    )
 
 
 def _context_parallel(b: Build) -> None:

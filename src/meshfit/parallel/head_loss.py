@@ -51,7 +51,7 @@ _PENDING: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | No
 
 _NOT_REACHED = (
     "chunked_loss=True computes the loss from the LM head's input, but the head's output "
-    "{how}; the model may change its logits before its loss (soft-capping or a scale, as "
+    "{how}: the model may change its logits before its loss (soft-capping or a scale, as "
     "Gemma 2 and Cohere do) or a loss reads them otherwise; train with chunked_loss=False"
 )
 
@@ -95,25 +95,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             logits = F.linear(h, weight, bias)
-            z = logits.to(loss_dtype or torch.promote_types(logits.dtype, torch.float32))
-            lse = torch.logsumexp(z, dim=-1)
-            real = t != ignore_index
-            picked = torch.where(real, t, 0)
-            target_logit = z.gather(1, picked[:, None]).squeeze(1)
-            part = torch.where(real, lse - target_logit, 0).sum()
+            # one pass over the chunk's logits for the loss (log_softmax widens as it
+            # reads, as the whole computation's .float() and cross_entropy do) ...
+            wide = loss_dtype or torch.promote_types(logits.dtype, torch.float32)
+            logp = torch.log_softmax(logits, dim=-1, dtype=wide)
+            real = (t != ignore_index)[:, None]
+            picked = torch.where(real, t[:, None], 0)
+            part = -(logp.gather(1, picked) * real).sum()
             total = part if total is None else total + part
             if not any(wants):
                 continue
-            # d(sum of losses)/d(logits): softmax - one-hot, zero for ignored tokens
-            g = torch.exp(z - lse[:, None])
-            g.scatter_add_(1, picked[:, None], -torch.ones_like(g[:, :1]))
-            g = (g * real[:, None]).to(logits.dtype)
+            # ... and two for d(loss)/d(logits) = softmax - one-hot, in the logits' dtype.
+            # An ignored token's row is not zeroed here (a pass more): its hidden row is
+            # masked in the weight's gradient and its own gradient row zeroed below.
+            g = logp.exp_()
+            g.scatter_add_(1, picked, -torch.ones_like(g[:, :1]))
+            g = g.to(logits.dtype)
             if grad_h is not None:
-                grad_h[start : start + chunk] = (g @ weight.to(g.dtype)).to(hidden.dtype)
+                grad_h[start : start + chunk] = ((g @ weight.to(g.dtype)) * real).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += (g.t() @ h.to(g.dtype)).to(acc)
+                grad_w += (g.t() @ (h * real).to(g.dtype)).to(acc)
             if grad_b is not None:
-                grad_b += g.sum(0).to(acc)
+                grad_b += (g * real).sum(0).to(acc)
         ctx.save_for_backward(
             *(x if x is not None else torch.empty(0) for x in (grad_h, grad_w, grad_b))
         )
@@ -155,7 +158,9 @@ def deferred_head() -> Iterator[None]:
         _PENDING.clear()
 
 
-def take_deferred(logits: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
+def take_deferred(
+    logits: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
     """(the head's input, weight, bias, tokens per chunk) when `logits` is a chunked
     head's stand-in, else None; refuses logits made from a stand-in (their values are
     not the logits)."""
@@ -165,7 +170,7 @@ def take_deferred(logits: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         if logits is stand_in:
             del _PENDING[i]
             return hidden, weight, bias, chunk
-    raise MeshfitError(_NOT_REACHED.format(how="reached the loss changed"))
+    raise MeshfitError(_NOT_REACHED.format(how="was changed before the loss"))
 
 
 def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
@@ -181,9 +186,11 @@ def _deferred_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
 
     if not _ARMED[-1] or isinstance(self.weight, DTensor):
         return self._meshfit_base_forward(hidden)
-    dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(
-        hidden.device.type
-    ) else torch.promote_types(hidden.dtype, self.weight.dtype)
+    dtype = (
+        torch.get_autocast_dtype(hidden.device.type)
+        if torch.is_autocast_enabled(hidden.device.type)
+        else torch.promote_types(hidden.dtype, self.weight.dtype)
+    )
     stand_in = _stand_in(hidden, self.out_features, dtype)
     _PENDING.append((stand_in, hidden, self.weight, self.bias, self._meshfit_chunk_tokens))
     return stand_in
