@@ -72,7 +72,10 @@ BUILDS = {
 def _batch(model: str, loss: str, step: int) -> Any:
     if model == "gpt":
         return batch_of("gpt", loss, step)
-    if model in ("bert", "eurobert"):  # a masked LM's labels: -100 but where a token is to be predicted
+    if model in (
+        "bert",
+        "eurobert",
+    ):  # a masked LM's labels: -100 but where a token is to be predicted
         inputs, labels = batch_of("llama", "pair", step)
         labels = torch.where(torch.arange(LENGTH) % 3 == 0, labels, -100)
         return {**inputs, "labels": labels} if loss == "model" else (inputs, labels)

@@ -58,7 +58,9 @@ def test_the_chunked_product_and_loss_equal_the_whole_with_their_gradients() -> 
     for a, b in zip(expected, got, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
     with torch.no_grad():
-        assert torch.equal(linear_cross_entropy(hidden, weight, bias, targets, chunk_tokens=4), chunked.detach())
+        assert torch.equal(
+            linear_cross_entropy(hidden, weight, bias, targets, chunk_tokens=4), chunked.detach()
+        )
 
 
 @pytest.mark.parametrize(
@@ -112,28 +114,30 @@ def test_what_it_cannot_do_is_refused_in_one_line() -> None:
 
 @pytest.mark.slow
 def test_every_plan_trains_the_one_process_run_with_the_whole_logits() -> None:
-    """On 2 workers: dp, fsdp, tp (the untied Llama head split over the vocabulary keeps
-    its whole logits; GPT-2's tied head is chunked), pp (the chunks on the last stage,
-    inside torch's schedule), cp (targets shifted before the cut), for an untied head with
-    the model's own loss and a tied one with mf.losses.cross_entropy; a masked LM under
-    fsdp. Each against one process with the whole logits."""
+    """On 2 workers: dp, fsdp, tp (the untied Llama head split over the vocabulary: each
+    rank's chunks over its half of the words, nothing gathered but two numbers a token;
+    GPT-2's tied head whole on each rank), pp (the chunks on the last stage, inside
+    torch's schedule), cp (targets shifted before the cut), for an untied head with the
+    model's own loss and a tied one with mf.losses.cross_entropy; a masked LM (a bias)
+    under fsdp and tp. Each against one process with the whole logits."""
     plans = ("dp=2", "fsdp=2", "tp=2", "pp=2")
     specs = [
         *({"model": "llama", "loss": "model", "plan": p} for p in plans),
         *({"model": "gpt2", "plan": p} for p in plans),
         {"model": "llama", "loss": "model", "plan": "cp=2"},
         {"model": "eurobert", "loss": "model", "plan": "fsdp=2"},
+        {"model": "eurobert", "loss": "model", "plan": "tp=2", "evaluate": True},
+        {"model": "llama", "plan": "tp=2", "evaluate": True},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_head_runs, nproc=2, args=(specs,))
     references: dict[str, dict] = {}
     for spec, got in zip(specs, results, strict=True):
-        key = f"{spec['model']}-{spec.get('loss')}"
+        key = f"{spec['model']}-{spec.get('loss')}-{spec.get('evaluate')}"
         if key not in references:
             references[key] = head_run({**spec, "plan": None, "chunks": False})
-        # tp split the untied Llama head over the vocabulary: its logits stay whole
-        assert_same(spec, got, references[key], chunked=spec != specs[2])
+        assert_same(spec, got, references[key])
 
 
 @pytest.mark.slow

@@ -51,15 +51,14 @@ def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[An
     """
 
     def loss(outputs: Any, targets: torch.Tensor) -> LossPair:
-        from meshfit.parallel.head_loss import linear_cross_entropy, take_deferred
+        from meshfit.parallel.head_loss import take_deferred
 
         logits = logits_of(outputs)
         deferred = take_deferred(logits)  # chunked_loss=True: the head's input instead
         if deferred is not None:
-            hidden, weight, bias, chunk = deferred
-            if shift and not _preshifted():
-                hidden, targets = hidden[..., :-1, :], targets[..., 1:]
-            total = linear_cross_entropy(hidden, weight, bias, targets, ignore_index, chunk)
+            shifts = shift and not _preshifted()
+            targets = targets[..., 1:] if shifts else targets
+            total = deferred.loss(targets, ignore_index, shift=shifts)
             return total, (targets != ignore_index).sum()
         if shift and not _preshifted():
             logits, targets = logits[..., :-1, :], targets[..., 1:]

@@ -112,8 +112,8 @@ def parallelize(
         gradient). True: 64M logits a chunk; a number: that many tokens a chunk. For
         ``loss_fn=mf.losses.cross_entropy(...)`` and for ``loss_fn="model"`` on a Hugging
         Face causal or masked LM; the same loss and gradients as the whole computation
-        (parallel/head_loss.py). Under tp a head split over the vocabulary computes its
-        logits as before.
+        (parallel/head_loss.py). Under tp a head split over the vocabulary runs its
+        chunks over each rank's share of the words, the logits never gathered.
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")

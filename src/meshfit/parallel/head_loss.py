@@ -16,11 +16,12 @@ alive at any moment.
 
 Equal to the whole computation: the same products in the same precision (under autocast
 the chunk's product is bf16 and the loss float32, as `logits.float()` makes it), summed
-per chunk; tested in float64 against it under one process, dp, fsdp and pp, tied heads
-and the model's own loss included (tests/test_head_loss.py).
+per chunk; tested in float64 against it under one process, dp, fsdp, tp, pp and cp, tied
+heads and the model's own loss included (tests/test_head_loss.py).
 
-Where it does not apply it says so instead of guessing: a head that tensor parallel
-split over the vocabulary (its weight a DTensor) computes its logits as before; a model
+Under tensor parallel a head split over the vocabulary runs its chunks over each rank's
+rows, with Megatron-LM's vocab-parallel cross-entropy (`_vocab_parallel_chunk`): the
+logits are never gathered. Where it does not apply it says so instead of guessing: a model
 that changes its logits between the head and the loss (Gemma 2's soft-capping, Cohere's
 scale) or a loss that reads them otherwise is refused at the first step in one line,
 since the stand-in holds no values; metrics, which read the logits, are refused at build.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +48,43 @@ CHUNK_LOGITS = 1 << 26
 # a micro-batch's forward and loss), and the head outputs the loss has not taken yet:
 # (stand-in, the head's input, weight, bias, tokens per chunk).
 _ARMED = [False]
-_PENDING: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
+_PENDING: list[Deferred] = []
 
 _NOT_REACHED = (
     "chunked_loss=True computes the loss from the LM head's input, but the head's output "
     "{how}: the model may change its logits before its loss (soft-capping or a scale, as "
     "Gemma 2 and Cohere do) or a loss reads them otherwise; train with chunked_loss=False"
 )
+
+
+class Deferred(NamedTuple):
+    """A head's output the loss has not taken yet: the stand-in it returned, its input,
+    weight and bias (this rank's rows under tp), tokens per chunk, and under tp the group
+    its vocabulary is split over."""
+
+    stand_in: torch.Tensor
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    chunk: int
+    group: Any = None
+
+    def loss(
+        self, targets: torch.Tensor, ignore_index: int, loss_dtype: Any = None, shift: bool = False
+    ) -> torch.Tensor:
+        """The summed cross-entropy of the head's logits against `targets`
+        (position t against target t + 1 with `shift`)."""
+        hidden = self.hidden[..., :-1, :] if shift else self.hidden
+        return linear_cross_entropy(
+            hidden,
+            self.weight,
+            self.bias,
+            targets,
+            ignore_index,
+            self.chunk,
+            loss_dtype,
+            self.group,
+        )
 
 
 def linear_cross_entropy(
@@ -64,18 +95,21 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
     loss_dtype: torch.dtype | None = None,
+    group: Any = None,
 ) -> torch.Tensor:
     """The summed cross-entropy of `F.linear(hidden, weight, bias)` against `targets`
     (tokens whose target is `ignore_index` count for nothing), computed `chunk_tokens`
     tokens at a time (default: CHUNK_LOGITS logits a chunk). The logits are widened to
     float32 at least (`mf.losses.cross_entropy`'s rule), or cast to `loss_dtype` (float32
     for transformers' losses, whose `logits.float()` narrows float64 too).
-    Differentiable in hidden, weight and bias."""
+    Differentiable in hidden, weight and bias. With `group` (tensor parallel), `weight`
+    and `bias` are this rank's rows of a head split evenly over the vocabulary across
+    the group's ranks, and the loss is that of the whole vocabulary (below)."""
     vocab = weight.shape[0]
     chunk = chunk_tokens or max(1, CHUNK_LOGITS // vocab)
     flat = hidden.reshape(-1, hidden.shape[-1])
     return _LinearCrossEntropy.apply(
-        flat, weight, bias, targets.reshape(-1), ignore_index, chunk, loss_dtype
+        flat, weight, bias, targets.reshape(-1), ignore_index, chunk, loss_dtype, group
     )
 
 
@@ -85,7 +119,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, chunk, loss_dtype):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, chunk, loss_dtype, group):  # type: ignore[override]
         wants = ctx.needs_input_grad[:3]
         acc = torch.promote_types(weight.dtype, torch.float32)
         total = None
@@ -95,6 +129,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             logits = F.linear(h, weight, bias)
+            if group is not None:
+                part, g, real = _vocab_parallel_chunk(
+                    logits, t, ignore_index, loss_dtype, group, wants
+                )
+                total = part if total is None else total + part
+                if g is None:
+                    continue
+                if grad_h is not None:  # this rank's share of it: summed over the ranks below
+                    grad_h[start : start + chunk] = ((g @ weight.to(g.dtype)) * real).to(
+                        hidden.dtype
+                    )
+                if grad_w is not None:
+                    grad_w += (g.t() @ (h * real).to(g.dtype)).to(acc)
+                if grad_b is not None:
+                    grad_b += (g * real).sum(0).to(acc)
+                continue
             # one pass over the chunk's logits for the loss (log_softmax widens as it
             # reads, as the whole computation's .float() and cross_entropy do) ...
             wide = loss_dtype or torch.promote_types(logits.dtype, torch.float32)
@@ -117,6 +167,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w += (g.t() @ (h * real).to(g.dtype)).to(acc)
             if grad_b is not None:
                 grad_b += (g * real).sum(0).to(acc)
+        if group is not None and grad_h is not None:
+            torch.distributed.all_reduce(grad_h, group=group)
         ctx.save_for_backward(
             *(x if x is not None else torch.empty(0) for x in (grad_h, grad_w, grad_b))
         )
@@ -136,7 +188,50 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _vocab_parallel_chunk(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    loss_dtype: torch.dtype | None,
+    group: Any,
+    wants: tuple[bool, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One chunk's summed loss over a vocabulary split across `group` (this rank holds
+    the logits of its rows: rank r the words [r * V/n, (r + 1) * V/n)), and this rank's
+    columns of d(loss)/d(logits) (None without gradients), and the real-token mask.
+
+    Megatron-LM's vocab-parallel cross-entropy, a chunk at a time: each token's
+    log-sum-exp combined from the ranks' own (an all-gather of one number per token and
+    rank), its target's logit from the rank that holds that word (an all-reduce of one
+    number per token). The alternative, torch's loss_parallel, takes the chunk's logits
+    as a DTensor and keeps them for its backward; the whole-vocabulary head all-gathers
+    every logit (tokens x V: 84 ms for 66 MB over gloo on the 2-core VM, BENCHMARKS.md
+    "Tensor parallel: the LM head split"). Here a token costs 2 x ranks numbers."""
+    import torch.distributed as dist
+
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = logits.shape[-1]
+    z = logits.to(loss_dtype or torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(z, dim=-1)
+    every = torch.empty(ranks * lse.numel(), dtype=lse.dtype, device=lse.device)
+    dist.all_gather_into_tensor(every, lse.contiguous(), group=group)
+    lse = torch.logsumexp(every.view(ranks, -1), dim=0)
+    real = targets != ignore_index
+    local = targets - rank * rows
+    here = real & (local >= 0) & (local < rows)
+    index = torch.where(here, local, 0)[:, None]
+    picked = z.gather(1, index).squeeze(1) * here
+    dist.all_reduce(picked, group=group)
+    part = ((lse - picked) * real).sum()
+    if not any(wants):
+        return part, None, real[:, None]
+    g = torch.exp(z - lse[:, None])
+    g.scatter_add_(1, index, -here.to(g.dtype)[:, None])
+    return part, g.to(logits.dtype), real[:, None]
 
 
 # ---- the head deferred during a step -------------------------------------------------
@@ -158,19 +253,33 @@ def deferred_head() -> Iterator[None]:
         _PENDING.clear()
 
 
-def take_deferred(
-    logits: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
-    """(the head's input, weight, bias, tokens per chunk) when `logits` is a chunked
-    head's stand-in, else None; refuses logits made from a stand-in (their values are
-    not the logits)."""
+def take_deferred(logits: Any) -> Deferred | None:
+    """The chunked head's output when `logits` is its stand-in (or, under tp, the local
+    view DTensor hands on of it), else None; refuses logits made from a stand-in (their
+    values are not the logits)."""
     if not _PENDING:
         return None
-    for i, (stand_in, hidden, weight, bias, chunk) in enumerate(_PENDING):
-        if logits is stand_in:
+    for i, deferred in enumerate(_PENDING):
+        if logits is deferred.stand_in or _same_view(logits, deferred.stand_in):
             del _PENDING[i]
-            return hidden, weight, bias, chunk
+            return deferred
     raise MeshfitError(_NOT_REACHED.format(how="was changed before the loss"))
+
+
+def is_stand_in(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is (a view of) a chunked head's stand-in the loss has yet to take."""
+    return any(tensor is d.stand_in or _same_view(tensor, d.stand_in) for d in _PENDING)
+
+
+def _same_view(a: Any, b: torch.Tensor) -> bool:
+    """`a` is a view of `b`'s whole memory, of the same shape (DTensor's to_local hands
+    on a new tensor object over the same memory)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
 
 
 def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,16 +293,46 @@ def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Ten
 def _deferred_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    if not _ARMED[-1] or isinstance(self.weight, DTensor):
+    if not _ARMED[-1]:
         return self._meshfit_base_forward(hidden)
+    weight, bias, group = self.weight, self.bias, None
+    if isinstance(weight, DTensor):  # tp split it over the vocabulary (ColwiseParallel)
+        if not _split_by_rows(weight, bias):
+            return self._meshfit_base_forward(hidden)
+        mesh = weight.device_mesh
+        group = mesh.get_group()
+        weight = weight.to_local()
+        bias = bias.to_local() if bias is not None else None
+        hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
     dtype = (
         torch.get_autocast_dtype(hidden.device.type)
         if torch.is_autocast_enabled(hidden.device.type)
-        else torch.promote_types(hidden.dtype, self.weight.dtype)
+        else torch.promote_types(hidden.dtype, weight.dtype)
     )
     stand_in = _stand_in(hidden, self.out_features, dtype)
-    _PENDING.append((stand_in, hidden, self.weight, self.bias, self._meshfit_chunk_tokens))
-    return stand_in
+    _PENDING.append(Deferred(stand_in, hidden, weight, bias, self._meshfit_chunk_tokens, group))
+    if group is None:
+        return stand_in
+    from torch.distributed.tensor import Replicate
+
+    # what the split head's output hook expects: the logits whole (Replicate), so it
+    # gathers nothing and hands on a view of the stand-in
+    return DTensor.from_local(stand_in, mesh, [Replicate()], run_check=False)
+
+
+def _split_by_rows(weight: Any, bias: Any) -> bool:
+    """The weight (and bias) split evenly by rows over a one-dimensional mesh: the
+    vocabulary split that the chunks over shards handle."""
+    from torch.distributed.tensor import Shard
+
+    def rows(t: Any) -> bool:
+        return (
+            t.device_mesh.ndim == 1
+            and tuple(t.placements) == (Shard(0),)
+            and t.shape[0] % t.device_mesh.size() == 0
+        )
+
+    return rows(weight) and (bias is None or rows(bias))
 
 
 _CLASSES: dict[type, type] = {}
@@ -228,18 +367,16 @@ def chunked_loss_for(model: nn.Module, loss_fn: Any, option: bool | int, rank: i
     if rank == 0:
         from torch.distributed.tensor import DTensor
 
+        split = ""
         if isinstance(head.weight, DTensor):
-            print(
-                "meshfit: chunked_loss: the LM head is split over the vocabulary by tp, and "
-                "its logits are computed as before (chunks over the shards are not built)",
-                flush=True,
+            split = (
+                f", each tp rank over its {head.out_features // head.weight.device_mesh.size():,}"
             )
-        else:
-            print(
-                f"meshfit: chunked_loss: the LM head's logits ({head.out_features:,} words) "
-                f"computed {head._meshfit_chunk_tokens:,} tokens at a time, never whole",
-                flush=True,
-            )
+        print(
+            f"meshfit: chunked_loss: the LM head's logits ({head.out_features:,} words{split}) "
+            f"computed {head._meshfit_chunk_tokens:,} tokens at a time, never whole",
+            flush=True,
+        )
     return True
 
 
@@ -301,13 +438,10 @@ class _ModelLoss:
             return self.original(
                 logits, labels, vocab_size, num_items_in_batch, ignore_index, **extra, **kwargs
             )
-        hidden, weight, bias, chunk = deferred
         if self.causal and shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        targets = (shift_labels if self.causal else labels).to(hidden.device)
-        total = linear_cross_entropy(
-            hidden, weight, bias, targets, ignore_index, chunk, loss_dtype=torch.float32
-        )
+        targets = (shift_labels if self.causal else labels).to(deferred.hidden.device)
+        total = deferred.loss(targets, ignore_index, loss_dtype=torch.float32)
         if num_items_in_batch is None:  # the library's mean
             return total / (targets != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):

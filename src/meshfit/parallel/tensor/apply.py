@@ -181,8 +181,14 @@ def _owned_output(module: nn.Module, args: Any, output: Any) -> Any:
     local tensor as a view made inside a custom autograd Function, which autograd forbids
     modifying in place; models do (Falcon's parallel attention: `mlp_output +=
     attention_output`, an `nn.ReLU(inplace=True)` after a split Linear). The copy is one
-    activation's memcpy per split layer, beside its matrix product."""
-    return output.clone() if isinstance(output, torch.Tensor) else output
+    activation's memcpy per split layer, beside its matrix product. A chunked LM head's
+    stand-in for its logits is handed on as it is (a copy would make it whole:
+    parallel/head_loss.py)."""
+    from meshfit.parallel.head_loss import is_stand_in
+
+    if not isinstance(output, torch.Tensor) or is_stand_in(output):
+        return output
+    return output.clone()
 
 
 def gathered_heads(
