@@ -150,9 +150,12 @@ def apply_plan(
         graphs_per_rank()
     values = ModelValues.of(model, own_hooks, options.init, options.weights)
     build = Build(model, topology, precision, options, values, own_hooks, coupling)
-    for form in FORMS:
-        if form.applies(build):
-            form.apply(build)
+    from meshfit.weights.materialize import returned_to_the_system
+
+    with returned_to_the_system():  # large CPU blocks freed go back to the system
+        for form in FORMS:
+            if form.applies(build):
+                form.apply(build)
     assert build.runner is not None
     return Parallelized(build.modules[0], build.runner, build.tp_report, own_hooks)
 
