@@ -70,8 +70,57 @@ def test_a_gradient_wrong_on_one_rank_is_a_different_run() -> None:
     assert report.loss_diffs[0] <= report.rtol  # the first loss is right
     assert report.rtol < report.max_weight_diff < 1e-3  # invisible at float32's tolerance
     assert "DIFFERENT run" in str(report)
+    # every module's output the same at step 1; the backward first reaches the last
+    # Linear, whose gradient (averaged over the ranks) is already off
+    assert report.departs is not None and report.departs.startswith("the gradient of 2."), report
+    assert "first departs at step 1: the gradient of 2." in str(report)
     for name, value in model.state_dict().items():  # the caller's model is not trained
         assert torch.equal(value, before[name]), name
+
+
+def test_a_different_run_names_the_first_module_that_departs() -> None:
+    """A user's tp_plan that splits a Linear as a fused pair (two chunks) where the next
+    expects a plain split: the first output that departs is the next Linear's (the split
+    one's values are all there, in another order). A user's layer that normalises over
+    the width it finds, after a column-parallel Linear: its own output departs. The same
+    model with the right plan, and the layer under dp, are the same run."""
+    batch, loss = vt.small_batch(), F.cross_entropy
+    wrong = mf.verify(vt.blocks_mlp, "tp=2", batch, loss_fn=loss, tp_plan=vt.WRONG_TP_PLAN)
+    assert not wrong.ok and wrong.departs is not None, wrong
+    assert wrong.departs.startswith("the output of blocks.0.down (Linear)"), wrong
+    norm = mf.verify(
+        vt.blocks_mlp_with_width_norm, "tp=2", batch, loss_fn=loss, tp_plan=vt.RIGHT_TP_PLAN
+    )
+    assert not norm.ok and norm.departs is not None, norm
+    assert norm.departs.startswith("the output of blocks.0.norm (WidthNorm)"), norm
+    for build, plan, extra in (
+        (vt.blocks_mlp, "tp=2", {"tp_plan": vt.RIGHT_TP_PLAN}),
+        (vt.blocks_mlp_with_width_norm, "dp=2", {}),
+    ):
+        same = mf.verify(build, plan, batch, loss_fn=loss, **extra)
+        assert same.ok and same.departs is None and "departs" not in str(same), same
+
+
+def test_departures_combine_the_ranks_pieces() -> None:
+    """The digests of pieces add up (a batch split, a tp shard); identical ones (replicas,
+    outputs made whole) count once; a piece of another size is not compared."""
+    from meshfit.verification.locate import first_departure
+
+    def trace(outputs: dict, grads: dict | None = None) -> dict:
+        names = list(outputs)
+        return {"order": names, "classes": dict.fromkeys(names, "Linear"), "outputs": outputs,
+                "grads": grads or {}}  # fmt: skip
+
+    ref = [trace({"a": [3.0, 5.0, 4.0], "b": [1.0, 9.0, 2.0]}, {"a.weight": [1.0, 2.0, 4.0]})]
+    halves = [trace({"a": [1.0, 2.0, 2.0], "b": [1.0, 9.0, 2.0]}, {"a.weight": [1.0, 2.0, 4.0]}),
+              trace({"a": [2.0, 3.0, 2.0], "b": [1.0, 9.0, 2.0]}, {"a.weight": [1.0, 2.0, 4.0]})]  # fmt: skip
+    assert first_departure(halves, ref, 1e-9) is None
+    off = [trace({**t["outputs"], "b": [1.0, 9.5, 2.0]}, t["grads"]) for t in halves]
+    assert first_departure(off, ref, 1e-9).startswith("the output of b (Linear)")
+    grad_off = [trace(t["outputs"], {"a.weight": [1.0, 2.5, 4.0]}) for t in halves]
+    assert first_departure(grad_off, ref, 1e-9).startswith("the gradient of a.weight")
+    other_size = [trace({"a": [3.0, 5.0, 3.0], "b": [1.0, 9.0, 2.0]})]
+    assert first_departure(other_size, ref, 1e-9) is None
 
 
 def test_a_float32_model_is_compared_in_float64() -> None:

@@ -108,3 +108,52 @@ def qwen3_moe_balanced_per_rank() -> tuple:
         moe._summed = lambda *sums: sums
         batch.BatchCoupling.check_first_batch = lambda *a, **k: None
     return qwen3_moe_and_batch()
+
+
+class WidthNorm(torch.nn.Module):
+    """A user's own layer that normalises over the last dimension as it finds it: under
+    tp, after a column-parallel Linear, it sees half the width and does not know."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:])
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, norm: bool) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.norm = WidthNorm() if norm else torch.nn.Identity()
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.norm(self.up(x))))
+
+
+class BlocksMLP(torch.nn.Module):
+    """Two residual MLP blocks and a head, as research code writes them."""
+
+    def __init__(self, norm: bool = False, width: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(Block(width, norm) for _ in range(2))
+        self.head = torch.nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def blocks_mlp() -> torch.nn.Module:
+    return BlocksMLP().double()
+
+
+def blocks_mlp_with_width_norm() -> torch.nn.Module:
+    return BlocksMLP(norm=True).double()
+
+
+# the user's tp plans: the right one, and one whose first Linear is split as if it were a
+# fused pair (in two chunks) while the second expects a plain split
+RIGHT_TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+WRONG_TP_PLAN = {"blocks.*.up": "colwise:2", "blocks.*.down": "rowwise"}

@@ -136,6 +136,9 @@ class VerifyReport:
     replica_gap: float = 0.0
     replica_name: str | None = None
     note: str | None = None  # why the runs are not in float64, when they could not be
+    # for a different run: the first module whose output (or else parameter's gradient)
+    # departs from one process's at the first step (locate.py); None: none does
+    departs: str | None = None
 
     @property
     def replica_rtol(self) -> float:
@@ -215,6 +218,13 @@ class VerifyReport:
                 )
         if self.note:
             lines.append(f"note: {self.note}")
+        if self.refused is None and not self.ok:
+            lines.append(
+                f"first departs at step 1: {self.departs}"
+                if self.departs
+                else "first departs: no module's output or gradient at step 1 (the "
+                "difference comes later: the optimizer's update or a later step)"
+            )
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 

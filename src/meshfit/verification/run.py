@@ -3,8 +3,9 @@
 Train the user's model on their batch for a few steps twice, once under a plan on
 worker processes and once in this process, and compare per-step losses and final
 weights at a tolerance derived from the float format (`tolerance`). The report says
-"same run", or "DIFFERENT run" naming the parameter that differs most, or the refusal
-meshfit gave for the plan.
+"same run", or "DIFFERENT run" naming the parameter that differs most and the first
+module whose output or gradient departs at step 1 (locate.py), or the refusal meshfit
+gave for the plan.
 
 Why SGD with momentum by default: its update keeps the gradient's scale, so a gradient
 averaged over the wrong group or counted twice moves the weights; Adam normalises the
@@ -18,7 +19,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +29,12 @@ from meshfit.options import LossFn, OptimizerFactory, engine_options
 from meshfit.plan import Plan
 from meshfit.prepare import as_plan, prepare
 from meshfit.trees import map_tensors
+from meshfit.verification.locate import (  # noqa: F401 - replica_gap: tests import it here
+    FirstStepTrace,
+    departure,
+    gathered,
+    replica_gap,
+)
 
 # re-exported: tests, the CLI, the demo and the planner import them from here
 from meshfit.verification.report import (  # noqa: F401
@@ -48,9 +55,6 @@ from meshfit.verification.targets import (  # noqa: F401
     _with_default_optimizer,
     load_target,
 )
-
-if TYPE_CHECKING:
-    from meshfit.engine import Engine
 
 DEFAULT_STEPS = 3
 
@@ -84,65 +88,23 @@ def _train(
             map_tensors(b, lambda t: t.to(dtype) if t.is_floating_point() else t) for b in batches
         ]
     engine = prepare(model, plan, options).engine(model)
-    losses = [float(engine.step(batch)) for batch in batches]
+    # the forms built first (as the first step would), so the tracer's hooks see the
+    # step alone, not tp's trace or pp's cost measurement of the model
+    engine._build_on(engine.split_batch(batches[0])[0])
+    tracer = FirstStepTrace(engine.user_model)  # where a different run departs (locate.py)
+    tracer.start()
+    try:
+        losses = [float(engine.step(batches[0]))]
+    finally:
+        trace = tracer.finish()
+    losses += [float(engine.step(batch)) for batch in batches[1:]]
     gap, name = (0.0, None) if reference else replica_gap(engine)
-    return {"losses": losses, "state": engine.full_state_dict(), "replicas": (gap, name)}
-
-
-def replica_gap(engine: Engine) -> tuple[float, str | None]:
-    """The largest relative difference between two ranks' copies of the same piece of a
-    trained parameter, and its name ((0.0, None) when all copies are equal). A copy is
-    what a rank holds of a parameter: the whole of an unsplit one (dp replicas, the
-    parameters tp leaves whole, pp's tied copies), or the shard at its coordinates on
-    the mesh dimensions that split it. A correct run updates every copy from the same
-    gradient; copies apart mean a gradient that was not (fully) reduced, which the
-    gathered state hides (it holds one rank's copy). Call on every rank."""
-    import torch.distributed as dist
-    import xxhash
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return 0.0, None
-    trained = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
-    pieces = {
-        _piece_key(name, p): _local(p).detach().cpu().contiguous()
-        for name, p in engine.parallel_model.named_parameters()
-        if id(p) in trained
+    return {
+        "losses": losses,
+        "state": engine.full_state_dict(),
+        "replicas": (gap, name),
+        "trace": gathered(trace),
     }
-    digests = {
-        k: xxhash.xxh3_64_hexdigest(v.view(-1).view(torch.uint8).numpy()) for k, v in pieces.items()
-    }
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, digests)
-    apart = {k for k in digests if len({d[k] for d in everyone if k in d}) > 1}
-    held: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(held, {k: pieces[k] for k in sorted(apart)})  # bitwise apart only
-    worst, where = 0.0, None
-    for key in sorted(apart):
-        copies = [h[key] for h in held if key in h]
-        for other in copies[1:]:
-            gap = weight_differences({"p": other}, {"p": copies[0]})["p"]
-            if gap > worst:
-                worst, where = gap, key[0]
-    return worst, where
-
-
-def _piece_key(name: str, param: torch.Tensor) -> tuple[str, tuple[int, ...]]:
-    """(name, this rank's coordinates on the mesh dimensions that split the parameter):
-    the ranks with the same key hold copies of the same piece."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return name, ()
-    coordinate = param.device_mesh.get_coordinate() or []
-    split = [c for c, placement in zip(coordinate, param.placements, strict=False)
-             if not placement.is_replicate()]  # fmt: skip
-    return name, tuple(split)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _plan_worker(
@@ -382,7 +344,7 @@ def _compare(
         )
     worst, name = _largest_difference(got["state"], ref["state"])
     gap, apart = got["replicas"]
-    return VerifyReport(
+    report = VerifyReport(
         **common,
         rtol=rtol,
         losses=got["losses"],
@@ -393,6 +355,7 @@ def _compare(
         replica_gap=gap,
         replica_name=apart,
     )
+    return report if report.ok else replace(report, departs=departure(got, ref, rtol))
 
 
 def _largest_difference(
