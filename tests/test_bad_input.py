@@ -535,3 +535,26 @@ def test_a_micro_batch_count_meshfit_chose_is_named_with_the_option_that_changes
     with pytest.raises(mf.MeshfitError) as caught:
         check_microbatches(6, mf.Plan.parse("dp=1,pp=2,microbatches=4"), 1)
     assert "default" not in str(caught.value)
+
+
+def test_an_error_of_meshfit_through_a_decorator_is_meshfits() -> None:
+    """torch wraps some collectives in typing_extensions' deprecation wrapper: an error
+    raised below it from a call meshfit made is meshfit's, not the user's batch (a gloo
+    size error of a collective in meshfit's chunked loss once read as a batch problem)."""
+    from typing_extensions import deprecated
+
+    from meshfit.runtime.batch_errors import meshfit_frame
+
+    def defined_in(package: object, source: str) -> object:  # as if from that package
+        namespace: dict = {}
+        exec(compile(source, package.__file__.replace("__init__.py", "fake.py"), "exec"), namespace)
+        return namespace["f"]
+
+    collective = deprecated("torch's decorated collective", category=FutureWarning)(
+        defined_in(torch, "def f():\n    raise RuntimeError('Invalid tensor size')\n")
+    )
+    in_meshfit = defined_in(mf, "def f(call):\n    call()\n")
+    with pytest.raises(RuntimeError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        in_meshfit(collective)
+    assert meshfit_frame(raised.value.__traceback__) == "meshfit/fake.py:2 in f"

@@ -101,6 +101,10 @@ _MESHFIT = _PACKAGE + os.sep
 # function they call directly (F.cross_entropy given as loss_fn, a product of the wrong
 # width) is the user's.
 _CALLS_USER_CODE = {"call_model", "call_forward", "forward_loss", "__call__", "forward"}
+# Files whose frames only pass a call on: torch's deprecation decorator wraps collectives
+# (all_gather_into_tensor) in typing_extensions' wrapper, which sat between a collective
+# meshfit called and its error, and the error read as the user's batch.
+_PASS_THROUGH = {"typing_extensions.py", "functools.py", "contextlib.py"}
 
 
 def meshfit_frame(tb: TracebackType | None) -> str | None:
@@ -112,8 +116,12 @@ def meshfit_frame(tb: TracebackType | None) -> str | None:
         tb = tb.tb_next
     for frame in reversed(frames):
         filename = os.path.abspath(frame.f_code.co_filename)
-        if filename.startswith(_TORCH) or frame.f_code.co_name == "__torch_function__":
-            continue  # torch, or a mode of meshfit's that passes the call on
+        if (
+            filename.startswith(_TORCH)
+            or frame.f_code.co_name == "__torch_function__"
+            or os.path.basename(filename) in _PASS_THROUGH
+        ):
+            continue  # torch, a mode of meshfit's that passes the call on, a decorator's wrapper
         if not filename.startswith(_MESHFIT) or frame.f_code.co_name in _CALLS_USER_CODE:
             return None
         return f"{os.path.relpath(filename, os.path.dirname(_PACKAGE))}:{frame.f_lineno} in {frame.f_code.co_name}"
