@@ -210,3 +210,13 @@ def _refused_under_dp() -> str:
     except mf.MeshfitError as refusal:
         return str(refusal)
     return "trained"
+
+
+def test_a_refusal_shows_the_two_losses_apart() -> None:
+    """Two losses that differ below the 6th digit are printed with the digits that show
+    it (they once read as the same number in the refusal)."""
+    from meshfit.coupling.batch import distinct
+
+    assert distinct(2.5, 1.25) == ("2.5", "1.25")
+    assert distinct(1.0000001, 1.0000002) == ("1.0000001", "1.0000002")
+    assert distinct(3.0, 3.0) == ("3", "3")

@@ -175,13 +175,24 @@ class BatchCoupling:
             if verdict.where
             else "; every module's output is per sample, so the loss function mixes them"
         )
+        together, apart = distinct(verdict.together, verdict.apart)
         return (
             f"the loss couples the samples of a batch and meshfit cannot make it global: on "
-            f"{verdict.samples} samples of the first batch it is {verdict.together:.6g} "
-            f"together but {verdict.apart:.6g} as plan {plan} combines its halves "
+            f"{verdict.samples} samples of the first batch it is {together} "
+            f"together but {apart} as plan {plan} combines its halves "
             f"(relative difference {verdict.difference:.1e}){where}. Plan {plan} splits the "
             f"batch over {' x '.join(parts)}, so it would train another run than one process. "
             f"Gather what couples with mf.gather_batch(x) (the global batch's rows, gradients "
             f"flowing back) or sum it with mf.batch_sum(x), or use a plan that keeps the "
             f"batch whole (tp=N, or pp=N with microbatches=1)"
         )
+
+
+def distinct(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` with 6 significant digits, or as many more as it takes to show them
+    apart (a difference below the 6th digit printed two equal numbers)."""
+    for digits in range(6, 18):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1] or a == b:
+            return shown
+    return repr(a), repr(b)
