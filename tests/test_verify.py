@@ -78,6 +78,7 @@ def test_a_gradient_wrong_on_one_rank_is_a_different_run() -> None:
         assert torch.equal(value, before[name]), name
 
 
+@pytest.mark.slow  # four verify runs: 6 s alone, 43 s late in the whole suite
 def test_a_different_run_names_the_first_module_that_departs() -> None:
     """A user's tp_plan that splits a Linear as a fused pair (two chunks) where the next
     expects a plain split: the first output that departs is the next Linear's (the split
