@@ -28,20 +28,13 @@ import time
 BATCH, SEQ = 4, 512
 
 
-def _rss_peak_mib() -> float:
+def _status_mib(key: str) -> float:
+    """A /proc/self/status figure (VmRSS, VmHWM) in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def one_row(vocab: int, mode: str, chunked: bool) -> dict:
@@ -62,7 +55,7 @@ def one_row(vocab: int, mode: str, chunked: bool) -> dict:
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    built = _rss_mib()
+    built = _status_mib("VmRSS:")
     engine = mf.parallelize(model, loss_fn="model", compile=mode == "compile", chunked_loss=chunked)
     ids = torch.randint(0, vocab, (BATCH, SEQ))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
@@ -76,7 +69,7 @@ def one_row(vocab: int, mode: str, chunked: bool) -> dict:
         "mode": mode,
         "loss_path": "chunked" if chunked else "whole",
         "model_mib": sum(p.numel() * 4 for p in model.parameters()) / 2**20,
-        "peak_above_built_mib": _rss_peak_mib() - built,
+        "peak_above_built_mib": _status_mib("VmHWM:") - built,
         "step_s": seconds,
         "loss": loss,
         "logits_fp32_mib": BATCH * SEQ * vocab * 4 / 2**20,
