@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -56,7 +57,14 @@ def test_warm_launches_start_workers_as_fresh_as_spawned_ones(tmp_path, monkeypa
     monkeypatch.delenv("MESHFIT_TEST_GONE")
     monkeypatch.setenv("MESHFIT_TEST_MARK", "set between the launches")
     monkeypatch.chdir(tmp_path)
+    time.sleep(2)  # the server is older than the second launch by this much at least
+    started = time.monotonic()
     second = mf.launch(launch_facts, nproc=2, args=("second",))
+    took = time.monotonic() - started
+    # the watchdog's clock starts with the worker, not with the server's imports (a
+    # server older than the hang timeout made every new worker's start-up look stalled)
+    for facts in second:
+        assert facts["phase"] == "setup" and facts["setup_for"] < took, (facts, took)
     for facts in [*first, *second]:
         assert not facts["group_at_start"] and facts["left_behind"] is None, facts
         assert not facts["cuda_initialized"] and facts["preloaded"], facts

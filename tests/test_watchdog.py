@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -89,6 +90,21 @@ def test_the_watchdog_publishes_a_verdict_on_a_peer_that_never_started(monkeypat
     dog._diagnose()
     assert obeyed and "rank 0 never sent a heartbeat" in obeyed[0]["line"], obeyed
     assert obeyed[0]["frozen"] == []  # no pid to kill: the launcher stops it
+
+
+def test_stop_ends_a_diagnosis_at_once(monkeypatch) -> None:
+    """A rank whose script ends while its watchdog diagnoses (4 heartbeats apart) leaves
+    at once: the diagnosis slept through stop(), whose join then waited 10 s for it."""
+    monkeypatch.setattr(watchdog, "_since", time.monotonic() - 100)
+    dog = watchdog._Watchdog(_DictStore(), rank=1, world_size=2, timeout=1.0)
+    dog.interval = 30.0  # the diagnosis would take 2 minutes
+    dog._publish()
+    diagnosing = threading.Thread(target=dog._diagnose, daemon=True)
+    diagnosing.start()
+    time.sleep(0.1)
+    dog.halt.set()
+    diagnosing.join(timeout=10)
+    assert not diagnosing.is_alive()
 
 
 def test_an_exited_rank_is_not_frozen() -> None:

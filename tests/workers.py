@@ -534,6 +534,7 @@ def launch_facts(leak: str) -> dict:
     import torch.distributed as dist
 
     import meshfit
+    from meshfit.launch import watchdog
 
     facts = {
         "rank": int(os.environ["RANK"]),
@@ -550,6 +551,9 @@ def launch_facts(leak: str) -> dict:
         "torch_rand": float(torch.rand(())),
         "cuda_initialized": torch.cuda.is_initialized(),
         "preloaded": "transformers" in sys.modules,
+        # how long the watchdog takes this rank to have been in start-up (its clock)
+        "setup_for": time.monotonic() - watchdog._since,
+        "phase": watchdog._current.kind,
     }
     print(f"worker {facts['rank']} writes to the launch's stdout", flush=True)
     meshfit._left_behind = leak

@@ -95,7 +95,7 @@ class Mark:
 # `doing` is a noun phrase read after "in": "training step 3", "the training script after
 # training step 2".
 _current = Mark(seq=0, step=0, kind="setup", doing="setup (process group, model)", waiting=True)
-_since = time.monotonic()  # when _current began
+_since = time.monotonic()  # when _current began (this process's start: see _forked)
 _longest: dict[str, float] = {}  # kind -> longest completed duration on this rank
 _lock = threading.Lock()
 _dump_dir: str | None = None
@@ -111,6 +111,24 @@ _on_hang: Callable[[str], None] | None = None  # mf.launch records the line for 
 # Set once a hang verdict is being carried out: the main thread, failing meanwhile in a
 # collective whose peer just exited, leaves the report and the exit to the watchdog.
 stopping = threading.Event()
+
+
+def _forked() -> None:
+    """In a forked child, start-up begins now, not when the parent imported meshfit: a
+    worker forked from the warm server (launch/warm.py) inherited the server's clock,
+    so once the server was older than the hang timeout every new worker's watchdog found
+    its start-up stalled, diagnosed for 4 heartbeats (20 s) and kept its rank's exit
+    waiting up to 10 s for the thread (measured: launches late in the test suite took
+    10-25 s longer than the same launch on a fresh server)."""
+    global _current, _since, _watchdog
+    _current = Mark(seq=0, step=0, kind="setup", doing="setup (process group, model)", waiting=True)
+    _since = time.monotonic()
+    _longest.clear()
+    _watchdog = None  # the parent's thread is not in the child
+    stopping.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def mark(kind: str, doing: str, *, step: int | None = None, waiting: bool = True) -> None:
@@ -377,7 +395,8 @@ class _Watchdog(threading.Thread):
         """Read every rank twice, some heartbeats apart, and publish who is stuck."""
         first = self._read_all()
         for _ in range(0 if self._alone else 4):  # keep beating: a peer may diagnose us too
-            time.sleep(self.interval)
+            if self.halt.wait(self.interval):
+                return  # stop() was called: this rank's script has ended
             self._publish()
         second = self._read_all()
         frozen = frozen_ranks(first, second, self.world_size, self.rank)
