@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +22,63 @@ def two_hosts() -> Iterator[Cluster]:
             yield cluster
     except ClusterUnavailable as exc:
         pytest.skip(f"no multi-host test bed here: {exc}")
+
+
+# ---- two tests at a time, and the ones that must run alone ------------------------
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2): measured on the
+# 2-core VM, the CPUs were idle 45% of a serial run (tests waiting on timeouts, restarts,
+# start-up; a test process computing on one core), so two tests at a time fill them.
+# A test marked `alone` holds the machine by itself: its verdict depends on timing that a
+# neighbour's load would change (a 1-2 s hang timeout, a main thread's CPU share). The
+# others share it. A readers-writer lock over every worker of the run (flock on files in
+# the temp directory), with a gate so a waiting `alone` test is not starved: it takes
+# the gate, then the lock exclusively; the others pass the gate, then share the lock.
+
+
+LOCKS_ENV = "MESHFIT_TEST_LOCKS"  # the run's lock directory, made by the controller
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "alone: runs with no other test beside it under -n 2 (its verdict depends on timing)",
+    )
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        # the xdist workers it starts inherit the variable
+        os.environ[LOCKS_ENV] = tempfile.mkdtemp(prefix="meshfit-tests-")
+
+
+def pytest_unconfigure(config) -> None:
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(LOCKS_ENV, ""), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _turn(alone: bool) -> Iterator[None]:
+    locks = os.environ.get(LOCKS_ENV)
+    if not locks:
+        yield
+        return
+    with (
+        open(os.path.join(locks, "gate"), "a") as gate,
+        open(os.path.join(locks, "lock"), "a") as lock,
+    ):
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201 - pytest's hook
+    # around setup, call and teardown, so the wait is in no test's reported duration
+    with _turn(item.get_closest_marker("alone") is not None):
+        yield
 
 
 # ---- the suite's budget ------------------------------------------------------------

@@ -25,6 +25,7 @@ def meshfit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.alone  # a 2 s hang timeout: no other test beside it
 def test_frozen_worker_is_one_hang_line_and_exit_3(tmp_path) -> None:
     # The reporting rank kills the frozen one, and the launcher may see that death first:
     # it must not add "worker rank 1 was killed by signal 9" to the hang line, nor exit 1.
