@@ -118,8 +118,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         tier[1] += 1
     write = terminalreporter.write_line
     write("")
+    side_by_side = getattr(config.option, "numprocesses", None) or 0  # pytest-xdist's -n
+    summed = f" (test durations summed; {side_by_side} at a time)" if side_by_side > 1 else ""
     write(
-        "suite time by tier: "
+        f"suite time by tier{summed}: "
         + "; ".join(f"{name} {_minutes(s)} over {n} tests" for name, (s, n) in tiers.items())
         + f"; the whole run {_minutes(wall)} (DEVELOPERS.md has the budget)"
     )

@@ -96,6 +96,21 @@ def test_the_watchdog_publishes_a_verdict_on_a_peer_that_never_started(monkeypat
     assert obeyed[0]["frozen"] == []  # no pid to kill: the launcher stops it
 
 
+def test_the_rank_guard_fix_is_told_for_engine_calls_only() -> None:
+    """A peer ended its script while this rank waits in a call every rank must make: the
+    engine call it is in (marked by the method, not read from the phase's words) gets "not
+    under a rank guard"; fit's own checkpoint save, which no user guards, does not."""
+    exited = _state(1, kind="exited", doing="its exit", waiting=False)
+    for call, doing, told in (
+        ("save_model", "the save_model of /out", True),
+        ("", "the save of the step-4 checkpoint", False),  # fit's save: its words as before
+    ):
+        states = {0: _state(0, kind="save", doing=doing, call=call), 1: exited}
+        line = describe(states, [], 2, "/x")
+        assert ("not under a rank guard" in line) is told, line
+        assert ("engine.save_model is called by every rank" in line) is told, line
+
+
 def test_stop_ends_a_diagnosis_at_once(monkeypatch) -> None:
     """A rank whose script ends while its watchdog diagnoses (4 heartbeats apart) leaves
     at once: the diagnosis slept through stop(), whose join then waited 10 s for it."""

@@ -309,7 +309,9 @@ class Engine:
 
     @torch.no_grad()
     def evaluate_local(self, inputs: Any, targets: Any) -> torch.Tensor:
-        with watchdog.phase("evaluate", f"evaluation after step {self.step_count}"):
+        with watchdog.phase(
+            "evaluate", f"evaluation after step {self.step_count}", call="evaluate"
+        ):
             with _on_every_rank("evaluate"):
                 return self._evaluate(inputs, targets)
 
@@ -359,7 +361,7 @@ class Engine:
         model's own form; no gradients, evaluation mode. Every rank calls it."""
         self._build_on(inputs)
         with (
-            watchdog.phase("evaluate", f"prediction after step {self.step_count}"),
+            watchdog.phase("evaluate", f"prediction after step {self.step_count}", call="predict"),
             _on_every_rank("predict"),
         ):
             return predict_global_batch(
@@ -370,7 +372,7 @@ class Engine:
     def save(self, path: str, *, extra: dict[str, Any] | None = None) -> str:
         """Save model, optimizer and progress to the directory `path` (DCP, written
         aside then committed, so a crash never leaves a half checkpoint there)."""
-        with watchdog.phase("save", f"the save of {path}"), _on_every_rank("save"):
+        with watchdog.phase("save", f"the save of {path}", call="save"), _on_every_rank("save"):
             return save_checkpoint(self.training_state(), path, extra=extra)
 
     def save_model(self, path: str, max_shard_size: int | str = "5GB") -> str | None:
@@ -390,7 +392,10 @@ class Engine:
             distributed=self.mesh is not None,
             config=getattr(self.user_model, "config", None),
         )
-        with watchdog.phase("save", f"the save_model of {path}"), _on_every_rank("save_model"):
+        with (
+            watchdog.phase("save", f"the save_model of {path}", call="save_model"),
+            _on_every_rank("save_model"),
+        ):
             return save_model(state, path, max_shard_size)
 
     def load(self, path: str) -> dict[str, Any]:
@@ -425,7 +430,10 @@ class Engine:
         rank: tensor-parallel shards are gathered and pipeline stages merged. For
         exporting or comparing weights (it holds the whole model in CPU memory)."""
         gathering = f"gathering the full state after step {self.step_count}"
-        with watchdog.phase("gather", gathering), _on_every_rank("full_state_dict"):
+        with (
+            watchdog.phase("gather", gathering, call="full_state_dict"),
+            _on_every_rank("full_state_dict"),
+        ):
             model, runner = self.parallel_model, self.runner
             return gather_full_state(model, self.mesh is not None, runner, self.own_hooks)
 

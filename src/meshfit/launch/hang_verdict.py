@@ -42,6 +42,9 @@ class RankState:
     # the same bytecode each time). This tells "every rank waits for a collective" from
     # "every rank computes in a loop of its own".
     computing: bool = False
+    # The engine call the rank is in ("save_model", "evaluate"): one that every rank must
+    # make together, whose fix, when a peer ended its script, is "not under a rank guard".
+    call: str = ""
 
 
 def frozen_ranks(
@@ -183,23 +186,13 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
 
 
 # The phases of the engine's collective calls (engine.py), by the start of their `doing`.
-ENGINE_CALLS = {
-    "the save_model of": "save_model",
-    "the save of": "save",
-    "gathering the full state": "full_state_dict",
-    "evaluation after": "evaluate",
-    "prediction after": "predict",
-}
-
-
 def _called_alone(states: dict[int, RankState], stuck: list[int], waiters: list[int]) -> str:
     """The fix, when the ranks holding the others up have ended their scripts while the
     others wait in an engine call: it was called on some ranks only (a rank guard)."""
     if not waiters or not all(r in states and states[r].kind == EXITED for r in stuck):
         return ""
-    doing = states[waiters[0]].doing
-    call = next((c for start, c in ENGINE_CALLS.items() if doing.startswith(start)), None)
-    if call is None:
+    call = states[waiters[0]].call  # marked by the engine's method, not read from words
+    if not call:
         return ""
     return (
         f": {collective_call(call)}, not under a rank guard such as `if engine.rank == 0:`; "

@@ -90,6 +90,7 @@ class Mark:
     kind: str  # "setup", "step", "evaluate", "save", "load", "script", "exited"
     doing: str
     waiting: bool
+    call: str = ""  # the engine method every rank calls together, when in one
 
 
 # `doing` is a noun phrase read after "in": "training step 3", "the training script after
@@ -131,8 +132,12 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-def mark(kind: str, doing: str, *, step: int | None = None, waiting: bool = True) -> None:
-    """Record that this rank now does `doing` (cheap: no I/O; the thread publishes it)."""
+def mark(
+    kind: str, doing: str, *, step: int | None = None, waiting: bool = True, call: str = ""
+) -> None:
+    """Record that this rank now does `doing` (cheap: no I/O; the thread publishes it);
+    `call`: the engine method it is in, which every rank must call (hang_verdict says
+    "not under a rank guard" when a peer ended its script meanwhile)."""
     global _current, _since
     now = time.monotonic()
     with _lock:
@@ -146,15 +151,16 @@ def mark(kind: str, doing: str, *, step: int | None = None, waiting: bool = True
             kind=kind,
             doing=doing,
             waiting=waiting,
+            call=call,
         )
         _since = now
 
 
 @contextlib.contextmanager
-def phase(kind: str, doing: str, *, step: int | None = None) -> Iterator[None]:
+def phase(kind: str, doing: str, *, step: int | None = None, call: str = "") -> Iterator[None]:
     """Mark a waiting phase; when it ends this rank is back in the training script. An
     exception leaves the mark as it was, so a report says where the rank failed."""
-    mark(kind, doing, step=step)
+    mark(kind, doing, step=step, call=call)
     yield
     mark("script", f"the training script after {doing}", waiting=False)
 
@@ -377,6 +383,7 @@ class _Watchdog(threading.Thread):
             waits_in=waits_in,
             collective=collective,
             computing=computing,
+            call=current.call,
         )
 
     def _allowed(self, kind: str) -> float:
