@@ -558,3 +558,20 @@ def test_an_error_of_meshfit_through_a_decorator_is_meshfits() -> None:
         warnings.simplefilter("ignore")
         in_meshfit(collective)
     assert meshfit_frame(raised.value.__traceback__) == "meshfit/fake.py:2 in f"
+
+
+def test_an_error_inside_the_chunked_loss_is_meshfits() -> None:
+    """The chunked loss's autograd Function is meshfit's computation, though its method is
+    named `forward` like the user-code calls: a head weight whose storage was freed (FSDP
+    resharded it before the loss, under pp x fsdp) read as the user's batch being wrong."""
+    from meshfit.parallel.head_loss import linear_cross_entropy
+    from meshfit.runtime.batch_errors import meshfit_frame
+
+    weight = torch.randn(8, 4, requires_grad=True)
+    weight.data.untyped_storage().resize_(0)  # as FSDP2 frees a resharded parameter
+    hidden = torch.randn(6, 4, requires_grad=True)
+    with pytest.raises(RuntimeError) as raised:
+        linear_cross_entropy(hidden, weight, None, torch.zeros(6, dtype=torch.long))
+    where = meshfit_frame(raised.value.__traceback__)
+    assert where is not None and where.startswith("meshfit/parallel/head_loss.py:"), where
+    assert where.endswith(" in forward"), where

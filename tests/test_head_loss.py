@@ -141,6 +141,28 @@ def test_every_plan_trains_the_one_process_run_with_the_whole_logits() -> None:
 
 
 @pytest.mark.slow
+def test_two_dimensional_plans_train_the_one_process_run_with_the_whole_logits() -> None:
+    """On 4 workers: the chunks on the last stage with its parameters sharded (pp x
+    fsdp), on the last stage with the head split over the vocabulary (pp x tp), and the
+    vocabulary-parallel chunks beside data parallel (dp x tp), for the untied head with
+    the model's own loss and the tied one with mf.losses.cross_entropy."""
+    plans = ("pp=2,fsdp=2", "tp=2,pp=2", "dp=2,tp=2")
+    specs = [
+        *({"model": "llama", "loss": "model", "plan": p} for p in plans),
+        *({"model": "gpt2", "plan": p} for p in plans),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_head_runs, nproc=4, args=(specs,))
+    references: dict[str, dict] = {}
+    for spec, got in zip(specs, results, strict=True):
+        key = f"{spec['model']}-{spec.get('loss')}"
+        if key not in references:
+            references[key] = head_run({**spec, "plan": None, "chunks": False})
+        assert_same(spec, got, references[key])
+
+
+@pytest.mark.slow
 def test_compiled_it_trains_the_eager_whole_run() -> None:
     """compile=True traces the chunks into the step's graph (the stand-in never leaves
     it), against the eager run with the whole logits; float32 (compiling float64 took

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+from meshfit.parallel.head_loss import holds_deferred_head
 from meshfit.plan import Plan
 from meshfit.runtime.precision import Precision
 
@@ -58,7 +59,10 @@ def shard_part(
     and step; 29.2 MB without the root). The price is memory: until that reduction the
     schedule keeps the whole stage gathered, with its unsharded gradients. With one
     micro-batch nothing is saved by waiting, and the schedule gets the stage behind
-    `ReducedPerBlock` instead (Plan.defers_stage_reduction). The root stays either way:
+    `ReducedPerBlock` instead (Plan.defers_stage_reduction). A unit holding an LM head
+    that defers to the loss (chunked_loss) stays gathered after its forward: the schedule
+    computes the loss after the stage's forward, and reads the head's weight there. The
+    root stays either way:
     units that are their own roots each keep their reduce-scatter's buffer to the end of
     the backward (measured: a rank's memory grew by a whole block per block). pp=2,fsdp=2
     on a 582 MiB Llama, one micro-batch, SGD: 624 MiB per rank at most with the deferral,
@@ -75,11 +79,15 @@ def shard_part(
     sharded = [u for u in _callable(units) if any(True for _ in u.parameters())]
     for i, unit in enumerate(sharded):
         last = i == len(sharded) - 1 and not pipeline_stage
-        fully_shard(unit, mesh=mesh, **(gathered if last else options))
+        keep = last or (pipeline_stage and holds_deferred_head(unit))
+        fully_shard(unit, mesh=mesh, **(gathered if keep else options))
     module = make_module()
     if pipeline_stage:
         if units and all(_contains(module, u) for u in units):
-            fully_shard(module, mesh=mesh, **options)
+            head_in_root = holds_deferred_head(module) and not any(
+                map(holds_deferred_head, sharded)
+            )
+            fully_shard(module, mesh=mesh, **(gathered if head_in_root else options))
         return module
     if plan.reshard_after_forward:
         del options["reshard_after_forward"]  # FSDP2's root default: kept gathered

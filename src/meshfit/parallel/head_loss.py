@@ -386,6 +386,12 @@ def _name(loss_fn: Any) -> str:
     return f"loss_fn={getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"
 
 
+def holds_deferred_head(module: nn.Module) -> bool:
+    """Whether `module` holds an LM head that defers to the loss (install): its weight
+    is read by the loss after the module's forward has returned."""
+    return any(hasattr(m, "_meshfit_chunk_tokens") for m in module.modules())
+
+
 def find_head(model: nn.Module) -> nn.Linear | None:
     """The model's LM head: `get_output_embeddings()` (Hugging Face models), else a
     Linear named `lm_head` (nanoGPT, meshfit's GPT); None when there is neither."""

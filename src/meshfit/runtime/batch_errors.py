@@ -101,6 +101,10 @@ _MESHFIT = _PACKAGE + os.sep
 # function they call directly (F.cross_entropy given as loss_fn, a product of the wrong
 # width) is the user's.
 _CALLS_USER_CODE = {"call_model", "call_forward", "forward_loss", "__call__", "forward"}
+# ... except these, by qualified name: meshfit's own computations named like them (the
+# chunked loss's autograd Function: a head weight freed under pp x fsdp read as the
+# user's batch being wrong).
+_OWN_COMPUTATIONS = {"_LinearCrossEntropy.forward", "_LinearCrossEntropy.backward"}
 # Files whose frames only pass a call on: torch's deprecation decorator wraps collectives
 # (all_gather_into_tensor) in typing_extensions' wrapper, which sat between a collective
 # meshfit called and its error, and the error read as the user's batch.
@@ -122,7 +126,10 @@ def meshfit_frame(tb: TracebackType | None) -> str | None:
             or os.path.basename(filename) in _PASS_THROUGH
         ):
             continue  # torch, a mode of meshfit's that passes the call on, a decorator's wrapper
-        if not filename.startswith(_MESHFIT) or frame.f_code.co_name in _CALLS_USER_CODE:
+        own = frame.f_code.co_qualname in _OWN_COMPUTATIONS
+        if not filename.startswith(_MESHFIT) or (
+            frame.f_code.co_name in _CALLS_USER_CODE and not own
+        ):
             return None
         return f"{os.path.relpath(filename, os.path.dirname(_PACKAGE))}:{frame.f_lineno} in {frame.f_code.co_name}"
     return None
