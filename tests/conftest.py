@@ -29,8 +29,8 @@ def two_hosts() -> Iterator[Cluster]:
 # 2-core VM, the CPUs were idle 45% of a serial run (tests waiting on timeouts, restarts,
 # start-up; a test process computing on one core), so two tests at a time fill them.
 # A test marked `alone` holds the machine by itself: its verdict depends on timing that a
-# neighbour's load would change (a 1-2 s hang timeout, a main thread's CPU share). The
-# others share it. A readers-writer lock over every worker of the run (flock on files in
+# neighbour's load would change (a 1-3 s hang timeout, a main thread's CPU share, a step
+# timed against a period). The others share it. A readers-writer lock over every worker of the run (flock on files in
 # the temp directory), with a gate so a waiting `alone` test is not starved: it takes
 # the gate, then the lock exclusively; the others pass the gate, then share the lock.
 

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a false hang verdict on busy cores ends a trial (below)
 def test_fault_campaign_trials_end_exact(tmp_path) -> None:
     """On a loaded machine every run is slower, so: each run may take max(240 s, 4x the
     undisturbed run) (faults.py's --limit and --limit-factor), a run cut short by that

@@ -140,6 +140,7 @@ def test_a_3d_plan_resumes_exactly_with_adamw(tmp_path) -> None:
     _assert_resumed_exactly(results, [spec])
 
 
+@pytest.mark.alone  # steps timed against a 1 s period
 def test_checkpoints_every_so_long_as_well_as_every_n_steps(tmp_path) -> None:
     import datetime
     import os

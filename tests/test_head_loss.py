@@ -63,6 +63,27 @@ def test_the_chunked_product_and_loss_equal_the_whole_with_their_gradients() -> 
         )
 
 
+def test_targets_it_cannot_take_are_the_batch_s_not_meshfit_s() -> None:
+    """Float ids, ids of another count than the head's tokens, an id outside the
+    vocabulary: said as the batch's problem with its fix (the whole computation's
+    cross-entropy refuses them too), not as an error inside meshfit's chunks."""
+    hidden = torch.randn(2, 3, 4, requires_grad=True)
+    weight = torch.randn(10, 4, requires_grad=True)
+    ids = torch.tensor([[1, 2, -100], [4, 9, 0]])
+    assert torch.isfinite(linear_cross_entropy(hidden, weight, None, ids))
+    for targets, words in (
+        (ids.float(), "must be token ids (integers), not torch.float32"),
+        (ids[:, :2], "targets hold 4 tokens but the LM head was given 6"),
+        (
+            torch.tensor([[1, 2, -100], [4, 10, 0]]),
+            "a target token id is 10, outside the vocabulary's 0..9",
+        ),
+        (torch.tensor([[1, 2, -100], [-3, 1, 0]]), "a target token id is -3"),
+    ):
+        with pytest.raises(mf.MeshfitError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            linear_cross_entropy(hidden, weight, None, targets, chunk_tokens=2)
+
+
 @pytest.mark.parametrize(
     "spec",
     [

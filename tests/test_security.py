@@ -216,6 +216,7 @@ def _node0(hosts, port: int, hold_s: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the stranger comes 5 s after the run starts
 def test_stranger_attack_runs_no_code_and_the_run_finishes(hosts, tmp_path) -> None:
     """The issue's attack: a pickle under the known key torch.rendezvous.meshfit (and
     the c10d default's guesses). The run's key is derived from its secret, so the
@@ -235,6 +236,7 @@ def test_stranger_attack_runs_no_code_and_the_run_finishes(hosts, tmp_path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the stranger comes 5 s after the run starts
 def test_stranger_who_knows_the_key_stops_the_run_with_one_line(hosts, tmp_path) -> None:
     port, marker = _free_port(), tmp_path / "stranger-ran-code"
     run = _node0(hosts, port, hold_s="30")

@@ -185,7 +185,6 @@ def describe(states: dict[int, RankState], frozen: list[int], world_size: int, w
     )
 
 
-# The phases of the engine's collective calls (engine.py), by the start of their `doing`.
 def _called_alone(states: dict[int, RankState], stuck: list[int], waiters: list[int]) -> str:
     """The fix, when the ranks holding the others up have ended their scripts while the
     others wait in an engine call: it was called on some ranks only (a rank guard)."""

@@ -95,12 +95,14 @@ class Mark:
 
 # `doing` is a noun phrase read after "in": "training step 3", "the training script after
 # training step 2".
-_current = Mark(seq=0, step=0, kind="setup", doing="setup (process group, model)", waiting=True)
+_SETUP = Mark(seq=0, step=0, kind="setup", doing="setup (process group, model)", waiting=True)
+_current = _SETUP
 _since = time.monotonic()  # when _current began (this process's start: see _forked)
 _longest: dict[str, float] = {}  # kind -> longest completed duration on this rank
 _lock = threading.Lock()
 _dump_dir: str | None = None
 _watchdog: _Watchdog | None = None
+_inherited: list[_Watchdog] = []  # a forked child's parent's watchdog (see _forked)
 # A main thread on a CPU for more than this share of the time between two heartbeats
 # computes (hang_verdict.RankState.computing): a blocked one uses next to none, and a
 # spinning one keeps at least this much of a core shared by two or three processes.
@@ -121,12 +123,15 @@ def _forked() -> None:
     its start-up stalled, diagnosed for 4 heartbeats (20 s) and kept its rank's exit
     waiting up to 10 s for the thread (measured: launches late in the test suite took
     10-25 s longer than the same launch on a fresh server)."""
-    global _current, _since, _watchdog
-    _current = Mark(seq=0, step=0, kind="setup", doing="setup (process group, model)", waiting=True)
+    global _current, _since, _watchdog, _lock, stopping
+    # a thread of the parent may have held these at the fork: new ones, not released ones
+    _lock, stopping = threading.Lock(), threading.Event()
+    _current = _SETUP
     _since = time.monotonic()
     _longest.clear()
-    _watchdog = None  # the parent's thread is not in the child
-    stopping.clear()
+    if _watchdog is not None:  # the parent's thread is not in the child; its store client
+        _inherited.append(_watchdog)  # is kept, not destroyed here (a socket it shares)
+    _watchdog = None
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -79,7 +79,7 @@ def shard_part(
     sharded = [u for u in _callable(units) if any(True for _ in u.parameters())]
     for i, unit in enumerate(sharded):
         last = i == len(sharded) - 1 and not pipeline_stage
-        keep = last or (pipeline_stage and holds_deferred_head(unit))
+        keep = last or holds_deferred_head(unit)
         fully_shard(unit, mesh=mesh, **(gathered if keep else options))
     module = make_module()
     if pipeline_stage:

@@ -108,9 +108,43 @@ def linear_cross_entropy(
     vocab = weight.shape[0]
     chunk = chunk_tokens or max(1, CHUNK_LOGITS // vocab)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return _LinearCrossEntropy.apply(
-        flat, weight, bias, targets.reshape(-1), ignore_index, chunk, loss_dtype, group
-    )
+    _check_targets(targets, flat.shape[0])
+    try:
+        return _LinearCrossEntropy.apply(
+            flat, weight, bias, targets.reshape(-1), ignore_index, chunk, loss_dtype, group
+        )
+    except (RuntimeError, IndexError) as exc:  # out-of-range ids fail in the gather
+        words = vocab * (torch.distributed.get_world_size(group) if group is not None else 1)
+        _check_target_range(targets, words, ignore_index, exc)
+        raise
+
+
+def _check_targets(targets: torch.Tensor, tokens: int) -> None:
+    """What the whole computation's cross-entropy would refuse as the user's batch, said
+    here, before meshfit's own chunked computation would fail on it (its errors are
+    meshfit's, runtime/batch_errors.py): shape and dtype only, no read of the values."""
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise MeshfitError(
+            f"the loss's targets must be token ids (integers), not {targets.dtype}; give "
+            f"labels as int64 (a collator's `labels`, -100 where a token does not count)"
+        )
+    if targets.numel() != tokens:
+        raise MeshfitError(
+            f"the loss's targets hold {targets.numel()} tokens but the LM head was given "
+            f"{tokens}: give labels of the inputs' shape (one id per token)"
+        )
+
+
+def _check_target_range(targets: torch.Tensor, words: int, ignore: int, exc: Exception) -> None:
+    """After the chunked computation failed: a target id outside the vocabulary (and not
+    the ignored one) is the batch's, said as such; otherwise the error is meshfit's."""
+    counted = targets[targets != ignore]
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= words):
+        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
+        raise MeshfitError(
+            f"a target token id is {bad}, outside the vocabulary's 0..{words - 1} (and not "
+            f"the ignored {ignore}): give labels the model's vocabulary holds"
+        ) from exc
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
