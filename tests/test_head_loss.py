@@ -133,6 +133,20 @@ def test_what_it_cannot_do_is_refused_in_one_line() -> None:
         mf.parallelize(torch.nn.Linear(4, 4), loss_fn=mf.losses.cross_entropy(), chunked_loss=-2)
 
 
+def each_as_one_process_with_the_whole_logits(specs: list[dict], nproc: int) -> None:
+    """Run every spec in one launch of `nproc` workers; each equals one process with the
+    whole logits (one reference per model, loss and evaluation)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_head_runs, nproc=nproc, args=(specs,))
+    references: dict[str, dict] = {}
+    for spec, got in zip(specs, results, strict=True):
+        key = f"{spec['model']}-{spec.get('loss')}-{spec.get('evaluate')}"
+        if key not in references:
+            references[key] = head_run({**spec, "plan": None, "chunks": False})
+        assert_same(spec, got, references[key])
+
+
 @pytest.mark.slow
 def test_every_plan_trains_the_one_process_run_with_the_whole_logits() -> None:
     """On 2 workers: dp, fsdp, tp (the untied Llama head split over the vocabulary: each
@@ -150,15 +164,7 @@ def test_every_plan_trains_the_one_process_run_with_the_whole_logits() -> None:
         {"model": "eurobert", "loss": "model", "plan": "tp=2", "evaluate": True},
         {"model": "llama", "plan": "tp=2", "evaluate": True},
     ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        results = mf.launch(many_head_runs, nproc=2, args=(specs,))
-    references: dict[str, dict] = {}
-    for spec, got in zip(specs, results, strict=True):
-        key = f"{spec['model']}-{spec.get('loss')}-{spec.get('evaluate')}"
-        if key not in references:
-            references[key] = head_run({**spec, "plan": None, "chunks": False})
-        assert_same(spec, got, references[key])
+    each_as_one_process_with_the_whole_logits(specs, nproc=2)
 
 
 @pytest.mark.slow
@@ -172,15 +178,7 @@ def test_two_dimensional_plans_train_the_one_process_run_with_the_whole_logits()
         *({"model": "llama", "loss": "model", "plan": p} for p in plans),
         *({"model": "gpt2", "plan": p} for p in plans),
     ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        results = mf.launch(many_head_runs, nproc=4, args=(specs,))
-    references: dict[str, dict] = {}
-    for spec, got in zip(specs, results, strict=True):
-        key = f"{spec['model']}-{spec.get('loss')}"
-        if key not in references:
-            references[key] = head_run({**spec, "plan": None, "chunks": False})
-        assert_same(spec, got, references[key])
+    each_as_one_process_with_the_whole_logits(specs, nproc=4)
 
 
 @pytest.mark.slow

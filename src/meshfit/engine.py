@@ -309,11 +309,8 @@ class Engine:
 
     @torch.no_grad()
     def evaluate_local(self, inputs: Any, targets: Any) -> torch.Tensor:
-        with watchdog.phase(
-            "evaluate", f"evaluation after step {self.step_count}", call="evaluate"
-        ):
-            with _on_every_rank("evaluate"):
-                return self._evaluate(inputs, targets)
+        with _on_every_rank("evaluate", "evaluate", f"evaluation after step {self.step_count}"):
+            return self._evaluate(inputs, targets)
 
     def _evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
         self.parallel_model.eval()
@@ -360,10 +357,7 @@ class Engine:
         model takes as keywords), gathered whole on every rank as CPU tensors, in the
         model's own form; no gradients, evaluation mode. Every rank calls it."""
         self._build_on(inputs)
-        with (
-            watchdog.phase("evaluate", f"prediction after step {self.step_count}", call="predict"),
-            _on_every_rank("predict"),
-        ):
+        with _on_every_rank("predict", "evaluate", f"prediction after step {self.step_count}"):
             return predict_global_batch(
                 self.parallel_model, self.runner, self.topology, self.precision, inputs
             )
@@ -372,7 +366,7 @@ class Engine:
     def save(self, path: str, *, extra: dict[str, Any] | None = None) -> str:
         """Save model, optimizer and progress to the directory `path` (DCP, written
         aside then committed, so a crash never leaves a half checkpoint there)."""
-        with watchdog.phase("save", f"the save of {path}", call="save"), _on_every_rank("save"):
+        with _on_every_rank("save", "save", f"the save of {path}"):
             return save_checkpoint(self.training_state(), path, extra=extra)
 
     def save_model(self, path: str, max_shard_size: int | str = "5GB") -> str | None:
@@ -392,10 +386,7 @@ class Engine:
             distributed=self.mesh is not None,
             config=getattr(self.user_model, "config", None),
         )
-        with (
-            watchdog.phase("save", f"the save_model of {path}", call="save_model"),
-            _on_every_rank("save_model"),
-        ):
+        with _on_every_rank("save_model", "save", f"the save_model of {path}"):
             return save_model(state, path, max_shard_size)
 
     def load(self, path: str) -> dict[str, Any]:
@@ -430,28 +421,28 @@ class Engine:
         rank: tensor-parallel shards are gathered and pipeline stages merged. For
         exporting or comparing weights (it holds the whole model in CPU memory)."""
         gathering = f"gathering the full state after step {self.step_count}"
-        with (
-            watchdog.phase("gather", gathering, call="full_state_dict"),
-            _on_every_rank("full_state_dict"),
-        ):
+        with _on_every_rank("full_state_dict", "gather", gathering):
             model, runner = self.parallel_model, self.runner
             return gather_full_state(model, self.mesh is not None, runner, self.own_hooks)
 
 
 @contextlib.contextmanager
-def _on_every_rank(call: str) -> Iterator[None]:
-    """engine.`call` is a collective: a failure because other ranks never called it (a
-    rank guard, as other trainers' saves take) is said in one line (watchdog's
-    explain_one_sided_call), not as gloo's or NCCL's lost connection."""
-    try:
-        yield
-    except MeshfitError:
-        raise
-    except Exception as exc:
-        line = watchdog.explain_one_sided_call(call, exc)
-        if line is None:
+def _on_every_rank(call: str, kind: str, doing: str) -> Iterator[None]:
+    """engine.`call`, a collective, as the watchdog's phase `kind` doing `doing` (marked
+    with the call, so a hang verdict can say "not under a rank guard"); a failure because
+    other ranks never called it (a rank guard, as other trainers' saves take) is said in
+    one line (watchdog's explain_one_sided_call), not as gloo's or NCCL's lost
+    connection."""
+    with watchdog.phase(kind, doing, call=call):
+        try:
+            yield
+        except MeshfitError:
             raise
-        raise MeshfitError(line) from exc
+        except Exception as exc:
+            line = watchdog.explain_one_sided_call(call, exc)
+            if line is None:
+                raise
+            raise MeshfitError(line) from exc
 
 
 def _build_optimizer(factory: OptimizerFactory, model: nn.Module) -> torch.optim.Optimizer:

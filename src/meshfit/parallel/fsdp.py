@@ -77,16 +77,14 @@ def shard_part(
         options["ignored_params"] = scalars | set(ignored)
     gathered = {**options, "reshard_after_forward": False}
     sharded = [u for u in _callable(units) if any(True for _ in u.parameters())]
-    for i, unit in enumerate(sharded):
+    head_units = [holds_deferred_head(u) for u in sharded]
+    for i, (unit, head) in enumerate(zip(sharded, head_units, strict=True)):
         last = i == len(sharded) - 1 and not pipeline_stage
-        keep = last or holds_deferred_head(unit)
-        fully_shard(unit, mesh=mesh, **(gathered if keep else options))
+        fully_shard(unit, mesh=mesh, **(gathered if last or head else options))
     module = make_module()
     if pipeline_stage:
         if units and all(_contains(module, u) for u in units):
-            head_in_root = holds_deferred_head(module) and not any(
-                map(holds_deferred_head, sharded)
-            )
+            head_in_root = not any(head_units) and holds_deferred_head(module)
             fully_shard(module, mesh=mesh, **(gathered if head_in_root else options))
         return module
     if plan.reshard_after_forward:

@@ -139,8 +139,11 @@ def _check_target_range(targets: torch.Tensor, words: int, ignore: int, exc: Exc
     """After the chunked computation failed: a target id outside the vocabulary (and not
     the ignored one) is the batch's, said as such; otherwise the error is meshfit's."""
     counted = targets[targets != ignore]
-    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= words):
-        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
+    if not counted.numel():
+        return
+    low, high = int(counted.min()), int(counted.max())
+    if low < 0 or high >= words:
+        bad = low if low < 0 else high
         raise MeshfitError(
             f"a target token id is {bad}, outside the vocabulary's 0..{words - 1} (and not "
             f"the ignored {ignore}): give labels the model's vocabulary holds"
