@@ -9,6 +9,8 @@ memory within 10%).
 
     python benchmarks/planner_gpu.py            # every row (about 5 minutes on one H100)
     python benchmarks/planner_gpu.py --quick    # a tiny model, runs on CPU too: a smoke test
+    python benchmarks/planner_gpu.py --again results/planner-gpu-nvidia-h200.json
+        # no GPU: today's planner against the rows a GPU measured (the H200 preset)
 
 Prints a Markdown table and writes benchmarks/results/planner-gpu-<device>.json.
 """
@@ -90,12 +92,51 @@ def run_one(config: GPTConfig, plan: str, batch: int, compiled: bool, steps: int
     }
 
 
+def predict_again(path: str) -> list[dict]:
+    """The rows of an earlier run, their measurements kept, predicted by today's planner
+    with the hardware preset of the GPU that measured them."""
+    from meshfit.planner.hardware import hardware
+
+    with open(path) as f:
+        earlier = json.load(f)
+    hw = hardware(earlier["device"].split()[-1].lower())  # "NVIDIA H200" -> the h200 preset
+    rows = []
+    for row in earlier["rows"]:
+        config = SIZES[row["model"]]
+        with torch.device("meta"):
+            meta_model = GPT(config)
+        predicted = estimate(
+            meta_model,
+            row["plan"],
+            batch_size=row["batch"],
+            example_inputs=torch.zeros(1, config.block_size, dtype=torch.long),
+            hardware=hw,
+            compiled=row["compiled"],
+            world_size=1,
+        )
+        rows.append(
+            row
+            | {
+                "predicted_step_s": predicted.step_time.total,
+                "predicted_bytes": predicted.memory.total,
+                "hardware": hw.source,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one row (CPU ok)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=None, help="the JSON to write (default under results/)")
+    parser.add_argument(
+        "--again", default=None, help="an earlier run's JSON: predict its rows again"
+    )
     args = parser.parse_args()
+    if args.again:
+        _print_table(predict_again(args.again))
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29591")
     rows = []
@@ -109,6 +150,14 @@ def main() -> None:
         row = {"model": name, **run_one(config, plan, batch, compiled, args.steps)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    _print_table(rows)
+    name = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"planner-gpu-{name}.json")
+    with open(out, "w") as f:
+        json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+def _print_table(rows: list[dict]) -> None:
     print("\n| model | plan | batch | compiled | step measured / predicted (ms) | off | "
           "peak memory measured / predicted (GiB) | off |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -124,10 +173,6 @@ def main() -> None:
             f"{r['measured_step_s'] * 1e3:.1f} / {r['predicted_step_s'] * 1e3:.1f} | "
             f"{t_off:+.0f}% | {mem} | {m_off} |"
         )
-    name = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"planner-gpu-{name}.json")
-    with open(out, "w") as f:
-        json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

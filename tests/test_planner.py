@@ -19,7 +19,7 @@ from meshfit.models.gpt import GPT, GPTConfig
 from meshfit.plan import Plan
 from meshfit.planner import Hardware, estimate, hardware, plan_search, profile_model
 from meshfit.planner.auto import choose_plan, fixed_fields, optimizer_state_bytes
-from meshfit.planner.estimate import in_flight
+from meshfit.planner.memory import in_flight
 from meshfit.planner.profile import ModelProfile, PartCost
 from meshfit.planner.search import search_profile
 from meshfit.state.checkpoint import META_FILE

@@ -66,8 +66,9 @@ def estimate(
         notes say so. compiled: the run will use parallelize(..., compile=True)."""
     from meshfit.planner.hardware import hardware as get_hardware
 
-    profile = profile_of(model, example_inputs, loss_fn, example_targets)
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
+    traced = plan.precision if compiled else None
+    profile = profile_of(model, example_inputs, loss_fn, example_targets, traced)
     hw = get_hardware(hardware) if hardware is not None else None
     notes = []
     if plan.dp is None and world_size is None and hw is None:

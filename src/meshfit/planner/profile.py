@@ -61,6 +61,10 @@ class PartCost:
     input_bytes: float = 0.0  # the part's input ("full" recomputation keeps it; stages send it)
     attention_kv_bytes: float = 0.0  # keys and values its attention reads (cp gathers them)
     expert_params: int = 0  # elements of its experts' weights (of `params`; ep places them)
+    # bytes a compiled step saves for backward (planner/compiled_memory.py), in the compute
+    # dtype it was traced in; None: not traced
+    compiled_saved: float | None = None
+    compiled_saved_split: float = 0.0
     dispatch_bytes: float = 0.0  # its (token, expert) pairs' hidden states (ep sends them)
     tp_share: float = 0.0  # fraction of `params` tensor parallel splits
     tp_reductions: int = 0  # all-reduces of a tp forward (row-parallel outputs)
@@ -84,6 +88,9 @@ class ModelProfile:
     output_bytes: float  # the model's output per sample (its gradient is a temporary)
     tokens_per_sample: int
     param_bytes: int  # element size of the parameters (4: fp32)
+    # of tail.saved: what the loss keeps over the vocabulary (a log-softmax), which
+    # autocast computes in float32 (torch's autocast op lists)
+    loss_float32: float = 0.0
     tp_error: str | None = None  # why tensor parallel cannot split this model
     experts: int = 0  # experts per mixture-of-experts layer (the fewest; 0: none)
     pp_error: str | None = None  # why meshfit's pipeline cut refuses it
@@ -95,6 +102,10 @@ class ModelProfile:
     # holds the whole model before the forms split it
     built_on_meta: bool = False
     largest_param: int = 0  # elements of the largest parameter (materialize's scratch)
+    # the compiled partition's counts (PartCost.compiled_saved): traced under bf16
+    # autocast or not (None: not traced), or why the trace failed
+    compiled_autocast: bool | None = None
+    compiled_error: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -209,6 +220,7 @@ def _profile(
     current = ["head"]
     width: dict[str, int] = {}
     seen: set[int] = set()
+    tail_saved: list[tuple[int, int]] = []  # (last dimension, bytes) the tail keeps
     counter = FlopCounterMode(display=False)
     flops_at = [0.0, 0.0]  # total, attention: when the current part began
 
@@ -253,6 +265,8 @@ def _profile(
         part.saved += size
         if _splits(t, width.get(current[0])):
             part.saved_split += size
+        if current[0] == "tail" and t.dim() >= 2:
+            tail_saved.append((t.shape[-1], size))
         return t
 
     def kept(t: torch.Tensor | None) -> None:
@@ -301,6 +315,8 @@ def _profile(
             output_bytes = sum(_nbytes(t) for t in tensors_in(outputs) if t.is_floating_point())
             _run_loss(loss_fn, outputs, targets, pack)
             switch("tail")
+        floating = [t for t in tensors_in(outputs) if t.is_floating_point() and t.dim() >= 2]
+        vocabulary = floating[0].shape[-1] if floating else None
     finally:
         for h in handles:
             h.remove()
@@ -318,6 +334,7 @@ def _profile(
         total_params=sum(p.numel() for p in model.parameters()),
         tied_params=tied,
         output_bytes=output_bytes / samples,
+        loss_float32=sum(n for last, n in tail_saved if last == vocabulary) / samples,
         tokens_per_sample=tokens,
         experts=min((layer.experts for layer in find_expert_layers(model)), default=0),
         param_bytes=next(model.parameters()).element_size(),

@@ -18,6 +18,7 @@ from typing import Any
 
 from meshfit.errors import MeshfitError
 from meshfit.plan import SCHEDULES, Plan
+from meshfit.planner.compiled_memory import count_compiled
 from meshfit.planner.estimate import USABLE_MEMORY, Estimate, _gib, estimate_profile
 from meshfit.planner.hardware import Hardware
 from meshfit.planner.profile import ModelProfile, profile_model
@@ -335,15 +336,26 @@ def search_model(
 ) -> SearchResult:
     """Profile `model` (or take a ModelProfile as is), then `search_profile` with
     `options`: the one path of plan_search, plan="auto" and `meshfit plan`."""
-    profile = profile_of(model, example_inputs, loss_fn, example_targets)
+    compiled = options.get("precision", "fp32") if options.get("compiled") else None
+    profile = profile_of(model, example_inputs, loss_fn, example_targets, compiled)
     return search_profile(profile, world_size, **options)
 
 
-def profile_of(model: Any, example_inputs: Any, loss_fn: Any, example_targets: Any) -> ModelProfile:
-    """A ModelProfile as is, else the profile of `model` on `example_inputs`."""
+def profile_of(
+    model: Any,
+    example_inputs: Any,
+    loss_fn: Any,
+    example_targets: Any,
+    compiled_precision: str | None = None,
+) -> ModelProfile:
+    """A ModelProfile as is, else the profile of `model` on `example_inputs` (with a
+    compiled step's counts in `compiled_precision`, if given)."""
     if isinstance(model, ModelProfile):
         return model
-    return profile_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    profile = profile_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    if compiled_precision is not None:
+        count_compiled(model, example_inputs, loss_fn, example_targets, profile, compiled_precision)
+    return profile
 
 
 def _complexity(plan: Plan) -> int:

@@ -1,0 +1,231 @@
+"""What a compiled step keeps for backward, found by partitioning its graph on fake tensors.
+
+`compile=True` hands forward and loss to torch.compile, whose AOT autograd splits the
+joint forward-backward graph with a min-cut partitioner, after Inductor's decompositions:
+a cross-entropy becomes max/exp/sum/log, which backward recomputes from the logits in the
+compute dtype instead of keeping a float32 log-softmax; a GELU's output is recomputed from
+its input. What the forward saves is then far less than eager autograd keeps (measured on
+an H200: a 125M GPT's compiled peak was 42% under its eager one, BENCHMARKS.md), and the
+eager count (profile.py) over-states it by 17-153%.
+
+So the planner asks the same partitioner: it traces forward and loss with AOT autograd,
+Inductor's decomposition table and the partitioner Inductor uses, on fake tensors (shapes
+only: no memory, no kernel is generated), and reads the forward graph's saved outputs.
+A tensor made from parameters alone (autocast's 2-byte weight copies) is left to the
+estimate's own buffer rule; every other one is counted once per storage and attributed, as
+in the eager profile, to the part that made it (head, a block, tail: hooks name the part
+in each node's metadata). Repeated blocks are skipped as in the eager profile, so a
+96-layer model traces one block of each kind.
+
+What is not traced: recomputation's forms (the estimate keeps block inputs, as eager),
+pipeline stages (each block compiles alone; the block counts hold, the stage's prologue and
+epilogue run eagerly), and a forward that cannot run on fake tensors (data-dependent
+code): the estimate then uses the eager count and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import unittest.mock
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+from torch import nn
+
+from meshfit.planner.profile import (
+    ModelProfile,
+    _blocks_or_none,
+    _NoBlocks,
+    _repeats_skipped,
+    _stand_ins,
+)
+from meshfit.trees import map_tensors, tensors_in
+
+_PART = "meshfit_part"  # the key hooks put in a node's "custom" metadata
+
+
+def count_compiled(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Any,
+    example_targets: Any,
+    profile: ModelProfile,
+    precision: str,
+) -> None:
+    """Fill `profile`'s compiled counts (PartCost.compiled_saved, per sample) for a
+    compiled step in `precision`, or note in profile.compiled_error why it cannot be
+    traced (the estimate then counts the step as eager and says so)."""
+    stack = _blocks_or_none(model)
+    autocast = precision in ("bf16", "fp16", "fp8")
+    samples = tensors_in(example_inputs)[0].shape[0]
+    try:
+        saved = compiled_saved(
+            model, example_inputs, stack or _NoBlocks(), loss_fn, example_targets, autocast
+        )
+    except Exception as error:  # a trace that cannot run: the eager count stands
+        profile.compiled_error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return
+    keys = ["head", *(stack.keys if stack is not None else []), "tail"]
+    for key, part in zip(keys, [profile.head, *profile.blocks, profile.tail], strict=True):
+        size, split = saved.get(key, (0.0, 0.0))
+        part.compiled_saved, part.compiled_saved_split = size / samples, split / samples
+    profile.compiled_autocast = autocast
+
+
+def compiled_saved(
+    model: nn.Module,
+    example_inputs: Any,
+    stack: Any,
+    loss_fn: Any,
+    example_targets: Any,
+    autocast: bool,
+) -> dict[str, tuple[float, float]]:
+    """{part: (bytes saved for backward, the part of them tensor parallel splits)} of one
+    compiled training step on `example_inputs` (not per sample), parts named as the
+    eager profile names them ("head", block keys, "tail"). autocast: bf16 autocast
+    around forward and loss. Raises what the trace raised where it cannot run."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake:
+        state = _stand_ins(model, _fake_like)
+        inputs = map_tensors(example_inputs, _fake_like)
+        targets = map_tensors(example_targets, _fake_like)
+    forwards: list[torch.fx.GraphModule] = []
+
+    def keep(graph: torch.fx.GraphModule, _inputs: Any) -> torch.fx.GraphModule:
+        forwards.append(graph)
+        return graph
+
+    def step(state: dict[str, torch.Tensor], inputs: Any, targets: Any) -> torch.Tensor:
+        _name_part("head")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outputs = _call(model, state, inputs)
+            return _loss(loss_fn, outputs, targets)
+
+    traced = aot_function(
+        step,
+        fw_compiler=keep,
+        bw_compiler=lambda graph, _inputs: graph,
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        decompositions=select_decomp_table(),
+    )
+    widths: dict[str, int] = {}
+    with (
+        # the user's code takes the branch it takes under torch.compile (Hugging Face's
+        # mask code skips its data-dependent checks there)
+        unittest.mock.patch.object(torch.compiler, "is_compiling", lambda: True),
+        _parts_named(stack, widths),
+        _repeats_skipped(stack) as repeats,
+        fx_traceback.preserve_node_meta(),
+        fake,
+    ):
+        traced(state, inputs, targets)
+    state_leaves = len(torch.utils._pytree.tree_leaves(state))
+    saved = _saved_by_part(forwards[0], state_leaves, widths)
+    for key, source in repeats.items():  # a repeated block saves what the first one does
+        saved[key] = saved.get(source, (0.0, 0.0))
+    return saved
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor of `t`'s shape, strides and dtype (`t` may be on meta)."""
+    made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
+
+
+def _call(model: nn.Module, state: dict[str, torch.Tensor], inputs: Any) -> Any:
+    from collections.abc import Mapping
+
+    if isinstance(inputs, Mapping):
+        return torch.func.functional_call(model, state, args=(), kwargs=dict(inputs))
+    return torch.func.functional_call(model, state, args=(inputs,))
+
+
+def _loss(loss_fn: Any, outputs: Any, targets: Any) -> torch.Tensor:
+    """The step's loss as the run computes it; with no loss given, a cross-entropy over
+    the first floating output (the profile's assumption for logits)."""
+    if callable(loss_fn) and targets is not None:
+        return loss_fn(outputs, targets)
+    floating = [t for t in tensors_in(outputs) if t.is_floating_point()]
+    if loss_fn == "model":  # the model's own loss: a 0-dim output
+        scalars = [t for t in floating if t.dim() == 0]
+        return scalars[0] if scalars else floating[0].float().mean()
+    logits = floating[0]
+    if logits.dim() < 2:
+        return logits.float().mean()
+    flat = logits.reshape(-1, logits.shape[-1])
+    labels = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return F.cross_entropy(flat, labels)
+
+
+def _name_part(key: str) -> None:
+    fx_traceback.current_meta["custom"] = {_PART: key}
+
+
+@contextlib.contextmanager
+def _parts_named(stack: Any, widths: dict[str, int]) -> Iterator[None]:
+    """Hooks that name the running part in the metadata of the nodes traced under it,
+    and note each block's input width (the tp split test of profile.py)."""
+    keys = list(stack.keys)
+    handles = []
+    for i, (key, block) in enumerate(zip(keys, stack.blocks, strict=True)):
+        after = keys[i + 1] if i + 1 < len(keys) else "tail"
+
+        def before(module: nn.Module, args: tuple, kwargs: dict, _key: str = key) -> None:
+            found = tensors_in((args, kwargs))
+            if found:
+                widths[_key] = found[0].shape[-1] if found[0].dim() else 1
+            _name_part(_key)
+
+        def done(module, args, kwargs, output, _after: str = after) -> None:
+            _name_part(_after)
+
+        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(block.register_forward_hook(done, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        fx_traceback.current_meta.pop("custom", None)
+
+
+def _saved_by_part(
+    forward: torch.fx.GraphModule, state_leaves: int, widths: dict[str, int]
+) -> dict[str, tuple[float, float]]:
+    """Bytes of the forward graph's saved outputs made from the data (not from the
+    model's state alone: its first `state_leaves` inputs), each storage once, by the part
+    that made them."""
+    nodes = list(forward.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    data = set(placeholders[state_leaves:])
+    for node in nodes:  # program order: a node's inputs come before it
+        if node.op != "placeholder" and any(a in data for a in node.all_input_nodes):
+            data.add(node)
+    output = next(n for n in nodes if n.op == "output")
+    saved = output.args[0][1:]  # the first output is the loss
+    totals: dict[str, tuple[float, float]] = {}
+    seen: set[int] = set()
+    for node in saved:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or node not in data:
+            continue
+        storage = value.untyped_storage()._cdata
+        if storage in seen:
+            continue
+        seen.add(storage)
+        part = (node.meta.get("custom") or {}).get(_PART, "head")
+        size = float(value.untyped_storage().nbytes())
+        width = widths.get(part)
+        split = size if width is not None and value.dim() >= 2 and value.shape[-1] != width else 0.0
+        kept, kept_split = totals.get(part, (0.0, 0.0))
+        totals[part] = (kept + size, kept_split + split)
+    return totals
