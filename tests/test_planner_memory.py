@@ -26,3 +26,31 @@ def test_predicted_peak_memory_is_within_10_percent_of_the_measured_per_plan():
     off = {r["plan"]: predicted[r["plan"]] / r["largest_rank"]["total"] - 1 for r in measured}
     print({plan: f"{100 * v:+.1f}%" for plan, v in off.items()})
     assert all(abs(v) <= 0.10 for v in off.values()), off
+
+
+@pytest.mark.slow
+def test_predicted_peak_with_the_loss_in_chunks_is_within_10_percent_of_the_measured():
+    """benchmarks/planner_chunked.py: a transformers Llama with its own loss, float32
+    and bf16, 32k and 128k words, the logits whole and in chunks (chunked_loss=True),
+    each beside `mf.estimate(..., chunked_loss=...)`. Counted as whole, the chunked rows
+    at 128k would be 93-122% over, so this checks the chunked count."""
+    import planner_chunked as chunked
+
+    rows = [
+        chunked.run_one(vocab, precision, c)
+        for vocab in (32000, 128256)
+        for precision in ("fp32", "bf16")
+        for c in (False, True)
+    ]
+    off = {
+        (r["vocab"], r["plan"], r["chunked_loss"]): r["predicted_bytes"] / r["measured_peak_bytes"]
+        - 1
+        for r in rows
+    }
+    print({key: f"{v:+.1%}" for key, v in off.items()})
+    assert all(abs(v) <= 0.10 for v in off.values()), off
+    at_128k = [r for r in rows if r["vocab"] == 128256]
+    whole, split = (
+        [r["measured_peak_bytes"] for r in at_128k if r["chunked_loss"] is c] for c in (False, True)
+    )
+    assert all(s < 0.5 * w for w, s in zip(whole, split, strict=True))  # what chunks are for

@@ -254,6 +254,7 @@ def _choose_auto(
         loss_fn=options.loss_fn,
         optimizer=options.optimizer,
         compiled=options.compile,
+        chunked_loss=options.chunked_loss,
     )
 
 

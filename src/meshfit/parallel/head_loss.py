@@ -165,45 +165,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if wants[2] else None
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
-            logits = F.linear(h, weight, bias)
-            if group is not None:
-                part, g, real = _vocab_parallel_chunk(
-                    logits, t, ignore_index, loss_dtype, group, wants
-                )
-                total = part if total is None else total + part
-                if g is None:
-                    continue
-                if grad_h is not None:  # this rank's share of it: summed over the ranks below
-                    grad_h[start : start + chunk] = ((g @ weight.to(g.dtype)) * real).to(
-                        hidden.dtype
-                    )
-                if grad_w is not None:
-                    grad_w += (g.t() @ (h * real).to(g.dtype)).to(acc)
-                if grad_b is not None:
-                    grad_b += (g * real).sum(0).to(acc)
-                continue
-            # one pass over the chunk's logits for the loss (log_softmax widens as it
-            # reads, as the whole computation's .float() and cross_entropy do) ...
-            wide = loss_dtype or torch.promote_types(logits.dtype, torch.float32)
-            logp = torch.log_softmax(logits, dim=-1, dtype=wide)
-            real = (t != ignore_index)[:, None]
-            picked = torch.where(real, t[:, None], 0)
-            part = -(logp.gather(1, picked) * real).sum()
+            part, rows = _one_chunk(
+                h, t, weight, bias, ignore_index, loss_dtype, group, wants, grad_w, grad_b
+            )
             total = part if total is None else total + part
-            if not any(wants):
-                continue
-            # ... and two for d(loss)/d(logits) = softmax - one-hot, in the logits' dtype.
-            # An ignored token's row is not zeroed here (a pass more): its hidden row is
-            # masked in the weight's gradient and its own gradient row zeroed below.
-            g = logp.exp_()
-            g.scatter_add_(1, picked, -torch.ones_like(g[:, :1]))
-            g = g.to(logits.dtype)
-            if grad_h is not None:
-                grad_h[start : start + chunk] = ((g @ weight.to(g.dtype)) * real).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w += (g.t() @ (h * real).to(g.dtype)).to(acc)
-            if grad_b is not None:
-                grad_b += (g * real).sum(0).to(acc)
+            if grad_h is not None and rows is not None:
+                grad_h[start : start + chunk] = rows
         if group is not None and grad_h is not None:
             torch.distributed.all_reduce(grad_h, group=group)
         ctx.save_for_backward(
@@ -227,6 +194,58 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _one_chunk(
+    h: torch.Tensor,
+    t: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    loss_dtype: torch.dtype | None,
+    group: Any,
+    wants: tuple[bool, ...],
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's summed loss and, when wanted, its hidden rows' gradient (returned) and
+    the weight's and bias's (added into grad_w, grad_b). Each of the chunk's buffers is let
+    go once used: a chunk's logits at 128k words are 256 MB in float32, and a loop that
+    kept them in its variables made the next chunk's beside them (measured on the CPU:
+    one chunk more at the peak)."""
+    logits = F.linear(h, weight, bias)
+    dtype = logits.dtype
+    if group is not None:
+        part, g, real = _vocab_parallel_chunk(logits, t, ignore_index, loss_dtype, group, wants)
+        del logits
+        if g is None:
+            return part, None
+    else:
+        # one pass over the chunk's logits for the loss (log_softmax widens as it
+        # reads, as the whole computation's .float() and cross_entropy do) ...
+        wide = loss_dtype or torch.promote_types(dtype, torch.float32)
+        logp = torch.log_softmax(logits, dim=-1, dtype=wide)
+        del logits
+        real = (t != ignore_index)[:, None]
+        picked = torch.where(real, t[:, None], 0)
+        part = -(logp.gather(1, picked) * real).sum()
+        if not any(wants):
+            return part, None
+        # ... and two for d(loss)/d(logits) = softmax - one-hot, in the logits' dtype.
+        # An ignored token's row is not zeroed here (a pass more): its hidden row is
+        # masked in the weight's gradient and its own gradient row zeroed below.
+        g = logp.exp_()
+        del logp
+        g.scatter_add_(1, picked, -torch.ones_like(g[:, :1]))
+        g = g.to(dtype)
+    rows = None
+    if wants[0]:  # under tp this rank's share of it: the caller sums it over the ranks
+        rows = ((g @ weight.to(g.dtype)) * real).to(h.dtype)
+    if grad_w is not None:
+        grad_w += (g.t() @ (h * real).to(g.dtype)).to(grad_w.dtype)
+    if grad_b is not None:
+        grad_b += (g * real).sum(0).to(grad_b.dtype)
+    return part, rows
 
 
 def _vocab_parallel_chunk(

@@ -53,6 +53,7 @@ def estimate(
     example_targets: Any = None,
     world_size: int | None = None,
     compiled: bool = False,
+    chunked_loss: bool | int = False,
 ) -> Estimate:
     """Memory per rank (`.memory`, the fullest rank; `.ranks`, every pipeline rank) and,
     with hardware, time per step (`.step_time`), `tokens_per_s` and whether it fits, for
@@ -63,7 +64,8 @@ def estimate(
         "cpu", or a Hardware. optimizer: "adamw", "sgd", "sgd-momentum", ... or its state
         bytes per parameter. world_size: resolves dp=auto when hardware does not; with
         neither, a plan that leaves dp open ("fsdp=64") means dp=1, and the Estimate's
-        notes say so. compiled: the run will use parallelize(..., compile=True)."""
+        notes say so. compiled, chunked_loss: the run will use parallelize(...,
+        compile=True, chunked_loss=...)."""
     from meshfit.planner.hardware import hardware as get_hardware
 
     plan = Plan.parse(plan) if isinstance(plan, str) else plan
@@ -80,7 +82,13 @@ def estimate(
     elif plan.dp is None and world_size is not None:
         plan = plan.resolve(world_size)
     result = estimate_profile(
-        profile, plan, batch_size=batch_size, hardware=hw, optimizer=optimizer, compiled=compiled
+        profile,
+        plan,
+        batch_size=batch_size,
+        hardware=hw,
+        optimizer=optimizer,
+        compiled=compiled,
+        chunked_loss=chunked_loss,
     )
     result.notes[:0] = notes
     return result
@@ -99,6 +107,7 @@ def plan_search(
     example_targets: Any = None,
     offload: bool = True,
     compiled: bool = False,
+    chunked_loss: bool | int = False,
 ) -> SearchResult:
     """Every plan of `world_size` devices ranked by predicted throughput (`.ranked`, best
     first; `.dropped` with the reasons; `.table()` to print). hardware: as in
@@ -126,4 +135,5 @@ def plan_search(
         precision=precision,
         offload=offload,
         compiled=compiled,
+        chunked_loss=chunked_loss,
     )

@@ -76,6 +76,7 @@ def choose_plan(
     loss_fn: Any = None,
     optimizer: Any = None,
     compiled: bool = False,
+    chunked_loss: bool | int = False,
     world_size: int | None = None,
     hardware: Hardware | None = None,
 ) -> AutoChoice:
@@ -98,6 +99,7 @@ def choose_plan(
         optimizer=optimizer_state_bytes(optimizer),
         precision=fixed.get("precision", "fp32"),
         compiled=compiled,
+        chunked_loss=chunked_loss,
     )
     if fixed:
         keep = [e for e in result.ranked if all(getattr(e.plan, k) == v for k, v in fixed.items())]

@@ -53,6 +53,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "planned at the bf16 rate",
     )
     parser.add_argument("--compile", action="store_true", help="plan for compile=True runs")
+    parser.add_argument(
+        "--chunked-loss",
+        action="store_true",
+        help="plan for chunked_loss=True runs (the target's options may say so too)",
+    )
     parser.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     parser.add_argument("target", metavar="TARGET", help="module:function, see above")
 
@@ -75,6 +80,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     precision, why_precision = _precision(args, hw)
     state_bytes = optimizer_state_bytes(options.get("optimizer"))
     whose = "the target's optimizer" if options.get("optimizer") else "AdamW, the default"
+    chunked = args.chunked_loss or options.get("chunked_loss", False)
     start = time.perf_counter()
     result = search_model(
         model,
@@ -87,6 +93,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         optimizer=state_bytes,
         precision=precision,
         compiled=args.compile,
+        chunked_loss=chunked,
     )
     seconds = time.perf_counter() - start
     profile = result.profile
@@ -101,7 +108,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         f"assuming: {precision} ({why_precision}), "
         f"{state_bytes:g} bytes of optimizer state per parameter ({whose})"
         f"{tokens if profile.tokens_per_sample > 1 else ''}, "
-        f"{'compiled' if args.compile else 'eager (--compile plans compiled runs)'}"
+        f"{'compiled' if args.compile else 'eager (--compile plans compiled runs)'}, "
+        f"{'the loss in chunks' if chunked else 'the logits whole (--chunked-loss: in chunks)'}"
     )
     if profile.tp_error:
         print(f"tensor parallel: {profile.tp_error}")

@@ -102,9 +102,10 @@ def estimate_profile(
     hardware: Hardware | None = None,
     optimizer: str | float = "adamw",
     compiled: bool = False,
+    chunked_loss: bool | int = False,
 ) -> Estimate:
     """The Estimate of `plan` (dp resolved) for a global batch of `batch_size`;
-    `compiled`: the run uses parallelize(..., compile=True)."""
+    `compiled`, `chunked_loss`: the run uses parallelize(..., compile=True, chunked_loss=)."""
     if plan.dp is None:
         if hardware is None:
             raise MeshfitError("give the plan's dp, or hardware to resolve dp=auto from")
@@ -116,7 +117,7 @@ def estimate_profile(
     layout = stage_layout(profile, plan)
     traced = compiled and profile.compiled_autocast == (plan.precision in _AUTOCAST)
     ranks = [
-        _rank_memory(profile, plan, blocks, first, last, r, mb, state_bytes, traced)
+        _rank_memory(profile, plan, blocks, first, last, r, mb, state_bytes, traced, chunked_loss)
         for r, (blocks, first, last) in enumerate(layout)
     ]
     fullest = max(ranks, key=lambda e: e.total)

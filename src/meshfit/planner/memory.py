@@ -239,6 +239,7 @@ def _rank_memory(
     mb: float,
     state_bytes: float,
     traced: bool = False,
+    chunked_loss: bool | int = False,
 ) -> MemoryEstimate:
     parts = [profile.blocks[i] for i in blocks]
     block_params = sum(_split(p, plan.tp) for p in parts)
@@ -298,7 +299,12 @@ def _rank_memory(
         head_traced = ends_traced and profile.head.compiled_saved is not None
         kept += profile.head.compiled_saved if head_traced else profile.head.saved * scale
     tail = output_gradient = 0.0
-    if last:
+    tokens = mb / plan.cp  # a rank's share of its samples' tokens, in samples
+    loss_kept = loss_phase = 0.0  # bytes, not per sample: chunked_loss's
+    if last and chunked_loss:  # the logits never whole (parallel/head_loss.py)
+        tail = (profile.tail.saved - profile.loss_float32) * scale
+        loss_kept, loss_phase = _chunked_loss_bytes(profile, plan, tokens, cbytes, chunked_loss)
+    elif last:
         tail_traced = ends_traced and profile.tail.compiled_saved is not None
         tail = profile.tail.compiled_saved if tail_traced else profile.tail.saved * scale
         if not tail_traced:  # autocast keeps the loss's log-softmax in float32
@@ -308,10 +314,10 @@ def _rank_memory(
             output_gradient = 2 * profile.output_bytes
     # A micro-batch's loss and its gradient are freed before its blocks' backward
     # re-makes a block (recomputation): the two do not meet.
-    tokens = mb / plan.cp  # a rank's share of its samples' tokens, in samples
     flight = in_flight(plan, rank)
-    held = kept * flight + tail * (flight - 1) + max(tail + output_gradient, remade)
-    memory.activations = held * tokens
+    loss = (tail + output_gradient) * tokens + loss_kept + loss_phase
+    held = (kept * flight + tail * (flight - 1)) * tokens + loss_kept * (flight - 1)
+    memory.activations = held + max(loss, remade * tokens)
     memory.late = remade * tokens
     if plan.cp > 1:  # attention keeps the whole sequence's gathered K/V for backward
         gathered = [_kv_bytes(p, profile) * (1 - 1 / plan.cp) for p in parts]
@@ -350,3 +356,32 @@ def _block_flops(part: PartCost, tp: int) -> float:
         return part.flops
     dense = part.flops - part.attention_flops
     return dense * (1 - part.tp_share + part.tp_share / tp) + part.attention_flops / tp
+
+
+def _chunked_loss_bytes(
+    profile: ModelProfile, plan: Plan, samples: float, cbytes: float, chunked: bool | int
+) -> tuple[float, float]:
+    """(bytes kept from the loss's forward to its backward, bytes of its forward's
+    largest moment) of chunked_loss (parallel/head_loss.py) for one micro-batch of
+    `samples`. Kept: the head weight's gradient, accumulated in float32. The largest of
+    a chunk's moments: its logits (compute dtype) beside their float32 log-softmax (and
+    the float32 copy log_softmax makes of narrower logits); the log-softmax turned in
+    place into the gradient beside its cast back; that cast beside the weight gradient's
+    product and its float32 copy."""
+    from meshfit.parallel.head_loss import CHUNK_LOGITS
+
+    length = max(profile.tokens_per_sample, 1)
+    vocabulary = profile.output_bytes / (length * profile.param_bytes)
+    if _tp_of(profile.tail, plan.tp) > 1 and profile.tail.tp_gathered_outputs:
+        vocabulary /= plan.tp  # each rank's rows of a head split over the vocabulary
+    width = profile.blocks[-1].input_bytes / (length * profile.param_bytes) if profile.blocks else 0
+    head = vocabulary * width
+    per_chunk = chunked if chunked is not True else max(1, CHUNK_LOGITS // max(vocabulary, 1))
+    logits = min(per_chunk, samples * length) * vocabulary
+    narrow = cbytes < 4  # the logits narrower than the loss's float32
+    moments = (
+        logits * (cbytes + 4 + (4 if narrow else 0)),
+        logits * (4 + cbytes) if narrow else 0.0,
+        logits * cbytes + head * (cbytes + (4 if narrow else 0)),
+    )
+    return head * 4, max(moments)

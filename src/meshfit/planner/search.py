@@ -289,6 +289,7 @@ def search_profile(
     precision: str = "fp32",
     offload: bool = True,
     compiled: bool = False,
+    chunked_loss: bool | int = False,
 ) -> SearchResult:
     """Rank every plan for `world_size` devices of `hardware` by predicted tokens/s."""
     plans, dropped = candidate_plans(
@@ -311,6 +312,7 @@ def search_profile(
             hardware=hardware,
             optimizer=optimizer,
             compiled=compiled,
+            chunked_loss=chunked_loss,
         )
         if e.fits:
             fitting.append(e)

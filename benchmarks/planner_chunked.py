@@ -1,0 +1,113 @@
+"""The planner's memory with `chunked_loss=True` against a measured step, on the CPU.
+
+A transformers LlamaForCausalLM built from a config (width 256, 2 layers, 4 heads of
+which 2 key/value, MLP 512, untied head: the model of benchmarks/head_memory.py), its own
+loss (`loss_fn="model"`, a collator's dict), AdamW, batch 4 x 512 tokens, one process:
+float32 and bf16 autocast, a 32,000- and a 128,256-word vocabulary, the logits whole and
+in chunks. Each row's third step is measured with `memory_probe.measure_peak` (live
+tensor bytes at the peak) beside `mf.estimate(..., chunked_loss=...)` for the same plan.
+
+    python benchmarks/planner_chunked.py           # 8 rows, about a minute on 2 cores
+    python benchmarks/planner_chunked.py --quick   # a 4,096-word vocabulary, 2 rows
+
+Writes benchmarks/results/planner-chunked-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+
+BATCH, SEQ = 4, 512
+
+
+def run_one(vocab: int, precision: str, chunked: bool) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import meshfit as mf
+    from meshfit.planner.memory_probe import measure_peak
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    plan = f"dp=1,precision={precision}"
+    engine = mf.parallelize(
+        LlamaForCausalLM(config),
+        plan,
+        loss_fn="model",
+        chunked_loss=chunked,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+    )
+    ids = torch.randint(0, vocab, (BATCH, SEQ))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    for _ in range(2):  # AdamW's state
+        engine.step(batch)
+    measured = measure_peak(lambda: engine.step(batch), engine=engine).total
+    predicted = mf.estimate(
+        LlamaForCausalLM(config),
+        plan,
+        batch_size=BATCH,
+        example_inputs={k: v[:1] for k, v in batch.items()},
+        loss_fn="model",
+        world_size=1,
+        chunked_loss=chunked,
+    )
+    return {
+        "vocab": vocab,
+        "plan": plan,
+        "chunked_loss": chunked,
+        "measured_peak_bytes": measured,
+        "predicted_bytes": predicted.memory.total,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 4,096-word vocabulary, 2 rows")
+    parser.add_argument("--out", default=None, help="the JSON to write (default under results/)")
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    cases = (
+        [(4096, "bf16", c) for c in (False, True)]
+        if args.quick
+        else [(v, p, c) for v in (32000, 128256) for p in ("fp32", "bf16") for c in (False, True)]
+    )
+    rows = [run_one(*case) for case in cases]
+    print("| vocabulary | plan | logits | measured MiB | predicted MiB | off |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        off = r["predicted_bytes"] / r["measured_peak_bytes"] - 1
+        print(
+            f"| {r['vocab']:,} | `{r['plan']}` | {'in chunks' if r['chunked_loss'] else 'whole'} | "
+            f"{r['measured_peak_bytes'] / 2**20:.1f} | {r['predicted_bytes'] / 2**20:.1f} | "
+            f"{off:+.1%} |"
+        )
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", "planner-chunked-cpu.json")
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "benchmark": "planner-chunked",
+                "torch": torch.__version__,
+                "date": datetime.date.today().isoformat(),
+                "batch": BATCH,
+                "seq": SEQ,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+
+
+if __name__ == "__main__":
+    main()
