@@ -4,10 +4,12 @@ A transformers LlamaForCausalLM built from a config (width 256, 2 layers, 4 head
 which 2 key/value, MLP 512, untied head: the model of benchmarks/head_memory.py), its own
 loss (`loss_fn="model"`, a collator's dict), AdamW, batch 4 x 512 tokens, one process:
 float32 and bf16 autocast, a 32,000- and a 128,256-word vocabulary, the logits whole and
-in chunks. Each row's third step is measured with `memory_probe.measure_peak` (live
-tensor bytes at the peak) beside `mf.estimate(..., chunked_loss=...)` for the same plan.
+in chunks, eager; and at 128k words compiled (`compile=True`). Each row's third step is
+measured (eager: `memory_probe.measure_peak`, live tensor bytes at the peak; compiled:
+`profiled_peak`, torch.profiler's memory profile, which sees Inductor's allocations)
+beside `mf.estimate(..., chunked_loss=..., compiled=...)` for the same plan.
 
-    python benchmarks/planner_chunked.py           # 8 rows, about a minute on 2 cores
+    python benchmarks/planner_chunked.py           # 12 rows, about 3 minutes on 2 cores
     python benchmarks/planner_chunked.py --quick   # a 4,096-word vocabulary, 2 rows
 
 Writes benchmarks/results/planner-chunked-cpu.json.
@@ -25,11 +27,11 @@ import torch
 BATCH, SEQ = 4, 512
 
 
-def run_one(vocab: int, precision: str, chunked: bool) -> dict:
+def run_one(vocab: int, precision: str, chunked: bool, compiled: bool = False) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import meshfit as mf
-    from meshfit.planner.memory_probe import measure_peak
+    from meshfit.planner.memory_probe import measure_peak, profiled_peak
 
     config = LlamaConfig(
         vocab_size=vocab,
@@ -47,13 +49,17 @@ def run_one(vocab: int, precision: str, chunked: bool) -> dict:
         plan,
         loss_fn="model",
         chunked_loss=chunked,
+        compile=compiled,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
     )
     ids = torch.randint(0, vocab, (BATCH, SEQ))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    for _ in range(2):  # AdamW's state
+    for _ in range(2):  # AdamW's state, the compiled graphs
         engine.step(batch)
-    measured = measure_peak(lambda: engine.step(batch), engine=engine).total
+    if compiled:
+        measured = profiled_peak(lambda: engine.step(batch))
+    else:
+        measured = measure_peak(lambda: engine.step(batch), engine=engine).total
     predicted = mf.estimate(
         LlamaForCausalLM(config),
         plan,
@@ -62,11 +68,13 @@ def run_one(vocab: int, precision: str, chunked: bool) -> dict:
         loss_fn="model",
         world_size=1,
         chunked_loss=chunked,
+        compiled=compiled,
     )
     return {
         "vocab": vocab,
         "plan": plan,
         "chunked_loss": chunked,
+        "compiled": compiled,
         "measured_peak_bytes": measured,
         "predicted_bytes": predicted.memory.total,
     }
@@ -82,14 +90,16 @@ def main() -> None:
         [(4096, "bf16", c) for c in (False, True)]
         if args.quick
         else [(v, p, c) for v in (32000, 128256) for p in ("fp32", "bf16") for c in (False, True)]
+        + [(128256, p, c, True) for p in ("fp32", "bf16") for c in (False, True)]
     )
     rows = [run_one(*case) for case in cases]
-    print("| vocabulary | plan | logits | measured MiB | predicted MiB | off |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| vocabulary | plan | mode | logits | measured MiB | predicted MiB | off |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         off = r["predicted_bytes"] / r["measured_peak_bytes"] - 1
         print(
-            f"| {r['vocab']:,} | `{r['plan']}` | {'in chunks' if r['chunked_loss'] else 'whole'} | "
+            f"| {r['vocab']:,} | `{r['plan']}` | {'compiled' if r['compiled'] else 'eager'} | "
+            f"{'in chunks' if r['chunked_loss'] else 'whole'} | "
             f"{r['measured_peak_bytes'] / 2**20:.1f} | {r['predicted_bytes'] / 2**20:.1f} | "
             f"{off:+.1%} |"
         )

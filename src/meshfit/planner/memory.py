@@ -303,7 +303,9 @@ def _rank_memory(
     loss_kept = loss_phase = 0.0  # bytes, not per sample: chunked_loss's
     if last and chunked_loss:  # the logits never whole (parallel/head_loss.py)
         tail = (profile.tail.saved - profile.loss_float32) * scale
-        loss_kept, loss_phase = _chunked_loss_bytes(profile, plan, tokens, cbytes, chunked_loss)
+        loss_kept, loss_phase = _chunked_loss_bytes(
+            profile, plan, tokens, cbytes, chunked_loss, compiled=ends_traced
+        )
     elif last:
         tail_traced = ends_traced and profile.tail.compiled_saved is not None
         tail = profile.tail.compiled_saved if tail_traced else profile.tail.saved * scale
@@ -359,7 +361,12 @@ def _block_flops(part: PartCost, tp: int) -> float:
 
 
 def _chunked_loss_bytes(
-    profile: ModelProfile, plan: Plan, samples: float, cbytes: float, chunked: bool | int
+    profile: ModelProfile,
+    plan: Plan,
+    samples: float,
+    cbytes: float,
+    chunked: bool | int,
+    compiled: bool = False,
 ) -> tuple[float, float]:
     """(bytes kept from the loss's forward to its backward, bytes of its forward's
     largest moment) of chunked_loss (parallel/head_loss.py) for one micro-batch of
@@ -367,7 +374,9 @@ def _chunked_loss_bytes(
     a chunk's moments: its logits (compute dtype) beside their float32 log-softmax (and
     the float32 copy log_softmax makes of narrower logits); the log-softmax turned in
     place into the gradient beside its cast back; that cast beside the weight gradient's
-    product and its float32 copy."""
+    product and its float32 copy. Compiled, Inductor fuses the log-softmax, the gradient
+    and its cast into kernels that write the gradient over the logits (its in-place buffer
+    reuse): the last moment is the largest."""
     from meshfit.parallel.head_loss import CHUNK_LOGITS
 
     length = max(profile.tokens_per_sample, 1)
@@ -379,9 +388,8 @@ def _chunked_loss_bytes(
     per_chunk = chunked if chunked is not True else max(1, CHUNK_LOGITS // max(vocabulary, 1))
     logits = min(per_chunk, samples * length) * vocabulary
     narrow = cbytes < 4  # the logits narrower than the loss's float32
-    moments = (
-        logits * (cbytes + 4 + (4 if narrow else 0)),
-        logits * (4 + cbytes) if narrow else 0.0,
-        logits * cbytes + head * (cbytes + (4 if narrow else 0)),
-    )
-    return head * 4, max(moments)
+    product = logits * cbytes + head * (cbytes + (4 if narrow else 0))
+    if compiled:
+        return head * 4, product
+    widened = logits * (cbytes + 4 + (4 if narrow else 0))
+    return head * 4, max(widened, logits * (4 + cbytes) if narrow else 0.0, product)
