@@ -17,6 +17,15 @@
 #   overhead    the small demo GPT: hand-written vs engine vs fit     ~3 min
 #   meta        a 1.24B Llama built on the CPU / on meta / on meta + weights=: GPU peaks
 #               at build, over two steps and at save, values checked (issue 30)  ~3 min
+#   issue50     what is left of issue 50, in its order (estimates, not yet run):
+#               1. what is alive at the compiled chunked step's memory peak, beside the
+#                  whole one's (gpu_llama.py --memory)                    ~2 min
+#               2. MFU levers: cuDNN's attention kernel, batch 8           ~3 min
+#               3. the fp8 levers at batch 8: tensorwise, rowwise, the head in
+#                  float8, against bf16 (80 steps: a screen; the winner then
+#                  gets the 300-step run issue 50 asks)                    ~5 min
+#               each under its own --deadline-s; run as two device calls:
+#               `gpu_all.sh issue50-memory` then `gpu_all.sh issue50-fp8`
 #
 # The machine needs meshfit's source (this checkout) and, for fp8, torchao: the lent GPUs
 # cannot download, so carry the wheel (pip download torchao==0.18.0 --no-deps -d wheels/)
@@ -42,7 +51,19 @@ part() {
         planner) "$PY" benchmarks/planner_gpu.py ;;
         overhead) "$PY" benchmarks/overhead.py --rounds 7 --steps 200 ;;
         meta) "$PY" benchmarks/gpu_meta_memory.py ;;
-        *) echo "unknown part '$1': throughput, llama, fp8, planner, overhead, meta" >&2; exit 2 ;;
+        issue50) part issue50-memory; part issue50-fp8 ;;
+        issue50-memory)
+            "$PY" benchmarks/gpu_llama.py --modes compile --rows whole:4,chunked:4 \
+                --steps 4 --warmup 4 --log-every 2 --memory --deadline-s 150 \
+                --out benchmarks/results/gpu-llama-memory.json
+            "$PY" benchmarks/gpu_llama.py --modes compile --rows whole:4:cudnn,whole:8 \
+                --steps 15 --warmup 5 --log-every 5 --profile --deadline-s 200 \
+                --out benchmarks/results/gpu-llama-attention.json ;;
+        issue50-fp8)
+            "$PY" benchmarks/gpu_fp8.py --precisions bf16,fp8,fp8:rowwise,fp8+head \
+                --batch-size 8 --steps 80 --warmup 20 \
+                --out benchmarks/results/gpu-fp8-levers.json ;;
+        *) echo "unknown part '$1': throughput, llama, fp8, planner, overhead, meta, issue50, issue50-memory, issue50-fp8" >&2; exit 2 ;;
     esac
 }
 

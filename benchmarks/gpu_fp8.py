@@ -25,6 +25,9 @@ the CPU test of the emulated path uses, tests/test_precision_fp8.py) of bf16's.
     python benchmarks/gpu_fp8.py --quick             # tiny Llama; on CPU fp8 is emulated
     python benchmarks/gpu_fp8.py --chunked-loss      # mf.losses.cross_entropy() with
                                                      # chunked_loss=True, both precisions
+    python benchmarks/gpu_fp8.py --precisions bf16,fp8,fp8:rowwise,fp8+head,fp8:rowwise+head
+        # issue 50's levers: each fp8 row against the one bf16 row; "fp8:<recipe>" sets
+        # fp8_recipe (tensorwise, rowwise, rowwise_with_gw_hp), "+head" fp8_head=True
 
 Writes JSON to benchmarks/results/gpu-fp8-<gpu>.json. fp8 needs a GPU of CUDA
 capability 8.9 or later (H100, H200, L4, L40) and pip install 'meshfit[fp8]'.
@@ -134,7 +137,18 @@ def flops_per_token(n_params: int, fields: dict, seq: int) -> float:
     return 6 * matmul + 12 * fields["num_hidden_layers"] * fields["hidden_size"] * seq
 
 
-def run(precision, fields, batches, device, warmup, compile, chunked=False) -> dict:
+def fp8_variant(label: str) -> tuple[str, dict]:
+    """("fp8", parallelize's fp8 options) of a row label such as "fp8:rowwise+head";
+    (label, {}) for another precision."""
+    if not label.startswith("fp8"):
+        return label, {}
+    head = label.endswith("+head")
+    recipe = label.removesuffix("+head").partition(":")[2] or "tensorwise"
+    return "fp8", {"fp8_recipe": recipe, "fp8_head": head}
+
+
+def run(label, fields, batches, device, warmup, compile, chunked=False) -> dict:
+    precision, levers = fp8_variant(label)
     model = make_model(fields, device)
     engine = mf.parallelize(
         model,
@@ -143,6 +157,7 @@ def run(precision, fields, batches, device, warmup, compile, chunked=False) -> d
         loss_fn=mf.losses.cross_entropy() if chunked else next_token_loss,
         compile=compile,
         chunked_loss=chunked,
+        **levers,
     )
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     losses = []
@@ -164,7 +179,8 @@ def run(precision, fields, batches, device, warmup, compile, chunked=False) -> d
         torch.cuda.reset_peak_memory_stats(device)
     timed = len(batches) - warmup
     return {
-        "precision": precision,
+        "precision": label,
+        **levers,
         "float8_linears": converted,
         "timed_steps": timed,
         "step_s": seconds / timed,
@@ -198,8 +214,12 @@ def main() -> None:
         action="store_true",
         help="the LM head and loss a chunk of tokens at a time (chunked_loss=True)",
     )
+    parser.add_argument(
+        "--deadline-s", type=float, default=None, help="start no row after this many seconds"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    began = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fields = TINY if args.quick else LLAMA_1B
     if args.quick:
@@ -208,7 +228,7 @@ def main() -> None:
     precisions = args.precisions.split(",")
     from meshfit.parallel.fp8 import EMULATE_ENV, has_fp8_hardware
 
-    emulated = "fp8" in precisions and not has_fp8_hardware(device)
+    emulated = any(p.startswith("fp8") for p in precisions) and not has_fp8_hardware(device)
     if emulated and args.quick:
         os.environ[EMULATE_ENV] = "1"  # only the smoke test: torchao's emulation
     n_params = sum(p.numel() for p in make_model(fields, "meta").parameters())
@@ -240,6 +260,9 @@ def main() -> None:
 
     rows = []
     for precision in precisions:
+        if args.deadline_s and time.perf_counter() - began > args.deadline_s:
+            print(f"skipped {precision}: past --deadline-s", flush=True)
+            continue
         row = run(
             precision, fields, batches, device, args.warmup, not args.no_compile, args.chunked_loss
         )
@@ -262,6 +285,20 @@ def main() -> None:
             "speedup": by["fp8"]["tokens_per_s"] / by["bf16"]["tokens_per_s"],
             "loss": compare_losses(by["fp8"]["losses"], by["bf16"]["losses"]),
         }
+    if "bf16" in by:  # every fp8 variant against bf16 ("fp8" also above, as before)
+        summary["variants"] = {
+            label: {
+                "speedup": row["tokens_per_s"] / by["bf16"]["tokens_per_s"],
+                "loss": compare_losses(row["losses"], by["bf16"]["losses"]),
+            }
+            for label, row in by.items()
+            if label.startswith("fp8")
+        }
+        for label, v in summary["variants"].items():
+            print(
+                f"  {label} over bf16: {v['speedup']:.3f}x, worst window "
+                f"{v['loss']['worst_rel']:.2%}"
+            )
     result = {
         "benchmark": "gpu-fp8",
         "device_name": name,

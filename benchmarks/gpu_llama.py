@@ -20,6 +20,12 @@ datasheet peak, hardware.py): the two then differ only by their FLOP counts.
     python benchmarks/gpu_llama.py --modes compile --rows whole:4,chunked:4,chunked:8
                                                      # the LM head and loss whole or in chunks
                                                      # (chunked_loss=True), at batch 4 and 8
+    python benchmarks/gpu_llama.py --modes compile --rows whole:4:cudnn,whole:4:flash
+                                                     # attention's kernel forced (sdpa_kernel):
+                                                     # cudnn, flash, efficient or math
+    python benchmarks/gpu_llama.py --modes compile --rows chunked:4 --memory
+                                                     # what is alive at the step's memory peak
+                                                     # (memory_timeline.py), two steps recorded
 
 Writes JSON to benchmarks/results/gpu-llama-<gpu>.json.
 """
@@ -36,6 +42,7 @@ import time
 import torch
 from gpu_fp8 import LLAMA_1B, TINY, adamw, flops_per_token, make_model
 from gpu_throughput import matmul_tflops
+from memory_timeline import PeakAllocations
 
 import meshfit as mf
 
@@ -62,6 +69,7 @@ def run(
     device: torch.device,
     batch_size: int,
     chunked: bool,
+    attention: str = "default",
 ) -> dict:
     model = make_model(fields, "cpu")  # fit moves it
     n_params = sum(p.numel() for p in model.parameters())
@@ -69,26 +77,30 @@ def run(
     data = CollatedTokens(steps * batch_size, args.seq, fields["vocab_size"])
     # the profile covers 3 steps of the last logged window (the median of the windows'
     # rates is what the row reports, so one slowed window does not move it)
-    profiler = (
-        KernelProfile(steps - 4, steps - 1) if args.profile and device.type == "cuda" else None
-    )
+    callbacks: list = []
+    if args.profile and device.type == "cuda":
+        callbacks.append(KernelProfile(steps - 4, steps - 1))
+    memory = PeakAllocations(args.warmup, args.warmup + 2) if args.memory else None
+    if memory is not None:
+        callbacks.append(memory)
     start = time.perf_counter()
-    history = mf.fit(
-        model,
-        data,
-        plan="precision=bf16",
-        loss_fn="model",
-        optimizer=adamw,
-        batch_size=batch_size,
-        max_steps=steps,
-        log_every=args.log_every,
-        shuffle=False,
-        progress=False,
-        compile=compiled,
-        report_memory=True,
-        chunked_loss=chunked,
-        callbacks=[profiler] if profiler is not None else (),
-    )
+    with _attention_kernel(attention):
+        history = mf.fit(
+            model,
+            data,
+            plan="precision=bf16",
+            loss_fn="model",
+            optimizer=adamw,
+            batch_size=batch_size,
+            max_steps=steps,
+            log_every=args.log_every,
+            shuffle=False,
+            progress=False,
+            compile=compiled,
+            report_memory=True,
+            chunked_loss=chunked,
+            callbacks=callbacks,
+        )
     wall = time.perf_counter() - start
     # fit logs a rate every log_every steps; the ones after the warm-up are the steady state
     steady = [r for r in history.records if r["step"] > args.warmup and r.get("tokens_per_s")]
@@ -110,8 +122,28 @@ def run(
         "fit_logged_mfu": statistics.median(logged_mfu) if logged_mfu else None,
         "peak_gib": peak,
         "wall_s": wall,
-        "profile": profiler.shares if profiler is not None else None,
+        "attention": attention,
+        "profile": next((c.shares for c in callbacks if isinstance(c, KernelProfile)), None),
+        "memory_at_peak": memory.summary if memory is not None else None,
     }
+
+
+def _attention_kernel(name: str):
+    """The context that forces scaled_dot_product_attention's kernel ("default": torch's
+    own choice; on the CPU every name is the default)."""
+    import contextlib
+
+    if name == "default" or not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    return sdpa_kernel([backends[name]])
 
 
 # What a kernel's name says it does (CUDA kernels of cuBLAS, flash attention, fused AdamW
@@ -171,8 +203,8 @@ def main() -> None:
     parser.add_argument(
         "--rows",
         default=None,
-        help="comma list of LOSS:BATCH (LOSS whole or chunked: chunked_loss=True); "
-        "default whole:<--batch-size>",
+        help="comma list of LOSS:BATCH[:ATTENTION] (LOSS whole or chunked: chunked_loss=True; "
+        "ATTENTION default, cudnn, flash, efficient or math); default whole:<--batch-size>",
     )
     parser.add_argument(
         "--deadline-s", type=float, default=None, help="start no row after this many seconds"
@@ -182,6 +214,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="GPU time by kernel kind (CUDA)")
+    parser.add_argument(
+        "--memory", action="store_true", help="what is alive at the memory peak (CUDA)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -197,12 +232,15 @@ def main() -> None:
     began = time.perf_counter()
     wanted = [r.split(":") for r in (args.rows or f"whole:{args.batch_size}").split(",")]
     rows = []
-    for mode, (loss, batch) in ((m, w) for m in args.modes.split(",") for w in wanted):
+    for mode, (loss, batch, *kernel) in ((m, w) for m in args.modes.split(",") for w in wanted):
+        attention = kernel[0] if kernel else "default"
+        if attention not in ("default", "cudnn", "flash", "efficient", "math"):
+            raise SystemExit(f"unknown attention kernel {attention!r} in --rows")
         if args.deadline_s and time.perf_counter() - began > args.deadline_s:
             print(f"skipped {mode} {loss}:{batch}: past --deadline-s", flush=True)
             continue
         batch_size = 2 if args.quick else int(batch)
-        row = run(fields, args, mode == "compile", device, batch_size, loss == "chunked")
+        row = run(fields, args, mode == "compile", device, batch_size, loss == "chunked", attention)
         if row["tokens_per_s"]:
             row["mfu_vs_measured_peak"] = (
                 row["tokens_per_s"] * row["flops_per_token"] / (peak_tflops * 1e12)
@@ -239,14 +277,15 @@ def _write(args: argparse.Namespace, device: torch.device, peak_tflops: float, r
 
 def _table(peak_tflops: float, rows: list) -> None:
     print(
-        f"| mode | LM head and loss | batch | tokens/s | MFU (measured peak "
+        f"| mode | LM head and loss | batch | attention | tokens/s | MFU (measured peak "
         f"{peak_tflops:.0f} TFLOP/s) | MFU fit logged | peak GiB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mfu = r.get("mfu_vs_measured_peak")
         print(
-            f"| {r['mode']} | {r['loss']} | {r['batch_size']} | {r['tokens_per_s'] or 0:,.0f} | "
+            f"| {r['mode']} | {r['loss']} | {r['batch_size']} | {r['attention']} | "
+            f"{r['tokens_per_s'] or 0:,.0f} | "
             f"{mfu * 100 if mfu else 0:.1f}% | {(r['fit_logged_mfu'] or 0) * 100:.1f}% | "
             f"{r['peak_gib'] or 0:.1f} |"
         )

@@ -167,3 +167,32 @@ def test_gpu_meta_memory_benchmark_quick(tmp_path) -> None:
     assert [r["how"] for r in written["rows"]] == ["cpu", "meta", "meta+weights"]
     assert all(value == 0 for value in written["checks"].values()), written["checks"]
     assert "model.safetensors.index.json" in written["rows"][0]["save_files"]
+
+
+def test_memory_timeline_finds_what_is_alive_at_the_peak() -> None:
+    """benchmarks/memory_timeline.py reads a CUDA memory history on a lent GPU; here a
+    made-up trace in the snapshot's format: the peak, and who holds it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from memory_timeline import live_at_peak
+
+    def event(action: str, addr: int, size: int, where: str = "") -> dict:
+        frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}]
+        frames += [{"filename": f"/m/{where}.py", "line": 7, "name": where}] if where else []
+        return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+    trace = [
+        event("free_completed", 99, 50),  # made before recording: 50 bytes fewer
+        event("alloc", 1, 100, "chunk"),
+        event("alloc", 2, 100, "chunk"),
+        event("alloc", 3, 30, "head"),
+        event("free_completed", 1, 100),
+        event("alloc", 4, 500, "chunk"),  # the peak: 2, 3 and 4 alive, 99 gone
+        event("free_completed", 4, 500),
+        event("alloc", 5, 20, "late"),
+    ]
+    summary = live_at_peak(trace)
+    assert summary["peak_above_start_bytes"] == 630 - 50
+    (chunk, head) = summary["alive_at_peak"]
+    assert (chunk["bytes"], chunk["count"], chunk["largest"]) == (600, 2, 500)
+    assert chunk["where"].startswith("functional.py:1 linear < chunk.py:7 chunk")
+    assert head["bytes"] == 30

@@ -110,6 +110,8 @@ class Engine:
             init=options.init,
             weights=options.weights,
             chunked_loss=options.chunked_loss,
+            fp8_recipe=options.fp8_recipe,
+            fp8_head=options.fp8_head,
         )
         self._built: _Built | None = None
         # tp traces its split and pp times its blocks on an example micro-batch. Without

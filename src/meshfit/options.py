@@ -59,6 +59,8 @@ class EngineOptions:
     init: InitFn | None = None  # for a model on meta: materialize.py's init passes
     weights: str | os.PathLike | None = None  # pretrained safetensors (weight_files.WeightFiles)
     chunked_loss: bool | int = False  # the LM head and loss a chunk of tokens at a time
+    fp8_recipe: str = "tensorwise"  # precision="fp8": how float8 scales are taken
+    fp8_head: bool = False  # precision="fp8": the output layer in float8 too
 
     def __post_init__(self) -> None:
         _check_loss(self.loss_fn)
@@ -74,7 +76,7 @@ class EngineOptions:
                 f"lr_scheduler must be a function of the optimizer, e.g. lambda optimizer: "
                 f"torch.optim.lr_scheduler.StepLR(optimizer, 100), not {self.lr_scheduler!r}"
             )
-        for name in ("compile", "sync_batchnorm"):
+        for name in ("compile", "sync_batchnorm", "fp8_head"):
             if not isinstance(getattr(self, name), bool):
                 raise MeshfitError(f"{name} must be True or False, not {getattr(self, name)!r}")
         chunked = self.chunked_loss
@@ -82,6 +84,7 @@ class EngineOptions:
             raise MeshfitError(
                 f"chunked_loss must be True, False or a number of tokens per chunk, not {chunked!r}"
             )
+        _check_fp8(self.fp8_recipe, self.fp8_head, chunked)
         if self.blocks is not None and not isinstance(self.blocks, str):
             raise MeshfitError(
                 f"blocks must be the name of the container of the model's blocks, e.g. "
@@ -91,6 +94,22 @@ class EngineOptions:
         object.__setattr__(self, "optimizer", self.optimizer or default_optimizer)
         object.__setattr__(self, "metrics", check_metrics(self.metrics))
         object.__setattr__(self, "weights", _weights_path(self.weights))
+
+
+def _check_fp8(recipe: Any, head: bool, chunked: bool | int) -> None:
+    from meshfit.parallel.fp8 import RECIPES
+
+    if recipe not in RECIPES:
+        raise MeshfitError(
+            f"fp8_recipe must be one of {', '.join(map(repr, RECIPES))} (torchao's recipe "
+            f"names), not {recipe!r}"
+        )
+    if head and chunked is not False:
+        raise MeshfitError(
+            "fp8_head=True and chunked_loss together: the chunked loss computes the LM "
+            "head's product itself, in bf16, so the head would not run in float8; choose "
+            "one of the two"
+        )
 
 
 def option_names() -> list[str]:

@@ -44,6 +44,8 @@ def parallelize(
     init: Callable[[nn.Module], None] | Sequence[Callable[[nn.Module], None]] | None = None,
     weights: str | os.PathLike | None = None,
     chunked_loss: bool | int = False,
+    fp8_recipe: str = "tensorwise",
+    fp8_head: bool = False,
 ) -> Engine:
     """Split `model` over this job's processes as `plan` says and return an Engine.
 
@@ -114,6 +116,10 @@ def parallelize(
         Face causal or masked LM; the same loss and gradients as the whole computation
         (parallel/head_loss.py). Under tp a head split over the vocabulary runs its
         chunks over each rank's share of the words, the logits never gathered.
+    fp8_recipe, fp8_head: under precision="fp8", how torchao takes the float8 scales
+        ("tensorwise", the default; "rowwise"; "rowwise_with_gw_hp") and whether the
+        output layer (LM head) runs in float8 too (default: it stays bf16, as in
+        torchtitan); refused under other precisions (parallel/fp8.py).
     """
     if not isinstance(model, nn.Module):
         raise MeshfitError(f"parallelize needs a torch.nn.Module, not {type(model).__name__}")
@@ -132,6 +138,8 @@ def parallelize(
         init=init,
         weights=weights,
         chunked_loss=chunked_loss,
+        fp8_recipe=fp8_recipe,
+        fp8_head=fp8_head,
     )
     job = prepare(model, plan, options)
     engine = job.engine(model)

@@ -82,6 +82,8 @@ class FormOptions:
     init: Any = None
     weights: str | None = None
     chunked_loss: bool | int = False
+    fp8_recipe: str = "tensorwise"
+    fp8_head: bool = False
 
 
 @dataclass
@@ -143,7 +145,7 @@ def apply_plan(
     if plan.precision == "fp8":  # refused before anything changes the model
         from meshfit.parallel.fp8 import refuse_if_nothing_converts
 
-        refuse_if_nothing_converts(model)
+        refuse_if_nothing_converts(model, options.fp8_head)
     if options.compile and plan.tp > 1:
         from meshfit.parallel.compiled import graphs_per_rank
 
@@ -187,10 +189,12 @@ def _fp8(b: Build) -> None:
     if b.plan.precision == "fp8":
         from meshfit.parallel.fp8 import convert
 
-        convert(b.model, emulate=b.precision.fp8_emulate)
+        options = b.options
+        convert(b.model, b.precision.fp8_emulate, options.fp8_recipe, options.fp8_head)
     else:
-        from meshfit.parallel.fp8 import warn_if_converted
+        from meshfit.parallel.fp8 import refuse_fp8_options, warn_if_converted
 
+        refuse_fp8_options(b.options.fp8_recipe, b.options.fp8_head, b.plan.precision)
         warn_if_converted(b.model)
 
 

@@ -9,9 +9,15 @@ they are. This is torchtitan's float8 recipe: convert first, then the parallel f
 
 Which layers are converted (`convertible`): the nn.Linear layers inside the model's
 repeated blocks (meshfit.parallel.blocks; every layer of a model without them) whose two
-dimensions are multiples of 16 (what the fp8 matmul needs), but never the model's last
+dimensions are multiples of 16 (what the fp8 matmul needs), but not the model's last
 Linear, its output layer / LM head: it stays in bf16, as torchtitan keeps its "output"
-layer.
+layer, unless `fp8_head=True` asks for it too (at a 128k vocabulary the head is a fifth
+of a 1B model's FLOPs; a lever issue 50 asks measured on a GPU).
+
+How the scales are taken (`fp8_recipe`, torchao's recipe names): "tensorwise" (the
+default: one scale per tensor), "rowwise" (one per row: more accurate, torchao's choice
+for large runs) or "rowwise_with_gw_hp" (rowwise, the weights' gradient product in
+bf16). Which is fastest for a model is a measurement, not a rule.
 
 Float8Linear is an nn.Linear subclass that keeps `weight` and `bias` as ordinary
 parameters under the same names, so state dicts and checkpoints load into the plain
@@ -37,6 +43,7 @@ from torch import nn
 from meshfit.errors import MeshfitError
 
 EMULATE_ENV = "MESHFIT_FP8_EMULATE"
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
 # The range meshfit[fp8] declares (pyproject.toml) and the tests ran: 0.18.0.
 TORCHAO_MIN = "0.18"
 _MULTIPLE = 16  # both dimensions of a float8 matmul
@@ -110,8 +117,9 @@ def _import_torchao() -> Any:
     return float8
 
 
-def convertible(model: nn.Module) -> list[str]:
-    """Names of the nn.Linear layers fp8 converts (see the module's docstring)."""
+def convertible(model: nn.Module, head: bool = False) -> list[str]:
+    """Names of the nn.Linear layers fp8 converts (see the module's docstring); `head`:
+    the output layer too."""
     from meshfit.parallel.blocks import find_blocks
 
     try:
@@ -119,21 +127,24 @@ def convertible(model: nn.Module) -> list[str]:
     except MeshfitError:
         blocks = []
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
-    linears = linears[:-1]  # the last one registered: the output layer / LM head
+    output = linears[-1:]  # the last one registered: the output layer / LM head
+    linears = linears[:-1]
     if blocks:
         inside = {id(m) for b in blocks for m in b.modules()}
         linears = [(n, m) for n, m in linears if id(m) in inside]
+    if head:
+        linears += output
     fits = [
         (n, m) for n, m in linears if m.in_features % _MULTIPLE == m.out_features % _MULTIPLE == 0
     ]
     return [n for n, _ in fits]
 
 
-def refuse_if_nothing_converts(model: nn.Module) -> None:
+def refuse_if_nothing_converts(model: nn.Module, head: bool = False) -> None:
     """Refuse precision="fp8" for a model in which `convert` would convert nothing (it
     would train plain bf16 under the name fp8), before the model is changed. A model that
     already holds Float8Linear layers (an earlier fp8 run) passes: those run in float8."""
-    if convertible(model) or any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+    if convertible(model, head) or any(type(m).__name__ == "Float8Linear" for m in model.modules()):
         return
     raise MeshfitError(
         f"precision='fp8' found no nn.Linear in the model's blocks whose sizes are "
@@ -171,6 +182,17 @@ def _why_none(model: nn.Module) -> str:
     return f"{where} hold no nn.Linear but the output layer{other}"
 
 
+def refuse_fp8_options(recipe: str, head: bool, precision: str) -> None:
+    """fp8_recipe and fp8_head say how precision="fp8" runs: refused under another
+    precision, where they would change nothing."""
+    given = [f"fp8_recipe={recipe!r}"] * (recipe != "tensorwise") + ["fp8_head=True"] * head
+    if given:
+        raise MeshfitError(
+            f"{' and '.join(given)} apply to precision='fp8', but the plan's precision is "
+            f"{precision!r}: add precision=fp8 to the plan, or drop {' and '.join(given)}"
+        )
+
+
 def warn_if_converted(model: nn.Module) -> None:
     """Under a precision other than fp8: say so when the model already holds Float8Linear
     layers (an earlier precision="fp8" run converted them in place, or torchao did)."""
@@ -185,14 +207,26 @@ def warn_if_converted(model: nn.Module) -> None:
         )
 
 
-def convert(model: nn.Module, emulate: bool) -> list[str]:
-    """Swap the convertible Linears of `model` for Float8Linear, in place (before any
-    parallel form, as torchtitan does). Returns their names."""
+def convert(
+    model: nn.Module, emulate: bool, recipe: str = "tensorwise", head: bool = False
+) -> list[str]:
+    """Swap the convertible Linears of `model` (the output layer too with `head`) for
+    Float8Linear with `recipe`'s scales, in place (before any parallel form, as
+    torchtitan does). Returns their names."""
+    import dataclasses
+
     float8 = _import_torchao()
-    names = set(convertible(model))
+    names = set(convertible(model, head))
     if not names:
         return []
-    config = float8.Float8LinearConfig(emulate=emulate)
+    if emulate and recipe == "rowwise_with_gw_hp":
+        raise MeshfitError(
+            f"fp8_recipe='rowwise_with_gw_hp' cannot be emulated ({EMULATE_ENV}=1: torchao "
+            f"mixes bf16 and float32 in its emulated product); emulate 'tensorwise' or "
+            f"'rowwise', or run it on a GPU with float8 matmuls"
+        )
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, emulate=emulate)
     float8.convert_to_float8_training(
         model, config=config, module_filter_fn=lambda _m, fqn: fqn in names
     )
