@@ -37,15 +37,11 @@ def _status_mib(key: str) -> float:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def one_row(vocab: int, mode: str, chunked: bool) -> dict:
-    """In this process: build, two steps, then the third step's peak."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(vocab: int):
+    """The model's config (planner_chunked.py plans and measures the same model)."""
+    from transformers import LlamaConfig
 
-    import meshfit as mf
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=256,
         intermediate_size=512,
@@ -54,7 +50,17 @@ def one_row(vocab: int, mode: str, chunked: bool) -> dict:
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
+
+
+def one_row(vocab: int, mode: str, chunked: bool) -> dict:
+    """In this process: build, two steps, then the third step's peak."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import meshfit as mf
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(vocab))
     built = _status_mib("VmRSS:")
     engine = mf.parallelize(model, loss_fn="model", compile=mode == "compile", chunked_loss=chunked)
     ids = torch.randint(0, vocab, (BATCH, SEQ))

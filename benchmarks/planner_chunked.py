@@ -23,25 +23,16 @@ import json
 import os
 
 import torch
-
-BATCH, SEQ = 4, 512
+from head_memory import BATCH, SEQ, llama_config  # the same model and batch
 
 
 def run_one(vocab: int, precision: str, chunked: bool, compiled: bool = False) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import meshfit as mf
     from meshfit.planner.memory_probe import measure_peak, profiled_peak
 
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    config = llama_config(vocab)
     torch.manual_seed(0)
     plan = f"dp=1,precision={precision}"
     engine = mf.parallelize(

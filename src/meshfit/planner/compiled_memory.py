@@ -39,6 +39,7 @@ from torch import nn
 from meshfit.planner.profile import (
     ModelProfile,
     _blocks_or_none,
+    _call_functional,
     _NoBlocks,
     _repeats_skipped,
     _stand_ins,
@@ -107,7 +108,7 @@ def compiled_saved(
     def step(state: dict[str, torch.Tensor], inputs: Any, targets: Any) -> torch.Tensor:
         _name_part("head")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            outputs = _call(model, state, inputs)
+            outputs = _call_functional(model, state, inputs)
             return _loss(loss_fn, outputs, targets)
 
     traced = aot_function(
@@ -139,14 +140,6 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
     """A fake CPU tensor of `t`'s shape, strides and dtype (`t` may be on meta)."""
     made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
     return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
-
-
-def _call(model: nn.Module, state: dict[str, torch.Tensor], inputs: Any) -> Any:
-    from collections.abc import Mapping
-
-    if isinstance(inputs, Mapping):
-        return torch.func.functional_call(model, state, args=(), kwargs=dict(inputs))
-    return torch.func.functional_call(model, state, args=(inputs,))
 
 
 def _loss(loss_fn: Any, outputs: Any, targets: Any) -> torch.Tensor:
