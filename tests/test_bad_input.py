@@ -574,4 +574,11 @@ def test_an_error_inside_the_chunked_loss_is_meshfits() -> None:
         linear_cross_entropy(hidden, weight, None, torch.zeros(6, dtype=torch.long))
     where = meshfit_frame(raised.value.__traceback__)
     assert where is not None and where.startswith("meshfit/parallel/head_loss.py:"), where
-    assert where.endswith(" in forward"), where
+    assert where.endswith(" in _one_chunk"), where  # the chunk's product, inside forward
+    # the Function's own methods are named like user-code calls: the rule that keeps
+    # them meshfit's names them as they are
+    from meshfit.parallel.head_loss import _LinearCrossEntropy
+    from meshfit.runtime.batch_errors import _OWN_COMPUTATIONS
+
+    own = {_LinearCrossEntropy.forward.__qualname__, _LinearCrossEntropy.backward.__qualname__}
+    assert own == _OWN_COMPUTATIONS
