@@ -9,7 +9,7 @@ memory within 10%).
 
     python benchmarks/planner_gpu.py            # every row (about 5 minutes on one H100)
     python benchmarks/planner_gpu.py --quick    # a tiny model, runs on CPU too: a smoke test
-    python benchmarks/planner_gpu.py --again results/planner-gpu-nvidia-h200.json
+    python benchmarks/planner_gpu.py --again benchmarks/results/planner-gpu-nvidia-h200.json
         # no GPU: today's planner against the rows a GPU measured (the H200 preset)
 
 Prints a Markdown table and writes benchmarks/results/planner-gpu-<device>.json.
@@ -99,7 +99,9 @@ def predict_again(path: str) -> list[dict]:
 
     with open(path) as f:
         earlier = json.load(f)
-    hw = hardware(earlier["device"].split()[-1].lower())  # "NVIDIA H200" -> the h200 preset
+    # "NVIDIA H200" (or a row's "preset for NVIDIA H200") -> the h200 preset
+    device = earlier.get("device") or earlier["rows"][0]["hardware"]
+    hw = hardware(device.split()[-1].lower())
     rows = []
     for row in earlier["rows"]:
         config = SIZES[row["model"]]
@@ -154,7 +156,17 @@ def main() -> None:
     name = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"planner-gpu-{name}.json")
     with open(out, "w") as f:
-        json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "benchmark": "planner-gpu",
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 def _print_table(rows: list[dict]) -> None:

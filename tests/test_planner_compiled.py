@@ -53,6 +53,37 @@ def test_a_compiled_step_keeps_the_logits_in_the_compute_dtype_not_a_float32_log
     assert not any("compiled memory" in note for note in compiled.notes)
 
 
+def test_the_trace_leaves_the_callers_graph_metadata_and_the_models_wrappers_as_they_were():
+    import torch.fx.traceback as fx_traceback
+
+    model, tokens = _meta_gpt()
+    model.blocks[1].forward = wrapped = model.blocks[1].forward  # a wrapper of its own
+    with fx_traceback.preserve_node_meta():
+        fx_traceback.current_meta["custom"] = {"mine": 1}
+        traced = profile_of(model, tokens, None, None, "bf16")
+        assert fx_traceback.current_meta["custom"] == {"mine": 1}
+    assert traced.compiled_error is None
+    assert vars(model.blocks[1])["forward"] is wrapped  # kept: repeats skipped, then back
+    assert "forward" not in vars(model.blocks[0])
+
+
+def test_the_chunked_loss_is_counted_per_rank_under_tensor_parallel():
+    """A chunk's tokens come from the whole vocabulary (head_loss.install), so under tp
+    each rank's chunk is 1/tp of the logits of one process's."""
+    from meshfit.plan import Plan
+    from meshfit.planner.memory import _chunked_loss_bytes
+
+    model, tokens = _meta_gpt()
+    profile = profile_of(model, tokens, None, None)
+    profile.tail.tp_gathered_outputs = CONFIG.vocab_size  # a head split over the words
+    profile.tail.tp_share = 1.0
+    samples = 64  # 64 x 256 tokens: more than a chunk of 64M logits (8,192 tokens)
+    one = _chunked_loss_bytes(profile, Plan.parse("dp=1"), samples, 4, True)
+    two = _chunked_loss_bytes(profile, Plan.parse("dp=1,tp=2"), samples, 4, True)
+    assert two[0] == one[0] / 2  # each rank's rows of the head weight's gradient
+    assert two[1] == one[1] / 2  # and of a chunk's logits: the same tokens, half the words
+
+
 def test_a_hugging_face_model_with_its_own_loss_is_traced_for_its_compiled_memory():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,6 +94,7 @@ def test_a_hugging_face_model_with_its_own_loss_is_traced_for_its_compiled_memor
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        tie_word_embeddings=True,  # one weight under two names: traced once
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)  # its mask code reads values: profiled on the CPU

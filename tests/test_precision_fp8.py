@@ -142,6 +142,13 @@ def test_the_fp8_levers_are_refused_where_they_would_change_nothing() -> None:
         mf.parallelize(model, "precision=fp8", loss_fn=loss_fn, fp8_head=True, chunked_loss=True)
 
 
+def test_a_head_that_cannot_run_in_float8_is_refused_under_fp8_head(emulate: None) -> None:
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 50))
+    loss_fn = torch.nn.functional.cross_entropy
+    with pytest.raises(MeshfitError, match="32->50.*pad the vocabulary.*or drop fp8_head"):
+        mf.parallelize(mlp, "precision=fp8", loss_fn=loss_fn, fp8_head=True)
+
+
 def test_layer_choice_without_blocks() -> None:
     from meshfit.parallel.fp8 import convertible
 

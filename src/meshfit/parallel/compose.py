@@ -146,6 +146,10 @@ def apply_plan(
         from meshfit.parallel.fp8 import refuse_if_nothing_converts
 
         refuse_if_nothing_converts(model, options.fp8_head)
+    else:  # fp8's own options would change nothing
+        from meshfit.parallel.fp8 import refuse_fp8_options
+
+        refuse_fp8_options(options.fp8_recipe, options.fp8_head, plan.precision)
     if options.compile and plan.tp > 1:
         from meshfit.parallel.compiled import graphs_per_rank
 
@@ -192,9 +196,8 @@ def _fp8(b: Build) -> None:
         options = b.options
         convert(b.model, b.precision.fp8_emulate, options.fp8_recipe, options.fp8_head)
     else:
-        from meshfit.parallel.fp8 import refuse_fp8_options, warn_if_converted
+        from meshfit.parallel.fp8 import warn_if_converted
 
-        refuse_fp8_options(b.options.fp8_recipe, b.options.fp8_head, b.plan.precision)
         warn_if_converted(b.model)
 
 

@@ -2,8 +2,8 @@
 
 fp8 training is bf16 training (autocast; FSDP2 gathers bf16 copies and reduces fp32
 gradients) in which the model's large nn.Linear layers become torchao's Float8Linear:
-their matrix products run in float8 with dynamic tensor-wise scales (e4m3 for inputs and
-weights, e5m2 for gradients), on the fp8 tensor cores of an H100 / Ada GPU (CUDA
+their matrix products run in float8 with dynamic scales (tensor-wise by default, rowwise
+with `fp8_recipe`; e4m3 for inputs and weights, e5m2 for gradients), on the fp8 tensor cores of an H100 / Ada GPU (CUDA
 capability 8.9 or later). Everything else, the master weights and the optimizer stay as
 they are. This is torchtitan's float8 recipe: convert first, then the parallel forms.
 
@@ -144,6 +144,8 @@ def refuse_if_nothing_converts(model: nn.Module, head: bool = False) -> None:
     """Refuse precision="fp8" for a model in which `convert` would convert nothing (it
     would train plain bf16 under the name fp8), before the model is changed. A model that
     already holds Float8Linear layers (an earlier fp8 run) passes: those run in float8."""
+    if head:
+        _refuse_an_unconvertible_head(model)
     if convertible(model, head) or any(type(m).__name__ == "Float8Linear" for m in model.modules()):
         return
     raise MeshfitError(
@@ -151,6 +153,24 @@ def refuse_if_nothing_converts(model: nn.Module, head: bool = False) -> None:
         f"multiples of {_MULTIPLE} ({_why_none(model)}), so nothing would run in float8: "
         f"use precision='bf16'"
     )
+
+
+def _refuse_an_unconvertible_head(model: nn.Module) -> None:
+    """fp8_head=True where the output layer cannot run in float8: said, not ignored."""
+    output = [m for m in model.modules() if type(m) is nn.Linear][-1:]
+    if not output:
+        raise MeshfitError(
+            f"fp8_head=True, but {type(model).__name__} has no nn.Linear output layer to "
+            f"convert; drop fp8_head"
+        )
+    head = output[0]
+    if head.in_features % _MULTIPLE or head.out_features % _MULTIPLE:
+        raise MeshfitError(
+            f"fp8_head=True, but the output layer is {head.in_features}->"
+            f"{head.out_features}: float8 matmuls need both sizes to be multiples of "
+            f"{_MULTIPLE}; pad the vocabulary to a multiple of {_MULTIPLE} (as GPT-2's "
+            f"50257 is padded to 50304), or drop fp8_head"
+        )
 
 
 def _why_none(model: nn.Module) -> str:

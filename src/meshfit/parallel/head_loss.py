@@ -171,6 +171,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total = part if total is None else total + part
             if grad_h is not None and rows is not None:
                 grad_h[start : start + chunk] = rows
+            del rows  # not beside the next chunk's
         if group is not None and grad_h is not None:
             torch.distributed.all_reduce(grad_h, group=group)
         ctx.save_for_backward(

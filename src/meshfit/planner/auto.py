@@ -56,7 +56,9 @@ class AutoChoice:
         )
         if e.step_time is not None:
             line += f", {e.step_time.total * 1e3:.1f} ms a step"
-        return line + f" on {self.result.hardware.source if self.result.hardware else '?'}"
+        line += f" on {self.result.hardware.source if self.result.hardware else '?'}"
+        compiled = [n for n in e.notes if n.startswith("compiled memory counted as eager")]
+        return line + "".join(f" ({n})" for n in compiled)
 
     def as_record(self) -> dict[str, Any]:
         e = self.estimate

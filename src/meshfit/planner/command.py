@@ -113,6 +113,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     )
     if profile.tp_error:
         print(f"tensor parallel: {profile.tp_error}")
+    if args.compile and profile.compiled_error:
+        print(f"compiled memory counted as eager: the trace failed ({profile.compiled_error})")
     print(result.table(args.top))
     print(f"({len(result.ranked) + len(result.dropped)} plans in {seconds:.1f} s)")
     return 0 if result.ranked else 1

@@ -6,16 +6,23 @@ a cross-entropy becomes max/exp/sum/log, which backward recomputes from the logi
 compute dtype instead of keeping a float32 log-softmax; a GELU's output is recomputed from
 its input. What the forward saves is then far less than eager autograd keeps (measured on
 an H200: a 125M GPT's compiled peak was 42% under its eager one, BENCHMARKS.md), and the
-eager count (profile.py) over-states it by 17-153%.
+eager count (profile.py) over-stated compiled peaks by 4-153%.
 
 So the planner asks the same partitioner: it traces forward and loss with AOT autograd,
 Inductor's decomposition table and the partitioner Inductor uses, on fake tensors (shapes
 only: no memory, no kernel is generated), and reads the forward graph's saved outputs.
 A tensor made from parameters alone (autocast's 2-byte weight copies) is left to the
-estimate's own buffer rule; every other one is counted once per storage and attributed, as
-in the eager profile, to the part that made it (head, a block, tail: hooks name the part
-in each node's metadata). Repeated blocks are skipped as in the eager profile, so a
-96-layer model traces one block of each kind.
+estimate's own buffer rule; every other one is counted once per storage and attributed to
+the part whose code made it (head, a block, tail: hooks name the part in each node's
+metadata; the eager profile charges the part running when autograd saves a tensor, which
+is the same but for the step's inputs, saved where they are used). Repeated blocks are
+skipped as in the eager profile, so a 96-layer model traces one block of each kind.
+
+The trace runs on fake CPU tensors under CPU autocast: torch cannot make fake CUDA tensors
+without a CUDA build. CPU and CUDA autocast differ in a few ops (CUDA runs softmax,
+log_softmax and layer_norm in float32, CPU in bf16), so a model that calls those itself
+between matrix products may save more on a GPU than counted here; attention through
+scaled_dot_product_attention and a cross-entropy loss are counted alike.
 
 What is not traced: recomputation's forms (the estimate keeps block inputs, as eager),
 pipeline stages (each block compiles alone; the block counts hold, the stage's prologue and
@@ -26,7 +33,6 @@ code): the estimate then uses the eager count and says so.
 from __future__ import annotations
 
 import contextlib
-import functools
 import unittest.mock
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +48,7 @@ from meshfit.planner.profile import (
     _call_functional,
     _NoBlocks,
     _repeats_skipped,
+    _splits,
     _stand_ins,
 )
 from meshfit.trees import map_tensors, tensors_in
@@ -96,14 +103,25 @@ def compiled_saved(
 
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     with fake:
-        state = _stand_ins(model, _fake_like)
+        # one name per tensor: functional_call ties the others back (a tied head traced
+        # under both names would be two inputs it refuses)
+        state = _once_each(_stand_ins(model, _fake_like))
         inputs = map_tensors(example_inputs, _fake_like)
         targets = map_tensors(example_targets, _fake_like)
     forwards: list[torch.fx.GraphModule] = []
+    outputs_first: list[int] = []  # the forward's own outputs, before what it saves
 
     def keep(graph: torch.fx.GraphModule, _inputs: Any) -> torch.fx.GraphModule:
         forwards.append(graph)
         return graph
+
+    def partition(joint: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+        # the forward's outputs are its own (the loss, buffers it updates: BatchNorm's
+        # running statistics), then the tensors saved for backward
+        outputs_first.append(kwargs["num_fwd_outputs"])
+        return min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler="inductor", **kwargs
+        )
 
     def step(state: dict[str, torch.Tensor], inputs: Any, targets: Any) -> torch.Tensor:
         _name_part("head")
@@ -115,25 +133,36 @@ def compiled_saved(
         step,
         fw_compiler=keep,
         bw_compiler=lambda graph, _inputs: graph,
-        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        partition_fn=partition,
         decompositions=select_decomp_table(),
     )
     widths: dict[str, int] = {}
     with (
+        fx_traceback.preserve_node_meta(),  # outermost: the caller's metadata comes back
         # the user's code takes the branch it takes under torch.compile (Hugging Face's
         # mask code skips its data-dependent checks there)
         unittest.mock.patch.object(torch.compiler, "is_compiling", lambda: True),
         _parts_named(stack, widths),
         _repeats_skipped(stack) as repeats,
-        fx_traceback.preserve_node_meta(),
         fake,
     ):
         traced(state, inputs, targets)
     state_leaves = len(torch.utils._pytree.tree_leaves(state))
-    saved = _saved_by_part(forwards[0], state_leaves, widths)
+    saved = _saved_by_part(forwards[0], state_leaves, outputs_first[0], widths)
     for key, source in repeats.items():  # a repeated block saves what the first one does
         saved[key] = saved.get(source, (0.0, 0.0))
     return saved
+
+
+def _once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with each tensor under its first name only."""
+    seen: set[int] = set()
+    kept = {}
+    for name, t in state.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            kept[name] = t
+    return kept
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
@@ -160,7 +189,12 @@ def _loss(loss_fn: Any, outputs: Any, targets: Any) -> torch.Tensor:
 
 
 def _name_part(key: str) -> None:
-    fx_traceback.current_meta["custom"] = {_PART: key}
+    """Name `key` in the metadata of the nodes traced from here on, beside what else
+    "custom" holds (annotations the partitioner reads)."""
+    fx_traceback.current_meta["custom"] = {
+        **fx_traceback.current_meta.get("custom", {}),
+        _PART: key,
+    }
 
 
 @contextlib.contextmanager
@@ -188,15 +222,14 @@ def _parts_named(stack: Any, widths: dict[str, int]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        fx_traceback.current_meta.pop("custom", None)
 
 
 def _saved_by_part(
-    forward: torch.fx.GraphModule, state_leaves: int, widths: dict[str, int]
+    forward: torch.fx.GraphModule, state_leaves: int, own_outputs: int, widths: dict[str, int]
 ) -> dict[str, tuple[float, float]]:
-    """Bytes of the forward graph's saved outputs made from the data (not from the
-    model's state alone: its first `state_leaves` inputs), each storage once, by the part
-    that made them."""
+    """Bytes of the forward graph's saved outputs (those after its `own_outputs`) made
+    from the data (not from the model's state alone: its first `state_leaves` inputs),
+    each storage once, by the part that made them."""
     nodes = list(forward.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     data = set(placeholders[state_leaves:])
@@ -204,7 +237,7 @@ def _saved_by_part(
         if node.op != "placeholder" and any(a in data for a in node.all_input_nodes):
             data.add(node)
     output = next(n for n in nodes if n.op == "output")
-    saved = output.args[0][1:]  # the first output is the loss
+    saved = output.args[0][own_outputs:]
     totals: dict[str, tuple[float, float]] = {}
     seen: set[int] = set()
     for node in saved:
@@ -217,8 +250,7 @@ def _saved_by_part(
         seen.add(storage)
         part = (node.meta.get("custom") or {}).get(_PART, "head")
         size = float(value.untyped_storage().nbytes())
-        width = widths.get(part)
-        split = size if width is not None and value.dim() >= 2 and value.shape[-1] != width else 0.0
+        split = size if _splits(value, widths.get(part)) else 0.0
         kept, kept_split = totals.get(part, (0.0, 0.0))
         totals[part] = (kept + size, kept_split + split)
     return totals

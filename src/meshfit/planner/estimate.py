@@ -123,7 +123,12 @@ def estimate_profile(
     fullest = max(ranks, key=lambda e: e.total)
     result = Estimate(plan=plan, batch_size=batch_size, memory=fullest, ranks=ranks)
     if compiled and not traced:
-        why = profile.compiled_error or "the profile was not traced for this precision"
+        if profile.compiled_error:
+            why = profile.compiled_error
+        elif profile.compiled_autocast is None:
+            why = "a ModelProfile is not traced: pass the model to count compiled memory"
+        else:
+            why = "the profile was traced for another precision"
         result.notes.append(f"compiled memory counted as eager ({why})")
     result.build = build_bytes(profile, ranks, plan.tp)
     if hardware is not None:

@@ -380,12 +380,14 @@ def _chunked_loss_bytes(
     from meshfit.parallel.head_loss import CHUNK_LOGITS
 
     length = max(profile.tokens_per_sample, 1)
-    vocabulary = profile.output_bytes / (length * profile.param_bytes)
+    whole = profile.output_bytes / (length * profile.param_bytes)  # the vocabulary
+    # tokens a chunk: sized from the whole vocabulary (head_loss.install), also under tp
+    per_chunk = chunked if chunked is not True else max(1, CHUNK_LOGITS // max(whole, 1))
+    vocabulary = whole
     if _tp_of(profile.tail, plan.tp) > 1 and profile.tail.tp_gathered_outputs:
         vocabulary /= plan.tp  # each rank's rows of a head split over the vocabulary
     width = profile.blocks[-1].input_bytes / (length * profile.param_bytes) if profile.blocks else 0
     head = vocabulary * width
-    per_chunk = chunked if chunked is not True else max(1, CHUNK_LOGITS // max(vocabulary, 1))
     logits = min(per_chunk, samples * length) * vocabulary
     narrow = cbytes < 4  # the logits narrower than the loss's float32
     product = logits * cbytes + head * (cbytes + (4 if narrow else 0))

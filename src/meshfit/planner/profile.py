@@ -415,8 +415,11 @@ def _repeats_skipped(stack: Any, active: bool = True) -> Iterator[dict[str, str]
 
         block = stack.container._modules[key]
         handles.append(block.register_forward_hook(remember, with_kwargs=True))
+    own: dict[str, Any] = {}  # a forward set on the block itself (a wrapper), kept
     for key, source in repeats.items():
         block = stack.container._modules[key]
+        if "forward" in vars(block):
+            own[key] = vars(block)["forward"]
         block.forward = lambda *args, _source=source, **kwargs: outputs[_source]
     try:
         yield repeats
@@ -424,7 +427,10 @@ def _repeats_skipped(stack: Any, active: bool = True) -> Iterator[dict[str, str]
         for h in handles:
             h.remove()
         for key in repeats:
-            del stack.container._modules[key].forward  # the class's own forward again
+            block = stack.container._modules[key]
+            del block.forward  # the class's own forward again, or the block's own:
+            if key in own:
+                block.forward = own[key]
 
 
 def _run_loss(loss_fn: Any, outputs: Any, targets: Any, pack: Callable) -> None:
