@@ -26,7 +26,10 @@ import torch
 from head_memory import BATCH, SEQ, llama_config  # the same model and batch
 
 
-def run_one(vocab: int, precision: str, chunked: bool, compiled: bool = False) -> dict:
+def run_one(
+    vocab: int, precision: str, chunked: bool, compiled: bool = False, seq: int = SEQ
+) -> dict:
+    """One row (`seq` tokens a sequence: the test takes fewer than the table)."""
     from transformers import LlamaForCausalLM
 
     import meshfit as mf
@@ -43,7 +46,7 @@ def run_one(vocab: int, precision: str, chunked: bool, compiled: bool = False) -
         compile=compiled,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
     )
-    ids = torch.randint(0, vocab, (BATCH, SEQ))
+    ids = torch.randint(0, vocab, (BATCH, seq))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     for _ in range(2):  # AdamW's state, the compiled graphs
         engine.step(batch)
@@ -66,6 +69,7 @@ def run_one(vocab: int, precision: str, chunked: bool, compiled: bool = False) -
         "plan": plan,
         "chunked_loss": chunked,
         "compiled": compiled,
+        "seq": seq,
         "measured_peak_bytes": measured,
         "predicted_bytes": predicted.memory.total,
     }

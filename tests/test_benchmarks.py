@@ -169,10 +169,12 @@ def test_gpu_meta_memory_benchmark_quick(tmp_path) -> None:
     assert "model.safetensors.index.json" in written["rows"][0]["save_files"]
 
 
-def test_memory_timeline_finds_what_is_alive_at_the_peak() -> None:
+def test_memory_timeline_finds_what_is_alive_at_the_peak(monkeypatch) -> None:
     """benchmarks/memory_timeline.py reads a CUDA memory history on a lent GPU; here a
     made-up trace in the snapshot's format: the peak, and who holds it."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    # for this test only: benchmarks/ ahead of tests/ would make later launches' workers
+    # import benchmarks/experts.py for tests/experts.py (the same module name)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     from memory_timeline import live_at_peak
 
     def event(action: str, addr: int, size: int, where: str = "") -> dict:

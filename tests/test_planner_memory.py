@@ -33,17 +33,19 @@ def test_predicted_peak_with_the_loss_in_chunks_is_within_10_percent_of_the_meas
     """benchmarks/planner_chunked.py: a transformers Llama with its own loss, float32
     and bf16, 32k and 128k words, the logits whole and in chunks (chunked_loss=True),
     eager, and the bf16 128k chunked step compiled, each beside `mf.estimate(...,
-    chunked_loss=..., compiled=...)`. Counted as whole, the chunked rows at 128k would be
-    93-122% over, so this checks the chunked count."""
+    chunked_loss=..., compiled=...)`; sequences of 256 tokens (the table's 512 halved for
+    the suite's time: 1,024 tokens a step, two chunks at 128k words). Counted as whole,
+    the chunked rows at 128k would be about twice the measured, so this checks the
+    chunked count."""
     import planner_chunked as chunked
 
     rows = [
-        chunked.run_one(vocab, precision, c)
+        chunked.run_one(vocab, precision, c, seq=256)
         for vocab in (32000, 128256)
         for precision in ("fp32", "bf16")
         for c in (False, True)
     ]
-    compiled = chunked.run_one(128256, "bf16", True, compiled=True)
+    compiled = chunked.run_one(128256, "bf16", True, compiled=True, seq=256)
     off = {
         (r["vocab"], r["plan"], r["chunked_loss"], r["compiled"]): (
             r["predicted_bytes"] / r["measured_peak_bytes"] - 1
@@ -56,4 +58,5 @@ def test_predicted_peak_with_the_loss_in_chunks_is_within_10_percent_of_the_meas
     whole, split = (
         [r["measured_peak_bytes"] for r in at_128k if r["chunked_loss"] is c] for c in (False, True)
     )
-    assert all(s < 0.5 * w for w, s in zip(whole, split, strict=True))  # what chunks are for
+    logits = chunked.BATCH * 256 * 128256 * 4  # one float32 copy of the whole logits
+    assert all(s < w - logits for w, s in zip(whole, split, strict=True))  # what chunks save
