@@ -4,7 +4,7 @@ A transformers LlamaForCausalLM built from a config (width 256, 2 layers, 4 head
 which 2 key/value, MLP 512, untied head: the model of benchmarks/head_memory.py), its own
 loss (`loss_fn="model"`, a collator's dict), AdamW, batch 4 x 512 tokens, one process:
 float32 and bf16 autocast, a 32,000- and a 128,256-word vocabulary, the logits whole and
-in chunks, eager; and at 128k words compiled (`compile=True`). Each row's third step is
+in chunks, eager; and at 128k words compiled (`compile=True`). Each row's second step is
 measured (eager: `memory_probe.measure_peak`, live tensor bytes at the peak; compiled:
 `profiled_peak`, torch.profiler's memory profile, which sees Inductor's allocations)
 beside `mf.estimate(..., chunked_loss=..., compiled=...)` for the same plan.
@@ -27,13 +27,22 @@ from head_memory import BATCH, SEQ, llama_config  # the same model and batch
 
 
 def run_one(
-    vocab: int, precision: str, chunked: bool, compiled: bool = False, seq: int = SEQ
+    vocab: int,
+    precision: str,
+    chunked: bool,
+    compiled: bool = False,
+    seq: int = SEQ,
+    profiles: dict | None = None,
 ) -> dict:
-    """One row (`seq` tokens a sequence: the test takes fewer than the table)."""
+    """One row (`seq` tokens a sequence: the test takes fewer than the table). The
+    second step is measured (the first makes AdamW's state and the compiled graphs), as
+    planner_memory.py does; `profiles` keeps the planner's profile of each vocabulary
+    (and compiled precision) for the next row."""
     from transformers import LlamaForCausalLM
 
     import meshfit as mf
     from meshfit.planner.memory_probe import measure_peak, profiled_peak
+    from meshfit.planner.search import profile_of
 
     config = llama_config(vocab)
     torch.manual_seed(0)
@@ -48,18 +57,20 @@ def run_one(
     )
     ids = torch.randint(0, vocab, (BATCH, seq))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    for _ in range(2):  # AdamW's state, the compiled graphs
-        engine.step(batch)
+    engine.step(batch)  # AdamW's state, the compiled graphs
     if compiled:
         measured = profiled_peak(lambda: engine.step(batch))
     else:
         measured = measure_peak(lambda: engine.step(batch), engine=engine).total
+    example = {k: v[:1] for k, v in batch.items()}
+    key = (vocab, seq, precision if compiled else None)
+    profiles = {} if profiles is None else profiles
+    if key not in profiles:
+        profiles[key] = profile_of(LlamaForCausalLM(config), example, "model", None, key[2])
     predicted = mf.estimate(
-        LlamaForCausalLM(config),
+        profiles[key],
         plan,
         batch_size=BATCH,
-        example_inputs={k: v[:1] for k, v in batch.items()},
-        loss_fn="model",
         world_size=1,
         chunked_loss=chunked,
         compiled=compiled,
@@ -87,7 +98,8 @@ def main() -> None:
         else [(v, p, c) for v in (32000, 128256) for p in ("fp32", "bf16") for c in (False, True)]
         + [(128256, p, c, True) for p in ("fp32", "bf16") for c in (False, True)]
     )
-    rows = [run_one(*case) for case in cases]
+    profiles: dict = {}
+    rows = [run_one(*case, profiles=profiles) for case in cases]
     print("| vocabulary | plan | mode | logits | measured MiB | predicted MiB | off |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -39,13 +39,14 @@ def test_predicted_peak_with_the_loss_in_chunks_is_within_10_percent_of_the_meas
     chunked count."""
     import planner_chunked as chunked
 
+    profiles: dict = {}
     rows = [
-        chunked.run_one(vocab, precision, c, seq=256)
+        chunked.run_one(vocab, precision, c, seq=256, profiles=profiles)
         for vocab in (32000, 128256)
         for precision in ("fp32", "bf16")
         for c in (False, True)
     ]
-    compiled = chunked.run_one(128256, "bf16", True, compiled=True, seq=256)
+    compiled = chunked.run_one(128256, "bf16", True, compiled=True, seq=256, profiles=profiles)
     off = {
         (r["vocab"], r["plan"], r["chunked_loss"], r["compiled"]): (
             r["predicted_bytes"] / r["measured_peak_bytes"] - 1
