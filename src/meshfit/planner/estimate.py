@@ -40,9 +40,6 @@ from meshfit.planner.memory import (
 )
 from meshfit.planner.profile import ModelProfile
 
-# meshfit.parallel.pipeline is imported inside the functions that need it: the package
-# loads torch.distributed.pipelining (and sympy), ~1.2 s that `import meshfit` must not pay.
-
 DDP_BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket: the last one cannot hide
 PCIE_BANDWIDTH = 25e9  # host <-> device per GPU (PCIe 4/5 x16, usable): offload's transfers
 HOST_MEMORY_BANDWIDTH = 10e9  # per process: offload's optimizer step runs on the CPU

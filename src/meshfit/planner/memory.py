@@ -53,11 +53,7 @@ OPTIMIZER_STATE_BYTES = {
     "adagrad": 4,
     "rmsprop": 4,
 }
-
-
 GRADIENT_BYTES = 4  # float32 gradients (master weights stay float32 under bf16)
-
-
 # Share of a device's memory a plan may fill: the allocator's fragmentation and the
 # CUDA context need the rest.
 USABLE_MEMORY = 0.92
