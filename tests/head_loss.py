@@ -11,6 +11,8 @@ import torch
 from context import LENGTH, VOCAB, batch_of
 from context import gpt2 as gpt2_tied  # GPT-2 ties its head to the token embedding
 from context import llama as llama_untied
+from experts import batch_of as moe_batch_of
+from experts import qwen3_moe  # a mixture of experts: its load-balancing loss on
 from zoo import zoo_optimizer
 
 import meshfit as mf
@@ -66,12 +68,15 @@ BUILDS = {
     "eurobert": eurobert,
     "gemma2": gemma2,
     "gpt": gpt,
+    "qwen3_moe": qwen3_moe,
 }
 
 
 def _batch(model: str, loss: str, step: int) -> Any:
     if model == "gpt":
         return batch_of("gpt", loss, step)
+    if model == "qwen3_moe":  # a collator's dict (its own loss): experts' vocabulary
+        return moe_batch_of(model, step)
     if model in (
         "bert",
         "eurobert",

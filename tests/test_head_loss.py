@@ -152,7 +152,8 @@ def test_every_plan_trains_the_one_process_run_with_the_whole_logits() -> None:
     """On 2 workers: dp, fsdp, tp (the untied Llama head split over the vocabulary: each
     rank's chunks over its half of the words, nothing gathered but two numbers a token;
     GPT-2's tied head whole on each rank), pp (the chunks on the last stage, inside
-    torch's schedule), cp (targets shifted before the cut), for an untied head with the
+    torch's schedule), cp (targets shifted before the cut), ep (Qwen3-MoE: its experts
+    split, its load-balancing loss beside the chunks), for an untied head with the
     model's own loss and a tied one with mf.losses.cross_entropy; a masked LM (a bias)
     under fsdp and tp. Each against one process with the whole logits."""
     plans = ("dp=2", "fsdp=2", "tp=2", "pp=2")
@@ -163,6 +164,7 @@ def test_every_plan_trains_the_one_process_run_with_the_whole_logits() -> None:
         {"model": "eurobert", "loss": "model", "plan": "fsdp=2"},
         {"model": "eurobert", "loss": "model", "plan": "tp=2", "evaluate": True},
         {"model": "llama", "plan": "tp=2", "evaluate": True},
+        {"model": "qwen3_moe", "loss": "model", "plan": "ep=2"},
     ]
     each_as_one_process_with_the_whole_logits(specs, nproc=2)
 
@@ -172,11 +174,13 @@ def test_two_dimensional_plans_train_the_one_process_run_with_the_whole_logits()
     """On 4 workers: the chunks on the last stage with its parameters sharded (pp x
     fsdp), on the last stage with the head split over the vocabulary (pp x tp), and the
     vocabulary-parallel chunks beside data parallel (dp x tp), for the untied head with
-    the model's own loss and the tied one with mf.losses.cross_entropy."""
+    the model's own loss and the tied one with mf.losses.cross_entropy; and Qwen3-MoE's
+    experts split beside FSDP2 (fsdp x ep)."""
     plans = ("pp=2,fsdp=2", "tp=2,pp=2", "dp=2,tp=2")
     specs = [
         *({"model": "llama", "loss": "model", "plan": p} for p in plans),
         *({"model": "gpt2", "plan": p} for p in plans),
+        {"model": "qwen3_moe", "loss": "model", "plan": "fsdp=2,ep=2"},
     ]
     each_as_one_process_with_the_whole_logits(specs, nproc=4)
 
