@@ -37,12 +37,19 @@ def fingerprint(model: nn.Module) -> tuple[list[str], str]:
         structure.append(f"{name} {tuple(tensor.shape)} {tensor.dtype}")
         try:
             flat = tensor.detach().reshape(-1)
-            picks = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), SAMPLES))
-            sample = flat[picks.long().to(flat.device)].cpu().contiguous()
+            sample = flat[_evenly_spaced(flat.numel()).to(flat.device)].cpu().contiguous()
             digest.update(sample.view(torch.uint8).numpy().tobytes())
         except (RuntimeError, TypeError):  # a layout without plain elements (sparse, ...)
             continue
     return structure, digest.hexdigest()
+
+
+def _evenly_spaced(numel: int) -> torch.Tensor:
+    """`SAMPLES` indices from 0 to numel - 1 (all of them when fewer), in integers: a
+    float32 linspace rounded the last index of a 128,256 x 256 embedding (numel above
+    2**24) to numel itself, and the fingerprint indexed past the end."""
+    count = min(numel, SAMPLES)
+    return torch.arange(count, dtype=torch.int64) * max(numel - 1, 0) // max(count - 1, 1)
 
 
 def _refuse_other_models(structure: list[str]) -> None:
