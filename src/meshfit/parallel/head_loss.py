@@ -273,7 +273,7 @@ def _vocab_parallel_chunk(
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = logits.shape[-1]
     z = logits.to(loss_dtype or torch.promote_types(logits.dtype, torch.float32))
-    lse = torch.logsumexp(z, dim=-1)
+    lse = _logsumexp(z)
     every = torch.empty(ranks * lse.numel(), dtype=lse.dtype, device=lse.device)
     dist.all_gather_into_tensor(every, lse.contiguous(), group=group)
     lse = torch.logsumexp(every.view(ranks, -1), dim=0)
@@ -286,9 +286,19 @@ def _vocab_parallel_chunk(
     part = ((lse - picked) * real).sum()
     if not any(wants):
         return part, None, real[:, None]
-    g = torch.exp(z - lse[:, None])
+    g = (z - lse[:, None]).exp_()  # in place: the chunk's logits and one copy at once
     g.scatter_add_(1, index, -here.to(g.dtype)[:, None])
     return part, g.to(logits.dtype), real[:, None]
+
+
+def _logsumexp(z: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp over the last dimension with one temporary the size of `z`, not
+    two (its z - max and the exp of that): measured under tp=2, a 128k-word Llama's
+    chunked step peaked with three copies of a chunk's logits where the one-rank path
+    holds two."""
+    top = z.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows of -inf
+    return (z - top).exp_().sum(dim=-1).log_() + top.squeeze(-1)
 
 
 # ---- the head deferred during a step -------------------------------------------------

@@ -24,6 +24,7 @@ from meshfit.planner.hardware import Hardware
 from meshfit.planner.memory import (
     _AUTOCAST,
     GRADIENT_BYTES,
+    STEP_TEMPORARIES,
     USABLE_MEMORY,
     MemoryEstimate,
     _activation_scale,
@@ -113,8 +114,21 @@ def estimate_profile(
     mb = per_rank / m
     layout = stage_layout(profile, plan)
     traced = compiled and profile.compiled_autocast == (plan.precision in _AUTOCAST)
+    temporaries = _step_temporaries(optimizer, hardware)
     ranks = [
-        _rank_memory(profile, plan, blocks, first, last, r, mb, state_bytes, traced, chunked_loss)
+        _rank_memory(
+            profile,
+            plan,
+            blocks,
+            first,
+            last,
+            r,
+            mb,
+            state_bytes,
+            traced,
+            chunked_loss,
+            temporaries,
+        )  # fmt: skip
         for r, (blocks, first, last) in enumerate(layout)
     ]
     fullest = max(ranks, key=lambda e: e.total)
@@ -145,6 +159,16 @@ def estimate_profile(
             result.notes.append(f"the build does not fit ({_gib(result.build)}): {why}")
         _add_time(result, profile, plan, layout, mb, hardware, state_bytes, compiled)
     return result
+
+
+def _step_temporaries(optimizer: str | float, hardware: Hardware | None) -> int:
+    """Parameter-sized temporaries of the optimizer's step: on the CPU torch steps one
+    parameter at a time (memory.STEP_TEMPORARIES); on a GPU meshfit's AdamW is fused
+    (none), and a user's unfused one steps a list at a time (foreach), which is not
+    counted. An optimizer given as its state bytes: none counted."""
+    if hardware is not None and hardware.separate_host_memory:
+        return 0
+    return STEP_TEMPORARIES.get(optimizer.lower(), 0) if isinstance(optimizer, str) else 0
 
 
 def _group(plan: Plan, dim: str) -> tuple[int, int]:

@@ -5,7 +5,9 @@ accounting, Rajbhandari et al. 2020; activations as counted in the profile):
 
 - the peak of a step: parameters, optimizer state and buffers, plus the activations or
   the gradients with what recomputation re-makes late in backward, whichever is larger
-  (both where micro-batches interleave: see MemoryEstimate);
+  (both where micro-batches interleave: see MemoryEstimate); or, where larger, the
+  optimizer's step: parameters, gradients and state beside DDP's buckets and, on the
+  CPU, the step's temporaries the size of the largest parameter (STEP_TEMPORARIES);
 - parameters 4 bytes, gradients 4, optimizer state 8 (Adam: two moments) per element of
   the rank's share: a pipeline stage's parameters, tp-split ones divided by tp, all of
   them divided by fsdp (ZeRO-3: 16 bytes / parameter / N);
@@ -19,7 +21,8 @@ accounting, Rajbhandari et al. 2020; activations as counted in the profile):
   re-run at a time, "selective" keeps the matrix products' outputs; under autocast
   2 bytes an element, but the loss's log-softmax and its gradient over the output stay
   float32 (autocast's op lists), and a micro-batch's loss and that gradient are freed
-  before its blocks' backward re-makes a block. Compiled (compile=True), what torch's
+  before its blocks' backward re-makes a block. Under pp the last stage also holds each
+  micro-batch's output (the logits) until its backward (torch's stage keeps it). Compiled (compile=True), what torch's
   partitioner saves instead (planner/compiled_memory.py), no float32 copy of the output
   and no separate gradient of it (Inductor writes it over the saved logits). Context parallel
   (cp) holds 1/cp of each sequence's tokens: activations and FLOPs divide by cp, but
@@ -53,6 +56,11 @@ OPTIMIZER_STATE_BYTES = {
     "adagrad": 4,
     "rmsprop": 4,
 }
+# Temporaries the size of a parameter that an optimizer makes while it steps one
+# parameter at a time (torch's CPU path; measured with memory_probe: AdamW's sqrt of the
+# second moment and its quotient; Adagrad's and RMSprop's one, plus the previous
+# parameter's still bound)
+STEP_TEMPORARIES = {"adamw": 2, "adam": 2, "adagrad": 1, "rmsprop": 1}
 GRADIENT_BYTES = 4  # float32 gradients (master weights stay float32 under bf16)
 # Share of a device's memory a plan may fill: the allocator's fragmentation and the
 # CUDA context need the rest.
@@ -80,6 +88,9 @@ class MemoryEstimate:
     # of activations: what is still held late in backward, beside nearly every gradient
     # (recomputation re-makes the first block when the others' gradients exist)
     late: float = 0.0
+    # beside the parameters, gradients and optimizer state while the optimizer steps:
+    # DDP's buckets and the step's own temporaries
+    stepping: float = 0.0
     rank: str = ""  # which rank this is (e.g. "pp stage 0")
     overlap: bool = False  # gradients and activations held at once
 
@@ -89,10 +100,14 @@ class MemoryEstimate:
             either = self.gradients + self.activations
         else:
             either = max(self.gradients + self.late, self.activations)
-        return self.parameters + self.optimizer + self.buffers + either
+        step = self.parameters + self.optimizer + self.buffers + either
+        return max(step, self.parameters + self.gradients + self.optimizer + self.stepping)
 
     def as_dict(self) -> dict[str, float]:
-        fields_ = ("parameters", "gradients", "optimizer", "activations", "late", "buffers", "host")
+        fields_ = (
+            "parameters", "gradients", "optimizer", "activations", "late", "stepping",
+            "buffers", "host",
+        )  # fmt: skip
         return {name: getattr(self, name) for name in fields_} | {"total": self.total}
 
 
@@ -236,6 +251,7 @@ def _rank_memory(
     state_bytes: float,
     traced: bool = False,
     chunked_loss: bool | int = False,
+    step_temporaries: int = 0,
 ) -> MemoryEstimate:
     parts = [profile.blocks[i] for i in blocks]
     block_params = sum(_split(p, plan.tp) for p in parts)
@@ -260,6 +276,11 @@ def _rank_memory(
     # buffers
     if (plan.dp or 1) * plan.cp > 1 and not plan.uses_fsdp:
         memory.buffers += local * GRADIENT_BYTES  # DDP's gradient buckets
+        memory.stepping += local * GRADIENT_BYTES
+    # the optimizer's temporaries beside its largest parameter (measured: 250.5 MiB
+    # beside a 125 MiB embedding, where a 128k-word Llama's chunked step under tp=2 peaks)
+    largest = min(profile.largest_param / _shards(plan), local)
+    memory.stepping += step_temporaries * largest * 4
     # FSDP2 gathers into unsharded copies even over a shard group of one (HSDP that only
     # replicates, as dp x tp plans do): torch copies the shard in, it does not alias it.
     if plan.defers_stage_reduction and plan.fsdp > 1 and parts:
@@ -310,6 +331,11 @@ def _rank_memory(
             # and its gradient over the output, float32, two copies beside it; compiled,
             # Inductor writes it over the saved logits (its in-place buffer reuse)
             output_gradient = 2 * profile.output_bytes
+    if last and plan.pp > 1 and not chunked_loss:
+        # torch's stage keeps each micro-batch's output (the logits) from its forward
+        # until its backward has run (one process drops it before backward); with
+        # chunked_loss the last stage's output is the hidden state (head_loss.py)
+        tail += profile.output_bytes * scale
     # A micro-batch's loss and its gradient are freed before its blocks' backward
     # re-makes a block (recomputation): the two do not meet.
     flight = in_flight(plan, rank)

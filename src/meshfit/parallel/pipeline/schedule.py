@@ -184,10 +184,13 @@ class PipelineRunner:
                 from meshfit.parallel.head_loss import deferred_head
 
                 stack.enter_context(deferred_head())
-            if train:
-                self.schedule.step(*args, target=target, losses=losses, model_inputs=inputs)
-            else:
-                self.schedule.eval(*args, target=target, losses=losses, model_inputs=inputs)
+            # return_outputs=False: else the last stage keeps every micro-batch's output
+            # (the logits) until the next step begins and concatenates them into one more
+            # copy, which nothing here reads (measured, a 128k-word Llama under pp=2 with 2
+            # micro-batches: the last stage's peak 3,037 -> 2,536 MiB, and 1,850 -> 800
+            # MiB while the optimizer steps; benchmarks/planner_chunked.py --plans)
+            run = self.schedule.step if train else self.schedule.eval
+            run(*args, target=target, losses=losses, model_inputs=inputs, return_outputs=False)
         # Only the last stage sees the loss: it broadcasts [loss, count] (count -1 for a
         # mean loss) in float64, which holds counts exactly.
         summary = torch.zeros(2, device=self.stages[0].device, dtype=torch.float64)
