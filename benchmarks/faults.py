@@ -7,6 +7,8 @@ the same run under `meshfit run --max-restarts 3 --hang-timeout S` and, from out
 - kill:     SIGKILL a random rank at a random moment (start-up, steps and saves alike);
 - kill-save: SIGKILL a random rank while a checkpoint is being written (`.partial` seen);
 - stop:     SIGSTOP a random rank at a random moment (a hang: the watchdog must name it);
+            with --stop-when training, soon after the first checkpoint (past start-up,
+            whose hang verdict waits for the watchdog's 60 s start-up floor);
 - corrupt:  flip 8 bytes in a random file of the newer of two committed checkpoints,
             then SIGKILL a rank so the restart has to load (it must fall back to the
             older, intact one);
@@ -227,6 +229,10 @@ def trial(
             # launcher waiting on the stopped process for good (torch's agent; open, see
             # BENCHMARKS.md), so stops land in the first 60% of the run.
             delay = rng.uniform(0.15, 0.6 if fault == "stop" else 0.9) * ref_seconds
+            if fault == "stop" and args.stop_when == "training":
+                while not committed(ckpt) and launcher.poll() is None:
+                    time.sleep(0.02)
+                delay = rng.uniform(0.0, 0.1) * ref_seconds
             if fault == "corrupt":  # the newest of two, so an intact one remains
                 while len(committed(ckpt)) < 2 and launcher.poll() is None:
                     time.sleep(0.02)
@@ -353,6 +359,12 @@ def main() -> int:
         type=float,
         default=4.0,
         help="a run may also take this many times the plan's undisturbed run",
+    )
+    parser.add_argument(
+        "--stop-when",
+        choices=("any", "training"),
+        default="any",
+        help="stop: at any moment (start-up included), or soon after the first checkpoint",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "faults-cpu.json"))

@@ -1,7 +1,9 @@
 """A few trials of the fault campaign (benchmarks/faults.py) on every full run: a rank
-killed mid-save, a rank stopped (a hang) and a corrupted checkpoint, under pp=2 with
-AdamW; each must end with bit-identical weights. The whole campaign's table is in
-BENCHMARKS.md."""
+killed mid-save, a rank stopped in training (a hang) and a corrupted checkpoint, under
+pp=2 with AdamW; each must end with bit-identical weights. A stop before a rank's first
+heartbeat is named by tests/test_watchdog.py (a stop there waits out the watchdog's 60 s
+start-up floor: this test took 74-148 s in CI, by the draw, when its stop could land
+there). The whole campaign's table is in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def test_fault_campaign_trials_end_exact(tmp_path) -> None:
     argv = [sys.executable, os.path.join(ROOT, "benchmarks", "faults.py"), "--plans", "pp=2"]
     argv += ["--faults", "kill-save", "stop", "corrupt", "--trials", "1"]
     argv += ["--hang-timeout", "15", "--limit", "240", "--limit-factor", "4"]
+    argv += ["--stop-when", "training"]  # a stop in start-up waits 60 s (tested in units)
     argv += ["--out", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     trials = json.loads(out.read_text())
@@ -39,7 +42,5 @@ def test_fault_campaign_trials_end_exact(tmp_path) -> None:
         "a fault came after the run ended\n" + done.stdout
     )
     stop = trials[1]
-    # a stop before the rank's first heartbeat (still importing torch) is named as such
-    named = ("stopped responding", "never sent a heartbeat")
-    assert any(f"hang detected: rank {stop['rank']} {n}" in stop["detail"] for n in named), stop
+    assert f"hang detected: rank {stop['rank']} stopped responding" in stop["detail"], stop
     assert done.returncode == 0
