@@ -86,17 +86,14 @@ def test_the_chunked_loss_is_counted_per_rank_under_tensor_parallel():
 
 
 def test_a_hugging_face_model_with_its_own_loss_is_traced_for_its_compiled_memory():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+    from workers import llama_config
 
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    config = llama_config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        max_position_embeddings=32,
         tie_word_embeddings=True,  # one weight under two names: traced once
-    )
+    )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)  # its mask code reads values: profiled on the CPU
     ids = torch.randint(0, 1000, (2, 32))

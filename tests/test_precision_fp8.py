@@ -17,6 +17,7 @@ from workers import (
     TINY_GPT,
     build,
     engine_run,
+    llama_config,
     make_batch,
     many_engine_runs,
     optimizer_factory,
@@ -113,17 +114,12 @@ def test_rowwise_scales_and_the_head_in_float8_are_what_they_say(emulate: None) 
     plain = GPT(TINY_GPT)  # the names are the plain model's still
     plain.load_state_dict(engine.full_state_dict())
     # a head tied to the embedding stays tied: one weight, now read by a Float8Linear
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    config = llama_config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         tie_word_embeddings=True,
-    )
+    )  # fmt: skip
     llama = LlamaForCausalLM(config)
     engine = mf.parallelize(llama, "precision=fp8", loss_fn="model", fp8_head=True)
     ids = torch.randint(0, 256, (2, 16))
