@@ -232,7 +232,10 @@ def trial(
             if fault == "stop" and args.stop_when == "training":
                 while not committed(ckpt) and launcher.poll() is None:
                     time.sleep(0.02)
-                delay = rng.uniform(0.0, 0.1) * ref_seconds
+                # a second at most: 12 steps remain, about 3 s on the 2-core VM; a
+                # fraction of the undisturbed run (mostly start-up on a busy machine)
+                # could land after the last collective
+                delay = rng.uniform(0.0, 1.0)
             if fault == "corrupt":  # the newest of two, so an intact one remains
                 while len(committed(ckpt)) < 2 and launcher.poll() is None:
                     time.sleep(0.02)

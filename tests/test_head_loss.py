@@ -63,6 +63,19 @@ def test_the_chunked_product_and_loss_equal_the_whole_with_their_gradients() -> 
         )
 
 
+def test_the_lean_logsumexp_is_torch_s() -> None:
+    # the vocabulary-parallel chunk's log-sum-exp with one temporary: torch's values,
+    # a row of -inf and a rank with no words included
+    from meshfit.parallel.head_loss import _logsumexp
+
+    z = torch.randn(5, 7, dtype=torch.float64) * 30
+    z[1] = float("-inf")
+    z[2, 3] = float("inf")
+    torch.testing.assert_close(_logsumexp(z), torch.logsumexp(z, dim=-1))
+    empty = torch.empty(3, 0)
+    torch.testing.assert_close(_logsumexp(empty), torch.logsumexp(empty, dim=-1))
+
+
 def test_targets_it_cannot_take_are_the_batch_s_not_meshfit_s() -> None:
     """Float ids, ids of another count than the head's tokens, an id outside the
     vocabulary: said as the batch's problem with its fix (the whole computation's

@@ -18,7 +18,12 @@ from meshfit.errors import MeshfitError
 from meshfit.models.gpt import GPT, GPTConfig
 from meshfit.plan import Plan
 from meshfit.planner import Hardware, estimate, hardware, plan_search, profile_model
-from meshfit.planner.auto import choose_plan, fixed_fields, optimizer_state_bytes
+from meshfit.planner.auto import (
+    choose_plan,
+    fixed_fields,
+    optimizer_for_planning,
+    optimizer_state_bytes,
+)
 from meshfit.planner.memory import in_flight
 from meshfit.planner.profile import ModelProfile, PartCost
 from meshfit.planner.search import search_profile
@@ -151,6 +156,42 @@ def test_optimizer_state_bytes_are_read_from_the_optimizer_itself():
     assert optimizer_state_bytes(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) == 4
     assert optimizer_state_bytes(lambda p: torch.optim.SGD(p, lr=0.1)) == 0
     assert optimizer_state_bytes(None) == 8  # meshfit's default: AdamW
+
+
+def test_optimizer_for_planning_names_the_ones_the_planner_knows():
+    assert optimizer_for_planning(None) == "adamw"  # meshfit's default
+    assert optimizer_for_planning(lambda p: torch.optim.Adam(p)) == "adam"
+    assert optimizer_for_planning(lambda p: torch.optim.SGD(p, lr=0.1)) == "sgd"
+    momentum = optimizer_for_planning(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert momentum == "sgd-momentum"
+    assert optimizer_for_planning(lambda p: torch.optim.Adamax(p)) == 8  # its state bytes
+
+
+def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
+    """Few activations and a large embedding: the step's peak is where AdamW steps, one
+    parameter at a time on the CPU, with two temporaries the size of the rank's largest
+    parameter (a block's split by tp, the embedding whole); fused on a GPU: none."""
+    profile = hand_profile(blocks=2, params=1000)
+    profile.blocks = [dataclasses.replace(b, saved=4, largest_param=500) for b in profile.blocks]
+    profile.head = PartCost(params=100_000, largest_param=100_000)
+    profile.total_params += 100_000
+    profile.largest_param = 100_000
+    state = 16 * 102_000  # parameters, gradients, AdamW's moments
+    cpu = estimate(profile, Plan(dp=1), batch_size=1)
+    assert cpu.memory.stepping == 2 * 100_000 * 4
+    assert cpu.memory.total == pytest.approx(state + 2 * 100_000 * 4)
+    fsdp = estimate(profile, Plan(dp=1, fsdp=2), batch_size=2)
+    assert fsdp.memory.stepping == 100_000 * 4  # each rank steps its half of it
+    stages = estimate(profile, Plan(dp=1, pp=2), batch_size=1).ranks
+    assert [r.stepping for r in stages] == [2 * 100_000 * 4, 2 * 500 * 4]  # the head's stage
+    split = dataclasses.replace(profile, head=PartCost(params=100, largest_param=100))
+    tp = estimate(split, Plan(dp=1, tp=2), batch_size=1)
+    assert tp.memory.stepping == 2 * 500 / 2 * 4  # the blocks' largest, split
+    assert estimate(profile, Plan(dp=1), batch_size=1, optimizer="sgd").memory.stepping == 0
+    gpu = estimate(profile, Plan(dp=1), batch_size=1, hardware="h100")
+    assert gpu.memory.stepping == 0 and gpu.memory.total < cpu.memory.total
+    offload = estimate(profile, Plan(dp=1, fsdp=2, offload=True), batch_size=2)
+    assert offload.memory.stepping == 0  # the optimizer steps on the host
 
 
 def test_pipeline_bubble_is_pp_minus_one_micro_batch_times():

@@ -44,8 +44,8 @@ def test_the_fingerprint_samples_tensors_past_float32s_integers() -> None:
         assert len(picks) == min(numel, SAMPLES) and len(set(picks.tolist())) == len(picks)
         if numel:
             assert picks[0] == 0 and picks[-1] == numel - 1, (numel, picks[-3:])
-    big = torch.nn.Module()
-    big.register_buffer("ids", torch.zeros(2**24 + 3, dtype=torch.uint8))
+    big = torch.nn.Module()  # 2**24 + 4: the float32 linspace's last index was its length
+    big.register_buffer("ids", torch.zeros(2**24 + 4, dtype=torch.uint8))
     _, before = fingerprint(big)
     big.ids[-1] = 1  # the last element is sampled
     assert fingerprint(big)[1] != before

@@ -296,6 +296,8 @@ def _logsumexp(z: torch.Tensor) -> torch.Tensor:
     two (its z - max and the exp of that): measured under tp=2, a 128k-word Llama's
     chunked step peaked with three copies of a chunk's logits where the one-rank path
     holds two."""
+    if z.shape[-1] == 0:  # no words on this rank: torch's answer, -inf
+        return torch.logsumexp(z, dim=-1)
     top = z.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows of -inf
     return (z - top).exp_().sum(dim=-1).log_() + top.squeeze(-1)

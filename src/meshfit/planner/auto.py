@@ -98,7 +98,7 @@ def choose_plan(
         example_targets=example_targets,
         batch_size=batch_size,
         hardware=hw,
-        optimizer=optimizer_state_bytes(optimizer),
+        optimizer=optimizer_for_planning(optimizer),
         precision=fixed.get("precision", "fp32"),
         compiled=compiled,
         chunked_loss=chunked_loss,
@@ -123,19 +123,37 @@ def optimizer_state_bytes(factory: Any) -> float:
     """Bytes of state per parameter of the optimizer `factory` builds, found by building
     it on one parameter and taking a step (its state then exists): Adam's two moments 8,
     SGD with momentum 4, plain SGD 0. Default (no factory): meshfit's AdamW."""
+    return _probe(factory)[1]
+
+
+def optimizer_for_planning(factory: Any) -> str | float:
+    """What the planner takes as `optimizer=`: the name of a torch optimizer it knows
+    (memory.OPTIMIZER_STATE_BYTES; its step's temporaries are counted too), else its
+    state bytes per parameter. Default (no factory): "adamw", meshfit's."""
+    from meshfit.planner.memory import OPTIMIZER_STATE_BYTES
+
+    name, state_bytes = _probe(factory)
+    if name == "sgd" and state_bytes:
+        name = "sgd-momentum"
+    return name if OPTIMIZER_STATE_BYTES.get(name) == state_bytes else state_bytes
+
+
+def _probe(factory: Any) -> tuple[str, float]:
+    """(the optimizer's class name in lower case, its state bytes per parameter), by
+    building it on one parameter and taking a step (its state then exists)."""
     if factory is None:
-        return 8.0
+        return "adamw", 8.0
     probe = nn.Parameter(torch.zeros(4))
     try:
         optimizer = factory([probe])
         probe.grad = torch.ones(4)
         optimizer.step()
     except Exception:  # an optimizer that needs more (a closure, named groups): assume Adam
-        return 8.0
+        return "", 8.0
     state = optimizer.state.get(probe, {})
     total = sum(
         v.numel() * v.element_size()
         for v in state.values()
         if isinstance(v, torch.Tensor) and v.dim()
     )
-    return total / probe.numel()
+    return type(optimizer).__name__.lower(), total / probe.numel()

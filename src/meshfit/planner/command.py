@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from meshfit.errors import MeshfitError
-from meshfit.planner.auto import optimizer_state_bytes
+from meshfit.planner.auto import optimizer_for_planning
 from meshfit.planner.hardware import Hardware, hardware, this_machine
+from meshfit.planner.memory import _optimizer_bytes
 from meshfit.planner.search import search_model
 from meshfit.trees import tensors_in
 
@@ -78,7 +79,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     world = hw.world_size
     precision, why_precision = _precision(args, hw)
-    state_bytes = optimizer_state_bytes(options.get("optimizer"))
+    optimizer = optimizer_for_planning(options.get("optimizer"))
+    state_bytes = _optimizer_bytes(optimizer)
     whose = "the target's optimizer" if options.get("optimizer") else "AdamW, the default"
     chunked = args.chunked_loss or options.get("chunked_loss", False)
     start = time.perf_counter()
@@ -90,7 +92,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         example_targets=targets,
         batch_size=batch_size,
         hardware=hw,
-        optimizer=state_bytes,
+        optimizer=optimizer,
         precision=precision,
         compiled=args.compile,
         chunked_loss=chunked,

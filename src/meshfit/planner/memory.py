@@ -22,10 +22,10 @@ accounting, Rajbhandari et al. 2020; activations as counted in the profile):
   2 bytes an element, but the loss's log-softmax and its gradient over the output stay
   float32 (autocast's op lists), and a micro-batch's loss and that gradient are freed
   before its blocks' backward re-makes a block. Under pp the last stage also holds each
-  micro-batch's output (the logits) until its backward (torch's stage keeps it). Compiled (compile=True), what torch's
-  partitioner saves instead (planner/compiled_memory.py), no float32 copy of the output
-  and no separate gradient of it (Inductor writes it over the saved logits). Context parallel
-  (cp) holds 1/cp of each sequence's tokens: activations and FLOPs divide by cp, but
+  micro-batch's output (the logits) until its backward (torch's stage keeps it).
+  Compiled (compile=True), what torch's partitioner saves instead
+  (planner/compiled_memory.py), no float32 copy of the output and no separate gradient
+  of it (Inductor writes it over the saved logits). Context parallel (cp) holds 1/cp of each sequence's tokens: activations and FLOPs divide by cp, but
   each attention keeps the whole sequence's keys and values it gathered
   (parallel/context/attention.py; the bytes the profile saw its attention read, two
   block inputs where it saw none), every block's without recomputation, one block's at a
@@ -77,7 +77,9 @@ class MemoryEstimate:
     peak before any gradient exists (measured: benchmarks/planner_memory.py), and
     backward frees activations as it makes gradients. They add up where micro-batches
     interleave: gradient accumulation, and 1F1B-style schedules that run backwards
-    while other micro-batches' activations wait (`overlap`)."""
+    while other micro-batches' activations wait (`overlap`). The optimizer's step is
+    the other candidate for the peak: parameters, gradients and state beside `stepping`
+    (DDP's buckets, and on the CPU the step's temporaries); `total` is the larger."""
 
     parameters: float = 0.0
     gradients: float = 0.0
@@ -277,10 +279,16 @@ def _rank_memory(
     if (plan.dp or 1) * plan.cp > 1 and not plan.uses_fsdp:
         memory.buffers += local * GRADIENT_BYTES  # DDP's gradient buckets
         memory.stepping += local * GRADIENT_BYTES
-    # the optimizer's temporaries beside its largest parameter (measured: 250.5 MiB
-    # beside a 125 MiB embedding, where a 128k-word Llama's chunked step under tp=2 peaks)
-    largest = min(profile.largest_param / _shards(plan), local)
-    memory.stepping += step_temporaries * largest * 4
+    # the optimizer's temporaries beside the rank's largest parameter (measured: 250.5
+    # MiB beside a 125 MiB embedding, where a 128k-word Llama's chunked step under tp=2
+    # peaks); a block's split by tp, the head's and tail's taken whole (an embedding tp
+    # may leave whole); with offload they are the host's (the optimizer steps there)
+    held = [p.largest_param / (_tp_of(p, plan.tp) if p.tp_share else 1) for p in parts]
+    held += [profile.head.largest_param] if first else []
+    held += [profile.tail.largest_param] if last else []
+    largest = max(held, default=0) / _shards(plan)
+    if not plan.offload:
+        memory.stepping += step_temporaries * largest * 4
     # FSDP2 gathers into unsharded copies even over a shard group of one (HSDP that only
     # replicates, as dp x tp plans do): torch copies the shard in, it does not alias it.
     if plan.defers_stage_reduction and plan.fsdp > 1 and parts:

@@ -73,6 +73,7 @@ class PartCost:
     # count, which tp must divide (else it stays whole); 0: none
     tp_gathered_outputs: int = 0
     ops: int = 0  # operators its forward runs (each costs a fixed launch / dispatch time)
+    largest_param: int = 0  # elements of its largest parameter (the optimizer's temporaries)
 
 
 @dataclass
@@ -448,11 +449,13 @@ def _run_loss(loss_fn: Any, outputs: Any, targets: Any, pack: Callable) -> None:
 def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) -> None:
     if not stack.keys:
         parts["head"].params = sum(p.numel() for p in model.parameters())
+        parts["head"].largest_param = max((p.numel() for p in model.parameters()), default=0)
         return
     in_blocks: set[int] = set()
     for key, block in zip(stack.keys, stack.blocks, strict=True):
         unique = {id(p): p for p in block.parameters()}
         parts[key].params = sum(p.numel() for p in unique.values())
+        parts[key].largest_param = max((p.numel() for p in unique.values()), default=0)
         experts = {
             id(p): p
             for layer in find_expert_layers(block)
@@ -467,6 +470,9 @@ def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) 
     before, after = _around(model, stack)
     for name, ids in (("head", before), ("tail", after)):
         parts[name].params = sum(p.numel() for i, p in ids.items() if i not in in_blocks)
+        parts[name].largest_param = max(
+            (p.numel() for i, p in ids.items() if i not in in_blocks), default=0
+        )
 
 
 def _around(

@@ -285,7 +285,7 @@ def search_profile(
     *,
     batch_size: int,
     hardware: Hardware,
-    optimizer: str = "adamw",
+    optimizer: str | float = "adamw",
     precision: str = "fp32",
     offload: bool = True,
     compiled: bool = False,
