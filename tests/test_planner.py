@@ -194,6 +194,25 @@ def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
     assert offload.memory.stepping == 0  # the optimizer steps on the host
 
 
+def test_the_last_stage_holds_its_output_once_whatever_the_loss_saves():
+    """Under pp torch's stage keeps a micro-batch's output until its backward: counted
+    beside a cross-entropy (which saves its log-softmax, not the logits), and not again
+    for a mean-squared error, which saves the output itself."""
+    from meshfit.models import next_token_loss
+
+    model = gpt("meta")
+    vocab = CONFIG.vocab_size
+    ce = profile_model(model, tokens(), loss_fn=next_token_loss, example_targets=tokens())
+    targets = torch.zeros(2, CONFIG.block_size, vocab, device="meta")
+    mse = profile_model(model, tokens(), loss_fn=F.mse_loss, example_targets=targets)
+    assert not ce.output_saved and mse.output_saved
+    plan = Plan(dp=1, pp=2, microbatches=1)
+    counted = estimate(ce, plan, batch_size=2).ranks[-1].activations
+    saved = dataclasses.replace(ce, output_saved=True)
+    without = estimate(saved, plan, batch_size=2).ranks[-1].activations
+    assert counted - without == pytest.approx(ce.output_bytes * 2)  # a micro-batch of 2
+
+
 def test_pipeline_bubble_is_pp_minus_one_micro_batch_times():
     hw = Hardware("ideal", 1e12, {"fp32": 1e9}, {"fp32": 1e9}, 1e15, 1e15, 1e15, 8,
                   latency=0.0, op_overhead=0.0)  # fmt: skip

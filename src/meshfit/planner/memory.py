@@ -339,10 +339,11 @@ def _rank_memory(
             # and its gradient over the output, float32, two copies beside it; compiled,
             # Inductor writes it over the saved logits (its in-place buffer reuse)
             output_gradient = 2 * profile.output_bytes
-    if last and plan.pp > 1 and not chunked_loss:
+    if last and plan.pp > 1 and not chunked_loss and not profile.output_saved:
         # torch's stage keeps each micro-batch's output (the logits) from its forward
         # until its backward has run (one process drops it before backward); with
-        # chunked_loss the last stage's output is the hidden state (head_loss.py)
+        # chunked_loss the last stage's output is the hidden state (head_loss.py); a
+        # loss that saves the output itself has it in tail.saved already
         tail += profile.output_bytes * scale
     # A micro-batch's loss and its gradient are freed before its blocks' backward
     # re-makes a block (recomputation): the two do not meet.

@@ -92,6 +92,9 @@ class ModelProfile:
     # of tail.saved: what the loss keeps over the vocabulary (a log-softmax), which
     # autocast computes in float32 (torch's autocast op lists)
     loss_float32: float = 0.0
+    # the loss (or the model) saves the output itself for backward (a mean-squared
+    # error does; a cross-entropy saves its log-softmax): counted in tail.saved already
+    output_saved: bool = False
     tp_error: str | None = None  # why tensor parallel cannot split this model
     experts: int = 0  # experts per mixture-of-experts layer (the fewest; 0: none)
     pp_error: str | None = None  # why meshfit's pipeline cut refuses it
@@ -316,6 +319,9 @@ def _profile(
             output_bytes = sum(_nbytes(t) for t in tensors_in(outputs) if t.is_floating_point())
             _run_loss(loss_fn, outputs, targets, pack)
             switch("tail")
+        output_saved = any(
+            t.untyped_storage()._cdata in seen for t in tensors_in(outputs) if t.is_floating_point()
+        )
         floating = [t for t in tensors_in(outputs) if t.is_floating_point() and t.dim() >= 2]
         vocabulary = floating[0].shape[-1] if floating else None
     finally:
@@ -335,6 +341,7 @@ def _profile(
         total_params=sum(p.numel() for p in model.parameters()),
         tied_params=tied,
         output_bytes=output_bytes / samples,
+        output_saved=output_saved,
         loss_float32=sum(n for last, n in tail_saved if last == vocabulary) / samples,
         tokens_per_sample=tokens,
         experts=min((layer.experts for layer in find_expert_layers(model)), default=0),
