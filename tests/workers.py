@@ -336,9 +336,13 @@ def engine_run(spec: dict) -> dict:
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 units
     fsdp_units = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules()) if fsdp else 0
     buffer_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    stages = getattr(engine.runner, "stages", [])  # a pipeline's (torch's PipelineStages)
     return {
         "losses": losses,
         "eval": eval_loss,
+        # micro-batch outputs the stages still hold after the evaluation (torch's cache
+        # for a backward that an evaluation never runs)
+        "kept_after_evaluate": _on_every_rank(sum(len(s.fwd_cache) for s in stages)),
         "state": engine.full_state_dict(),
         "rank": engine.rank,
         "fsdp_units": fsdp_units,
