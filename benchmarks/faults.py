@@ -228,7 +228,6 @@ def trial(
             # A stop after a rank's last collective leaves its peers finished and the
             # launcher waiting on the stopped process for good (torch's agent; open, see
             # BENCHMARKS.md), so stops land in the first 60% of the run.
-            delay = rng.uniform(0.15, 0.6 if fault == "stop" else 0.9) * ref_seconds
             if fault == "stop" and args.stop_when == "training":
                 while not committed(ckpt) and launcher.poll() is None:
                     time.sleep(0.02)
@@ -236,6 +235,8 @@ def trial(
                 # fraction of the undisturbed run (mostly start-up on a busy machine)
                 # could land after the last collective
                 delay = rng.uniform(0.0, 1.0)
+            else:
+                delay = rng.uniform(0.15, 0.6 if fault == "stop" else 0.9) * ref_seconds
             if fault == "corrupt":  # the newest of two, so an intact one remains
                 while len(committed(ckpt)) < 2 and launcher.poll() is None:
                     time.sleep(0.02)

@@ -8,9 +8,9 @@ in chunks, eager; and at 128k words compiled (`compile=True`). With `--plans`, t
 float32 rows under tp=2 (the head split over the vocabulary: each rank's chunks over its
 half of the words) and pp=2 (the head and its chunks on the last stage) on 2 CPU workers
 (gloo, one thread each), the fullest rank against the estimate for world size 2. Each
-row's second step is measured (eager: `memory_probe.measure_peak`, live tensor bytes at the peak; compiled:
-`profiled_peak`, torch.profiler's memory profile, which sees Inductor's allocations)
-beside `mf.estimate(..., chunked_loss=..., compiled=...)` for the same plan.
+row's second step is measured (eager: `memory_probe.measure_peak`, live tensor bytes at
+the peak; compiled: `profiled_peak`, torch.profiler's memory profile, which sees
+Inductor's allocations) beside `mf.estimate(..., chunked_loss=..., compiled=...)` for the same plan.
 
     python benchmarks/planner_chunked.py           # 12 rows, about 3 minutes on 2 cores
     python benchmarks/planner_chunked.py --quick   # a 4,096-word vocabulary, 2 rows

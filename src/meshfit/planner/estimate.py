@@ -128,7 +128,7 @@ def estimate_profile(
             traced,
             chunked_loss,
             temporaries,
-        )  # fmt: skip
+        )
         for r, (blocks, first, last) in enumerate(layout)
     ]
     fullest = max(ranks, key=lambda e: e.total)

@@ -25,15 +25,15 @@ accounting, Rajbhandari et al. 2020; activations as counted in the profile):
   micro-batch's output (the logits) until its backward (torch's stage keeps it).
   Compiled (compile=True), what torch's partitioner saves instead
   (planner/compiled_memory.py), no float32 copy of the output and no separate gradient
-  of it (Inductor writes it over the saved logits). Context parallel (cp) holds 1/cp of each sequence's tokens: activations and FLOPs divide by cp, but
-  each attention keeps the whole sequence's keys and values it gathered
-  (parallel/context/attention.py; the bytes the profile saw its attention read, two
-  block inputs where it saw none), every block's without recomputation, one block's at a
-  time with it (the gather is re-run in backward); and the additive mask of the rank's
-  queries over the whole sequence, one per micro-batch in flight (S/cp x S in the
-  compute dtype: quadratic in S, the price of an exact mask on any device). FSDP2 shards
-  over fsdp x cp. Expert parallel (ep) keeps 1/ep of every experts module whole (outside
-  FSDP2), the rest as the plan says.
+  of it (Inductor writes it over the saved logits). Context parallel (cp) holds 1/cp of
+  each sequence's tokens: activations and FLOPs divide by cp, but each attention keeps
+  the whole sequence's keys and values it gathered (parallel/context/attention.py; the
+  bytes the profile saw its attention read, two block inputs where it saw none), every
+  block's without recomputation, one block's at a time with it (the gather is re-run in
+  backward); and the additive mask of the rank's queries over the whole sequence, one
+  per micro-batch in flight (S/cp x S in the compute dtype: quadratic in S, the price of
+  an exact mask on any device). FSDP2 shards over fsdp x cp. Expert parallel (ep) keeps
+  1/ep of every experts module whole (outside FSDP2), the rest as the plan says.
 """
 
 from __future__ import annotations
@@ -283,10 +283,10 @@ def _rank_memory(
     # MiB beside a 125 MiB embedding, where a 128k-word Llama's chunked step under tp=2
     # peaks); a block's split by tp, the head's and tail's taken whole (an embedding tp
     # may leave whole); with offload they are the host's (the optimizer steps there)
-    held = [p.largest_param / (_tp_of(p, plan.tp) if p.tp_share else 1) for p in parts]
-    held += [profile.head.largest_param] if first else []
-    held += [profile.tail.largest_param] if last else []
-    largest = max(held, default=0) / _shards(plan)
+    sizes = [p.largest_param / (_tp_of(p, plan.tp) if p.tp_share else 1) for p in parts]
+    sizes += [profile.head.largest_param] if first else []
+    sizes += [profile.tail.largest_param] if last else []
+    largest = max(sizes, default=0) / _shards(plan)
     if not plan.offload:
         memory.stepping += step_temporaries * largest * 4
     # FSDP2 gathers into unsharded copies even over a shard group of one (HSDP that only

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -455,14 +455,12 @@ def _run_loss(loss_fn: Any, outputs: Any, targets: Any, pack: Callable) -> None:
 
 def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) -> None:
     if not stack.keys:
-        parts["head"].params = sum(p.numel() for p in model.parameters())
-        parts["head"].largest_param = max((p.numel() for p in model.parameters()), default=0)
+        _count_into(parts["head"], model.parameters())
         return
     in_blocks: set[int] = set()
     for key, block in zip(stack.keys, stack.blocks, strict=True):
         unique = {id(p): p for p in block.parameters()}
-        parts[key].params = sum(p.numel() for p in unique.values())
-        parts[key].largest_param = max((p.numel() for p in unique.values()), default=0)
+        _count_into(parts[key], unique.values())
         experts = {
             id(p): p
             for layer in find_expert_layers(block)
@@ -476,10 +474,14 @@ def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) 
     # order of the modules around the stack).
     before, after = _around(model, stack)
     for name, ids in (("head", before), ("tail", after)):
-        parts[name].params = sum(p.numel() for i, p in ids.items() if i not in in_blocks)
-        parts[name].largest_param = max(
-            (p.numel() for i, p in ids.items() if i not in in_blocks), default=0
-        )
+        _count_into(parts[name], (p for i, p in ids.items() if i not in in_blocks))
+
+
+def _count_into(part: PartCost, params: Iterable[nn.Parameter]) -> None:
+    """`part`'s parameter elements and its largest parameter's."""
+    sizes = [p.numel() for p in params]
+    part.params = sum(sizes)
+    part.largest_param = max(sizes, default=0)
 
 
 def _around(
