@@ -159,12 +159,61 @@ def test_optimizer_state_bytes_are_read_from_the_optimizer_itself():
 
 
 def test_optimizer_for_planning_names_the_ones_the_planner_knows():
-    assert optimizer_for_planning(None) == "adamw"  # meshfit's default
-    assert optimizer_for_planning(lambda p: torch.optim.Adam(p)) == "adam"
-    assert optimizer_for_planning(lambda p: torch.optim.SGD(p, lr=0.1)) == "sgd"
+    from meshfit.options import default_optimizer
+
+    h100 = hardware("h100")
+    assert optimizer_for_planning(None) == "adamw"  # meshfit's default (fused on a GPU)
+    assert optimizer_for_planning(default_optimizer, h100) == "adamw"
+    # torch's own default: one parameter at a time on the CPU, a list at a time on a GPU
+    assert optimizer_for_planning(lambda p: torch.optim.Adam(p)) == "adam:for-loop"
+    assert optimizer_for_planning(lambda p: torch.optim.Adam(p), h100) == "adam:foreach"
+    # the factory's own choice, wherever it runs
+    fused = optimizer_for_planning(lambda p: torch.optim.AdamW(p, fused=True))
+    assert fused == "adamw:fused"
+    looped = optimizer_for_planning(lambda p: torch.optim.AdamW(p, foreach=False), h100)
+    assert looped == "adamw:for-loop"
+    listed = optimizer_for_planning(lambda p: torch.optim.RMSprop(p, foreach=True))
+    assert listed == "rmsprop:foreach"
+    assert optimizer_for_planning(lambda p: torch.optim.SGD(p, lr=0.1)) == "sgd:for-loop"
     momentum = optimizer_for_planning(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    assert momentum == "sgd-momentum"
+    assert momentum == "sgd-momentum:for-loop"
     assert optimizer_for_planning(lambda p: torch.optim.Adamax(p)) == 8  # its state bytes
+    with pytest.raises(MeshfitError, match="'adamw:foreach'"):
+        estimate(hand_profile(), Plan(dp=1), batch_size=1, optimizer="adamw:vectorised")
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "sgd-momentum", "adagrad", "rmsprop"])
+def test_the_planner_s_optimizer_temporaries_are_what_torch_makes(name):
+    """The tables the planner counts a step's temporaries from (memory.py), measured
+    again on torch's CPU code paths, each implementation forced: one parameter at a time
+    (the largest parameter's size), a list at a time (all of them), fused (none)."""
+    from meshfit.planner.memory import FOREACH_TEMPORARIES, STEP_TEMPORARIES
+    from meshfit.planner.memory_probe import measure_peak
+
+    kind = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
+            "rmsprop": torch.optim.RMSprop}.get(name, torch.optim.SGD)  # fmt: skip
+    extra = {"momentum": 0.9} if name == "sgd-momentum" else {}
+    large, small = 1024 * 256, 256 * 256
+    for stepping, flags in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
+                            ("fused", {"fused": True})):  # fmt: skip
+        if stepping == "fused" and name == "rmsprop":
+            continue  # torch has no fused RMSprop
+        params = nn.ParameterList([nn.Parameter(torch.randn(1024, 256)),
+                                   nn.Parameter(torch.randn(256, 256))])  # fmt: skip
+        optimizer = kind(params.parameters(), lr=0.01, **extra, **flags)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()  # its state made
+        made = measure_peak(optimizer.step, modules=[params], optimizers=[optimizer]).other
+        of_largest, of_all = {
+            "for-loop": (STEP_TEMPORARIES.get(name, 0), 0),
+            "foreach": (0, FOREACH_TEMPORARIES.get(name, 0)),
+            "fused": (0, 0),
+        }[stepping]
+        counted = (of_largest * large + of_all * (large + small)) * 4
+        # one parameter at a time, the smaller one's temporary may still be bound when the
+        # larger's is made (Adagrad, RMSprop: 1.25 x the larger, counted as 1)
+        assert counted <= made <= counted + small * 4, (stepping, made / 4 / large)
 
 
 def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
@@ -192,6 +241,27 @@ def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
     assert gpu.memory.stepping == 0 and gpu.memory.total < cpu.memory.total
     offload = estimate(profile, Plan(dp=1, fsdp=2, offload=True), batch_size=2)
     assert offload.memory.stepping == 0  # the optimizer steps on the host
+    # a user's AdamW left to torch's default on a GPU steps a list at a time: one
+    # temporary the size of all the rank's parameters (its fsdp shard of them)
+    listed = estimate(profile, Plan(dp=1, fsdp=2), batch_size=2, hardware="h100",
+                      optimizer="adamw:foreach")  # fmt: skip
+    assert listed.memory.stepping == 102_000 / 2 * 4
+    # and fused, or one at a time, wherever it is told
+    fused = estimate(profile, Plan(dp=1), batch_size=1, optimizer="adamw:fused")
+    assert fused.memory.stepping == 0
+    looped = estimate(profile, Plan(dp=1), batch_size=1, hardware="h100",
+                      optimizer="adamw:for-loop")  # fmt: skip
+    assert looped.memory.stepping == cpu.memory.stepping
+    # an expert weight holds 1/ep of the experts (outside FSDP2), the rest 1/fsdp
+    moe = dataclasses.replace(split, blocks=[
+        dataclasses.replace(b, largest_param=100, largest_expert=800, expert_params=800)
+        for b in split.blocks])  # fmt: skip
+    assert estimate(moe, Plan(dp=1, fsdp=2), batch_size=2).memory.stepping == 2 * 400 * 4
+    both = estimate(moe, Plan(dp=1, fsdp=2, ep=2), batch_size=2)
+    assert both.memory.stepping == 2 * 800 / 2 * 4
+    dense = dataclasses.replace(moe, blocks=[
+        dataclasses.replace(b, largest_param=2000) for b in moe.blocks])  # fmt: skip
+    assert estimate(dense, Plan(dp=1, fsdp=2, ep=2), batch_size=2).memory.stepping == 2 * 1000 * 4
 
 
 def test_the_last_stage_holds_its_output_once_whatever_the_loss_saves():

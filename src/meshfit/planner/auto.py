@@ -98,7 +98,7 @@ def choose_plan(
         example_targets=example_targets,
         batch_size=batch_size,
         hardware=hw,
-        optimizer=optimizer_for_planning(optimizer),
+        optimizer=optimizer_for_planning(optimizer, hw),
         precision=fixed.get("precision", "fp32"),
         compiled=compiled,
         chunked_loss=chunked_loss,
@@ -126,34 +126,48 @@ def optimizer_state_bytes(factory: Any) -> float:
     return _probe(factory)[1]
 
 
-def optimizer_for_planning(factory: Any) -> str | float:
+def optimizer_for_planning(factory: Any, hardware: Hardware | None = None) -> str | float:
     """What the planner takes as `optimizer=`: the name of a torch optimizer it knows
-    (memory.OPTIMIZER_STATE_BYTES; its step's temporaries are counted too), else its
-    state bytes per parameter. Default (no factory): "adamw", meshfit's."""
+    (memory.OPTIMIZER_STATE_BYTES) with how it steps ("adamw:foreach", which sets its
+    step's temporaries), else its state bytes per parameter. The factory's own
+    `foreach=`/`fused=`, else torch's default for the device: a list at a time on a GPU
+    (`hardware` with its own memory), one parameter at a time on the CPU. Default (no
+    factory): "adamw", meshfit's (fused on a GPU)."""
+    from meshfit.options import default_optimizer
     from meshfit.planner.memory import OPTIMIZER_STATE_BYTES
 
-    name, state_bytes = _probe(factory)
+    if factory is None or factory is default_optimizer:
+        return "adamw"
+    name, state_bytes, defaults = _probe(factory)
     if name == "sgd" and state_bytes:
         name = "sgd-momentum"
-    return name if OPTIMIZER_STATE_BYTES.get(name) == state_bytes else state_bytes
+    if OPTIMIZER_STATE_BYTES.get(name) != state_bytes:
+        return state_bytes
+    if defaults.get("fused"):
+        return f"{name}:fused"
+    foreach = defaults.get("foreach")
+    if foreach is None:  # torch's choice (_default_to_fused_or_foreach): by the device
+        foreach = hardware is not None and hardware.separate_host_memory
+    return f"{name}:{'foreach' if foreach else 'for-loop'}"
 
 
-def _probe(factory: Any) -> tuple[str, float]:
-    """(the optimizer's class name in lower case, its state bytes per parameter), by
-    building it on one parameter and taking a step (its state then exists)."""
+def _probe(factory: Any) -> tuple[str, float, dict[str, Any]]:
+    """(the optimizer's class name in lower case, its state bytes per parameter, its
+    defaults), by building it on one parameter and taking a step (its state then
+    exists)."""
     if factory is None:
-        return "adamw", 8.0
+        return "adamw", 8.0, {}
     probe = nn.Parameter(torch.zeros(4))
     try:
         optimizer = factory([probe])
         probe.grad = torch.ones(4)
         optimizer.step()
     except Exception:  # an optimizer that needs more (a closure, named groups): assume Adam
-        return "", 8.0
+        return "", 8.0, {}
     state = optimizer.state.get(probe, {})
     total = sum(
         v.numel() * v.element_size()
         for v in state.values()
         if isinstance(v, torch.Tensor) and v.dim()
     )
-    return type(optimizer).__name__.lower(), total / probe.numel()
+    return type(optimizer).__name__.lower(), total / probe.numel(), dict(optimizer.defaults)

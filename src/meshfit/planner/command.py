@@ -79,9 +79,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     world = hw.world_size
     precision, why_precision = _precision(args, hw)
-    optimizer = optimizer_for_planning(options.get("optimizer"))
+    optimizer = optimizer_for_planning(options.get("optimizer"), hw)
     state_bytes = _optimizer_bytes(optimizer)
     whose = "the target's optimizer" if options.get("optimizer") else "AdamW, the default"
+    if options.get("optimizer") and isinstance(optimizer, str):  # how it steps counts too
+        whose += f", {optimizer}"
     chunked = args.chunked_loss or options.get("chunked_loss", False)
     start = time.perf_counter()
     result = search_model(

@@ -23,6 +23,7 @@ from meshfit.plan import Plan
 from meshfit.planner.hardware import Hardware
 from meshfit.planner.memory import (
     _AUTOCAST,
+    FOREACH_TEMPORARIES,
     GRADIENT_BYTES,
     STEP_TEMPORARIES,
     USABLE_MEMORY,
@@ -37,6 +38,7 @@ from meshfit.planner.memory import (
     _split,
     _tp_of,
     build_bytes,
+    optimizer_stepping,
     stage_layout,
 )
 from meshfit.planner.profile import ModelProfile
@@ -161,14 +163,21 @@ def estimate_profile(
     return result
 
 
-def _step_temporaries(optimizer: str | float, hardware: Hardware | None) -> int:
-    """Parameter-sized temporaries of the optimizer's step: on the CPU torch steps one
-    parameter at a time (memory.STEP_TEMPORARIES); on a GPU meshfit's AdamW is fused
-    (none), and a user's unfused one steps a list at a time (foreach), which is not
-    counted. An optimizer given as its state bytes: none counted."""
-    if hardware is not None and hardware.separate_host_memory:
-        return 0
-    return STEP_TEMPORARIES.get(optimizer.lower(), 0) if isinstance(optimizer, str) else 0
+def _step_temporaries(optimizer: str | float, hardware: Hardware | None) -> tuple[float, float]:
+    """(temporaries the size of the rank's largest parameter, the size of all its
+    parameters) the optimizer's step makes: by how it steps (memory.py's tables; a bare
+    name is meshfit's AdamW's way: fused on a GPU, one parameter at a time on the CPU).
+    An optimizer given as its state bytes: none counted."""
+    if not isinstance(optimizer, str):
+        return 0, 0
+    name, stepping = optimizer_stepping(optimizer)
+    on_gpu = hardware is not None and hardware.separate_host_memory
+    stepping = stepping or ("fused" if on_gpu else "for-loop")
+    if stepping == "foreach":
+        return 0, FOREACH_TEMPORARIES.get(name, 0)
+    if stepping == "for-loop":
+        return STEP_TEMPORARIES.get(name, 0), 0
+    return 0, 0
 
 
 def _group(plan: Plan, dim: str) -> tuple[int, int]:

@@ -6,8 +6,9 @@ accounting, Rajbhandari et al. 2020; activations as counted in the profile):
 - the peak of a step: parameters, optimizer state and buffers, plus the activations or
   the gradients with what recomputation re-makes late in backward, whichever is larger
   (both where micro-batches interleave: see MemoryEstimate); or, where larger, the
-  optimizer's step: parameters, gradients and state beside DDP's buckets and, on the
-  CPU, the step's temporaries the size of the largest parameter (STEP_TEMPORARIES);
+  optimizer's step: parameters, gradients and state beside DDP's buckets and the step's
+  temporaries (the largest parameter's size, or all of them, by how it steps:
+  STEP_TEMPORARIES, FOREACH_TEMPORARIES; none fused);
 - parameters 4 bytes, gradients 4, optimizer state 8 (Adam: two moments) per element of
   the rank's share: a pipeline stage's parameters, tp-split ones divided by tp, all of
   them divided by fsdp (ZeRO-3: 16 bytes / parameter / N);
@@ -56,11 +57,19 @@ OPTIMIZER_STATE_BYTES = {
     "adagrad": 4,
     "rmsprop": 4,
 }
-# Temporaries the size of a parameter that an optimizer makes while it steps one
-# parameter at a time (torch's CPU path; measured with memory_probe: AdamW's sqrt of the
-# second moment and its quotient; Adagrad's and RMSprop's one, plus the previous
-# parameter's still bound)
+# Temporaries an optimizer's step makes, by how it steps (torch's `foreach=`/`fused=`),
+# measured with memory_probe (tests/test_planner.py measures them again):
+# - "for-loop", one parameter at a time (torch's default on the CPU): STEP_TEMPORARIES x
+#   the rank's largest parameter (AdamW: its second moment's sqrt and the quotient;
+#   Adagrad's and RMSprop's one, plus the previous parameter's still bound);
+# - "foreach", a list at a time (torch's default on a GPU): FOREACH_TEMPORARIES x all of
+#   the rank's parameters (each operation makes its results for the whole list at once);
+# - "fused", one kernel (meshfit's AdamW on a GPU): none.
+# A bare name ("adamw") steps as meshfit's AdamW does: fused on a GPU, one parameter at a
+# time on the CPU; "adamw:foreach" names the implementation.
 STEP_TEMPORARIES = {"adamw": 2, "adam": 2, "adagrad": 1, "rmsprop": 1}
+FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "adagrad": 2, "rmsprop": 1}
+STEPPINGS = ("for-loop", "foreach", "fused")
 GRADIENT_BYTES = 4  # float32 gradients (master weights stay float32 under bf16)
 # Share of a device's memory a plan may fill: the allocator's fragmentation and the
 # CUDA context need the rest.
@@ -173,16 +182,24 @@ def _cached_starts(profile: ModelProfile, stages: int, tp: int) -> list[int]:
     return cache[stages, tp]
 
 
+def optimizer_stepping(optimizer: str) -> tuple[str, str | None]:
+    """("adamw", "foreach") for "adamw:foreach"; ("adamw", None) for a bare name (stepped
+    as meshfit's AdamW: fused on a GPU, one parameter at a time on the CPU)."""
+    name, _, stepping = optimizer.lower().partition(":")
+    if name not in OPTIMIZER_STATE_BYTES or (stepping and stepping not in STEPPINGS):
+        raise MeshfitError(
+            f"unknown optimizer {optimizer!r} for planning; known: "
+            f"{', '.join(OPTIMIZER_STATE_BYTES)}, each optionally with how it steps "
+            f"({', '.join(':' + s for s in STEPPINGS)}, e.g. 'adamw:foreach'), or its state "
+            f"bytes per parameter (a number)"
+        )
+    return name, stepping or None
+
+
 def _optimizer_bytes(optimizer: str | float) -> float:
     if isinstance(optimizer, (int, float)):
         return float(optimizer)
-    key = optimizer.lower()
-    if key not in OPTIMIZER_STATE_BYTES:
-        raise MeshfitError(
-            f"unknown optimizer {optimizer!r} for planning; known: "
-            f"{', '.join(OPTIMIZER_STATE_BYTES)}, or its state bytes per parameter (a number)"
-        )
-    return float(OPTIMIZER_STATE_BYTES[key])
+    return float(OPTIMIZER_STATE_BYTES[optimizer_stepping(optimizer)[0]])
 
 
 def _tp_of(part: PartCost, tp: int) -> int:
@@ -253,7 +270,7 @@ def _rank_memory(
     state_bytes: float,
     traced: bool = False,
     chunked_loss: bool | int = False,
-    step_temporaries: int = 0,
+    step_temporaries: tuple[float, float] = (0, 0),
 ) -> MemoryEstimate:
     parts = [profile.blocks[i] for i in blocks]
     block_params = sum(_split(p, plan.tp) for p in parts)
@@ -279,16 +296,19 @@ def _rank_memory(
     if (plan.dp or 1) * plan.cp > 1 and not plan.uses_fsdp:
         memory.buffers += local * GRADIENT_BYTES  # DDP's gradient buckets
         memory.stepping += local * GRADIENT_BYTES
-    # the optimizer's temporaries beside the rank's largest parameter (measured: 250.5
-    # MiB beside a 125 MiB embedding, where a 128k-word Llama's chunked step under tp=2
-    # peaks); a block's split by tp, the head's and tail's taken whole (an embedding tp
-    # may leave whole); with offload they are the host's (the optimizer steps there)
-    sizes = [p.largest_param / (_tp_of(p, plan.tp) if p.tp_share else 1) for p in parts]
-    sizes += [profile.head.largest_param] if first else []
-    sizes += [profile.tail.largest_param] if last else []
-    largest = max(sizes, default=0) / _shards(plan)
+    # the optimizer's temporaries: one parameter at a time, the size of the rank's
+    # largest parameter (measured: 250.5 MiB beside a 125 MiB embedding, where a
+    # 128k-word Llama's chunked step under tp=2 peaks); a block's split by tp, the head's
+    # and tail's taken whole (an embedding tp may leave whole). A list at a time (foreach),
+    # the size of all the rank's parameters. With offload they are the host's (the
+    # optimizer steps there).
+    of_largest, of_all = step_temporaries
+    sizes = [_largest_local(p, plan) for p in parts]
+    sizes += [profile.head.largest_param / _shards(plan)] if first else []
+    sizes += [profile.tail.largest_param / _shards(plan)] if last else []
+    largest = max(sizes, default=0)
     if not plan.offload:
-        memory.stepping += step_temporaries * largest * 4
+        memory.stepping += (of_largest * largest + of_all * local) * 4
     # FSDP2 gathers into unsharded copies even over a shard group of one (HSDP that only
     # replicates, as dp x tp plans do): torch copies the shard in, it does not alias it.
     if plan.defers_stage_reduction and plan.fsdp > 1 and parts:
@@ -376,6 +396,15 @@ def _kv_bytes(part: PartCost, profile: ModelProfile) -> float:
     if any(b.attention_kv_bytes for b in profile.blocks):
         return part.attention_kv_bytes
     return 2 * part.input_bytes
+
+
+def _largest_local(part: PartCost, plan: Plan) -> float:
+    """Elements of a block's largest parameter on one rank: tp splits the block's, fsdp
+    shards them; under ep an expert weight holds 1/ep of the experts, outside FSDP2."""
+    split = _tp_of(part, plan.tp) if part.tp_share else 1
+    if plan.ep > 1:
+        return max(part.largest_param / split / _shards(plan), part.largest_expert / plan.ep)
+    return max(part.largest_param, part.largest_expert) / split / _shards(plan)
 
 
 def _shards(plan: Plan) -> int:

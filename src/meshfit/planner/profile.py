@@ -74,6 +74,7 @@ class PartCost:
     tp_gathered_outputs: int = 0
     ops: int = 0  # operators its forward runs (each costs a fixed launch / dispatch time)
     largest_param: int = 0  # elements of its largest parameter (the optimizer's temporaries)
+    largest_expert: int = 0  # and of its largest expert weight (ep divides it, fsdp the rest)
 
 
 @dataclass
@@ -455,18 +456,17 @@ def _run_loss(loss_fn: Any, outputs: Any, targets: Any, pack: Callable) -> None:
 
 def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) -> None:
     if not stack.keys:
-        _count_into(parts["head"], model.parameters())
+        _count_into(parts["head"], model.parameters(), {})
         return
     in_blocks: set[int] = set()
     for key, block in zip(stack.keys, stack.blocks, strict=True):
         unique = {id(p): p for p in block.parameters()}
-        _count_into(parts[key], unique.values())
         experts = {
             id(p): p
             for layer in find_expert_layers(block)
             for p in layer.module.parameters(recurse=False)
         }
-        parts[key].expert_params = sum(p.numel() for p in experts.values())
+        _count_into(parts[key], unique.values(), experts)
         parts[key].trains = any(p.requires_grad for p in unique.values())
         in_blocks.update(unique)
     # Outside the blocks: a parameter belongs to the head if a module that runs before
@@ -474,14 +474,17 @@ def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) 
     # order of the modules around the stack).
     before, after = _around(model, stack)
     for name, ids in (("head", before), ("tail", after)):
-        _count_into(parts[name], (p for i, p in ids.items() if i not in in_blocks))
+        _count_into(parts[name], (p for i, p in ids.items() if i not in in_blocks), {})
 
 
-def _count_into(part: PartCost, params: Iterable[nn.Parameter]) -> None:
-    """`part`'s parameter elements and its largest parameter's."""
-    sizes = [p.numel() for p in params]
-    part.params = sum(sizes)
+def _count_into(part: PartCost, params: Iterable[nn.Parameter], experts: dict) -> None:
+    """`part`'s parameter elements and its largest; its `experts`' (by id) apart."""
+    sizes = [p.numel() for p in params if id(p) not in experts]
+    expert_sizes = [p.numel() for p in experts.values()]
+    part.params = sum(sizes) + sum(expert_sizes)
     part.largest_param = max(sizes, default=0)
+    part.expert_params = sum(expert_sizes)
+    part.largest_expert = max(expert_sizes, default=0)
 
 
 def _around(
