@@ -4,14 +4,18 @@ meta and read their parts of a sharded Hugging Face directory, under fsdp=4 and
 pp=2,fsdp=2, and hold exactly the values one uncapped process loaded; the same workers
 building the model whole on the CPU are killed by the cap (the negative control).
 
-The capped workers then train three SGD steps, with the losses of the uncapped process.
-That needs glibc told to give freed tensors back (MALLOC_MMAP_THRESHOLD_=65536, set for
-the workers here): left to its dynamic threshold it keeps the blocks a CPU step frees,
-and the same run was killed by the cap (measured: 3 of 4 ranks; with the setting, 440 MiB
-per rank at most under a 524 MiB cap). pp=2,fsdp=2 trains one micro-batch (GPipe): with
-several, torch's schedule holds each stage gathered with its unsharded gradients until
-the step's end (Plan.defers_stage_reduction: 796-811 MiB per rank uncapped); with one,
-each block reduces after its backward (420 MiB)."""
+The capped workers then train two SGD steps (the second shows the first update), with
+the losses of the uncapped process. That needs glibc told to give freed tensors back
+(M_MMAP_THRESHOLD 65536, what MALLOC_MMAP_THRESHOLD_=65536 sets): left to its dynamic
+threshold it keeps the blocks a CPU step frees, and the same run was killed by the cap
+(measured: 3 of 4 ranks). With it, 474-488 MiB per rank at most under a 523 MiB cap
+(three runs, 2026-11-29; the same as with the setting from start-up, 485-489). The
+build with glibc's defaults, then both plans built again and trained, run in one launch
+of spawned workers (59 s on an idle 2-core VM; four launches took 114 s).
+pp=2,fsdp=2 trains one micro-batch (GPipe): with several, torch's schedule holds each
+stage gathered with its unsharded gradients until the step's end
+(Plan.defers_stage_reduction: 796-811 MiB per rank uncapped); with one, each block
+reduces after its backward."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from workers import CAPPED_LLAMA, capped_llama_build, llama_config
+from workers import CAPPED_LLAMA, capped_llama_build, capped_llama_phases, llama_config
 
 import meshfit as mf
 
@@ -86,8 +90,6 @@ def test_workers_capped_below_the_model_load_their_shards_of_it(tmp_path, monkey
     # writes reference counts), which a spawned one imported before joining. Measured:
     # a forked fsdp=4 worker was killed by the cap within 2 s of its start. What this
     # test measures is meshfit's build, not the launcher.
-    monkeypatch.setenv("MESHFIT_WARM_START", "0")
-
     torch.manual_seed(7)
     model = LlamaForCausalLM(llama_config(**CAPPED_LLAMA))  # a pretrained model, say
     full = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -99,28 +101,27 @@ def test_workers_capped_below_the_model_load_their_shards_of_it(tmp_path, monkey
     with memory_cgroups(name, 4, cap) as made:
         if not made:
             pytest.skip(f"memory cgroups cannot be made here ({MEMORY_ROOT} missing or not root)")
-        reference = mf.launch(capped_llama_build, nproc=1, args=(directory, None, None, True, 3))
-        # The build with glibc's defaults: meshfit returns large freed blocks to the system
-        # for the whole of parallelize (before, only while materializing: a rank's resident
-        # memory grew by up to 917 MiB for its 146 MiB shard, benchmarks/build_resident.py)
-        got = mf.launch(capped_llama_build, nproc=4, args=(directory, "fsdp=4", name, True))
-        assert max(got["peak"]) < cap and _oom_kills(name, 4) == 0, (got["peak"], cap)
-        assert got["sums"] == reference["sums"]
-        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the workers' glibc, to train
-        for plan, steps in (("fsdp=4", 3), ("pp=2,fsdp=2,microbatches=1,schedule=gpipe", 3)):
-            _reset_peaks(name, 4)
-            args = (directory, plan, name, True, steps)
-            got = mf.launch(capped_llama_build, nproc=4, args=args)
+        reference = mf.launch(capped_llama_build, nproc=1, args=(directory, None, None, True, 2))
+        monkeypatch.setenv("MESHFIT_WARM_START", "0")  # the capped workers: spawned (above)
+        # One launch, three phases (capped_llama_phases). First the build with glibc's
+        # defaults: meshfit returns large freed blocks to the system for the whole of
+        # parallelize (before, only while materializing: a rank's resident memory grew by
+        # up to 917 MiB for its 146 MiB shard, benchmarks/build_resident.py). Then, glibc
+        # told to give freed blocks back, each plan built again and trained.
+        plans = ["fsdp=4", "pp=2,fsdp=2,microbatches=1,schedule=gpipe"]
+        phases = [("fsdp=4", 0)] + [(plan, 2) for plan in plans]
+        built, *trained = mf.launch(capped_llama_phases, nproc=4, args=(directory, name, phases))
+        assert max(built["peak"]) < cap and _oom_kills(name, 4) == 0, (built["peak"], cap)
+        assert built["sums"] == reference["sums"]
+        for plan, got in zip(plans, trained, strict=True):
             assert max(got["peak"]) < cap, (plan, got["peak"], cap)
             assert max(got["train_peak"]) < cap, (plan, got["train_peak"], cap)
-            assert _oom_kills(name, 4) == 0, plan
             # every parameter, gathered one at a time: the values one process loaded
             assert got["sums"] == reference["sums"], plan
             # and the steps trained under the cap: the uncapped process's losses (float32:
             # the shards' reductions add in another order)
-            ref_losses = reference["losses"][:steps]
-            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), plan
-        monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+            assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5), plan
+        assert _oom_kills(name, 4) == 0
         # The cap binds: a worker that builds the whole model before splitting it is
         # killed by the kernel's out-of-memory killer (a peer may report first).
         with pytest.raises(Exception):  # noqa: B017, PT011 - whichever rank reports

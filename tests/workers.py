@@ -1493,12 +1493,41 @@ def capped_llama_build(
     rank's stages hold (one tensor gathered at a time), and the cgroup's peak usage;
     with `steps`, the losses of that many SGD steps trained after the load, and the
     cgroup's peak after them ("train_peak")."""
+    return _capped_phase(directory, plan, _join_capped(cgroup), on_meta, steps)
+
+
+def capped_llama_phases(directory: str, cgroup: str, phases: list[tuple[str, int]]) -> list:
+    """capped_llama_build on meta for each (plan, steps) of `phases` in turn, in the same
+    workers (a spawned worker's start-up costs more than the build). The first phase runs
+    with glibc's defaults; before each later one the engine is dropped, glibc gives back
+    what it freed (malloc_trim) and returns every freed block over 64 KiB from then on
+    (what MALLOC_MMAP_THRESHOLD_=65536 sets at start-up; set in the environment too, which
+    meshfit's build restores after lowering it), and the cgroup's peak is reset."""
+    import ctypes
+    import gc
+
+    where = _join_capped(cgroup)
+    results = []
+    for i, (plan, steps) in enumerate(phases):
+        if i:
+            gc.collect()
+            libc = ctypes.CDLL("libc.so.6")
+            libc.malloc_trim(0)
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+            libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+            torch.distributed.barrier()  # every rank's peak reset after every rank freed
+            with open(os.path.join(where, "memory.max_usage_in_bytes"), "w") as f:
+                f.write("0")
+        results.append(_capped_phase(directory, plan, where, True, steps))
+    return results
+
+
+def _join_capped(cgroup: str | None) -> str | None:
     import safetensors.torch  # noqa: F401 - code loaded before the cap, not the model's memory
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.pipelining  # noqa: F401
-    from torch.distributed.tensor import DTensor
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # noqa: F401
 
     import meshfit.parallel.pipeline  # noqa: F401
     import meshfit.weights.materialize  # noqa: F401
@@ -1508,6 +1537,15 @@ def capped_llama_build(
     if where:
         with open(os.path.join(where, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
+    return where
+
+
+def _capped_phase(
+    directory: str, plan: str | None, where: str | None, on_meta: bool, steps: int
+) -> dict:
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = LlamaForCausalLM(llama_config(**CAPPED_LLAMA))
     options = {}
