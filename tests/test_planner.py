@@ -29,6 +29,8 @@ from meshfit.planner.profile import ModelProfile, PartCost
 from meshfit.planner.search import search_profile
 from meshfit.state.checkpoint import META_FILE
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 CONFIG = GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=32)
 
 
@@ -183,37 +185,25 @@ def test_optimizer_for_planning_names_the_ones_the_planner_knows():
 
 
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "sgd-momentum", "adagrad", "rmsprop"])
-def test_the_planner_s_optimizer_temporaries_are_what_torch_makes(name):
+def test_the_planner_s_optimizer_temporaries_are_what_torch_makes(name, monkeypatch):
     """The tables the planner counts a step's temporaries from (memory.py), measured
-    again on torch's CPU code paths, each implementation forced: one parameter at a time
-    (the largest parameter's size), a list at a time (all of them), fused (none)."""
-    from meshfit.planner.memory import FOREACH_TEMPORARIES, STEP_TEMPORARIES
-    from meshfit.planner.memory_probe import measure_peak
+    again on torch's CPU code paths with each implementation forced
+    (benchmarks/optimizer_temporaries.py): one parameter at a time (the largest
+    parameter's size), a list at a time (all of them), fused (none)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from optimizer_temporaries import STEPPINGS, counted, made
 
-    kind = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
-            "rmsprop": torch.optim.RMSprop}.get(name, torch.optim.SGD)  # fmt: skip
-    extra = {"momentum": 0.9} if name == "sgd-momentum" else {}
-    large, small = 1024 * 256, 256 * 256
-    for stepping, flags in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
-                            ("fused", {"fused": True})):  # fmt: skip
-        if stepping == "fused" and name == "rmsprop":
-            continue  # torch has no fused RMSprop
-        params = nn.ParameterList([nn.Parameter(torch.randn(1024, 256)),
-                                   nn.Parameter(torch.randn(256, 256))])  # fmt: skip
-        optimizer = kind(params.parameters(), lr=0.01, **extra, **flags)
-        for p in params:
-            p.grad = torch.randn_like(p)
-        optimizer.step()  # its state made
-        made = measure_peak(optimizer.step, modules=[params], optimizers=[optimizer]).other
-        of_largest, of_all = {
-            "for-loop": (STEP_TEMPORARIES.get(name, 0), 0),
-            "foreach": (0, FOREACH_TEMPORARIES.get(name, 0)),
-            "fused": (0, 0),
-        }[stepping]
-        counted = (of_largest * large + of_all * (large + small)) * 4
+    shapes = [(1024, 256), (256, 256)]
+    smaller = 256 * 256 * 4
+    for stepping in STEPPINGS:
+        got = made(name, stepping, shapes)
+        if got is None:
+            assert (name, stepping) == ("rmsprop", "fused")  # torch has no fused RMSprop
+            continue
+        count = counted(name, stepping, shapes)
         # one parameter at a time, the smaller one's temporary may still be bound when the
         # larger's is made (Adagrad, RMSprop: 1.25 x the larger, counted as 1)
-        assert counted <= made <= counted + small * 4, (stepping, made / 4 / large)
+        assert count <= got <= count + smaller, (stepping, got, count)
 
 
 def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
