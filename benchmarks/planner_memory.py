@@ -42,7 +42,8 @@ from meshfit.planner.memory_probe import measure_peak, profiled_peak
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128, bias=False)
 BATCH = 8  # global batch (sequences of CONFIG.block_size tokens)
 DTYPE = torch.float32
-LR = 3e-4  # AdamW (torch defaults otherwise: foreach on CPU, betas, weight_decay=0.01)
+LR = 3e-4  # AdamW (torch defaults otherwise: one parameter at a time on the CPU, betas,
+# weight_decay=0.01)
 SEED = 0
 MEASURED_STEP = 2
 # (plan, workers); pipeline plans: 4 micro-batches per rank's share

@@ -63,9 +63,10 @@ def estimate(
         sample). hardware: a preset name ("a100-40gb", "a100-80gb", "h100", "h200"),
         "cpu", or a Hardware (without one, the optimizer's step is counted as the CPU
         runs it: one parameter at a time, with its temporaries). optimizer: "adamw",
-        "sgd", "sgd-momentum", ..., with how it steps if not as meshfit's AdamW does
-        (fused on a GPU, one parameter at a time on the CPU): "adamw:foreach",
-        ":for-loop", ":fused"; or its state bytes per parameter. world_size:
+        "sgd", "sgd-momentum", ... ("adamw" is meshfit's, fused on a GPU; another name
+        steps as torch's default: a list at a time on a GPU; one parameter at a time on
+        the CPU), or with how it steps: "adamw:foreach", ":for-loop", ":fused"; or its
+        state bytes per parameter. world_size:
         resolves dp=auto when hardware does not; with neither, a plan that leaves dp
         open ("fsdp=64") means dp=1, and the Estimate's notes say so. compiled,
         chunked_loss: the run will use parallelize(..., compile=True, chunked_loss=...)."""

@@ -138,7 +138,10 @@ def optimizer_for_planning(factory: Any, hardware: Hardware | None = None) -> st
 
     if factory is None or factory is default_optimizer:
         return "adamw"
-    name, state_bytes, defaults = _probe(factory)
+    # probed where it will run when this machine has such a GPU (a factory may choose
+    # by device, as meshfit's own does); else on the CPU
+    on_gpu = hardware is not None and hardware.separate_host_memory
+    name, state_bytes, defaults = _probe(factory, on_gpu and torch.cuda.is_available())
     if name == "sgd" and state_bytes:
         name = "sgd-momentum"
     if OPTIMIZER_STATE_BYTES.get(name) != state_bytes:
@@ -147,20 +150,20 @@ def optimizer_for_planning(factory: Any, hardware: Hardware | None = None) -> st
         return f"{name}:fused"
     foreach = defaults.get("foreach")
     if foreach is None:  # torch's choice (_default_to_fused_or_foreach): by the device
-        foreach = hardware is not None and hardware.separate_host_memory
+        foreach = on_gpu
     return f"{name}:{'foreach' if foreach else 'for-loop'}"
 
 
-def _probe(factory: Any) -> tuple[str, float, dict[str, Any]]:
+def _probe(factory: Any, cuda: bool = False) -> tuple[str, float, dict[str, Any]]:
     """(the optimizer's class name in lower case, its state bytes per parameter, its
-    defaults), by building it on one parameter and taking a step (its state then
-    exists)."""
+    defaults), by building it on one parameter (on the GPU with `cuda`) and taking a
+    step (its state then exists)."""
     if factory is None:
         return "adamw", 8.0, {}
-    probe = nn.Parameter(torch.zeros(4))
+    probe = nn.Parameter(torch.zeros(4, device="cuda" if cuda else "cpu"))
     try:
         optimizer = factory([probe])
-        probe.grad = torch.ones(4)
+        probe.grad = torch.ones_like(probe)
         optimizer.step()
     except Exception:  # an optimizer that needs more (a closure, named groups): assume Adam
         return "", 8.0, {}

@@ -165,14 +165,16 @@ def estimate_profile(
 
 def _step_temporaries(optimizer: str | float, hardware: Hardware | None) -> tuple[float, float]:
     """(temporaries the size of the rank's largest parameter, the size of all its
-    parameters) the optimizer's step makes: by how it steps (memory.py's tables; a bare
-    name is meshfit's AdamW's way: fused on a GPU, one parameter at a time on the CPU).
+    parameters) the optimizer's step makes: by how it steps (memory.py's tables). A bare
+    "adamw" is meshfit's own (fused on a GPU); another bare name steps as torch's
+    default does (a list at a time on a GPU); on the CPU both one parameter at a time.
     An optimizer given as its state bytes: none counted."""
     if not isinstance(optimizer, str):
         return 0, 0
     name, stepping = optimizer_stepping(optimizer)
     on_gpu = hardware is not None and hardware.separate_host_memory
-    stepping = stepping or ("fused" if on_gpu else "for-loop")
+    default = ("fused" if name == "adamw" else "foreach") if on_gpu else "for-loop"
+    stepping = stepping or default
     if stepping == "foreach":
         return 0, FOREACH_TEMPORARIES.get(name, 0)
     if stepping == "for-loop":

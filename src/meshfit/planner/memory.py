@@ -65,8 +65,9 @@ OPTIMIZER_STATE_BYTES = {
 # - "foreach", a list at a time (torch's default on a GPU): FOREACH_TEMPORARIES x all of
 #   the rank's parameters (each operation makes its results for the whole list at once);
 # - "fused", one kernel (meshfit's AdamW on a GPU): none.
-# A bare name ("adamw") steps as meshfit's AdamW does: fused on a GPU, one parameter at a
-# time on the CPU; "adamw:foreach" names the implementation.
+# A bare "adamw" steps as meshfit's own AdamW does (fused on a GPU, one parameter at a
+# time on the CPU); another bare name as torch does by default (a list at a time on a
+# GPU, one at a time on the CPU); "adamw:foreach" names the implementation.
 STEP_TEMPORARIES = {"adamw": 2, "adam": 2, "adagrad": 1, "rmsprop": 1}
 FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "adagrad": 2, "rmsprop": 1}
 STEPPINGS = ("for-loop", "foreach", "fused")
@@ -88,7 +89,8 @@ class MemoryEstimate:
     interleave: gradient accumulation, and 1F1B-style schedules that run backwards
     while other micro-batches' activations wait (`overlap`). The optimizer's step is
     the other candidate for the peak: parameters, gradients and state beside `stepping`
-    (DDP's buckets, and on the CPU the step's temporaries); `total` is the larger."""
+    (DDP's buckets, and the step's temporaries by how the optimizer steps); `total` is
+    the larger."""
 
     parameters: float = 0.0
     gradients: float = 0.0
@@ -183,9 +185,14 @@ def _cached_starts(profile: ModelProfile, stages: int, tp: int) -> list[int]:
 
 
 def optimizer_stepping(optimizer: str) -> tuple[str, str | None]:
-    """("adamw", "foreach") for "adamw:foreach"; ("adamw", None) for a bare name (stepped
-    as meshfit's AdamW: fused on a GPU, one parameter at a time on the CPU)."""
+    """("adamw", "foreach") for "adamw:foreach"; ("adamw", None) for a bare name (see
+    STEPPINGS above: meshfit's AdamW, else torch's default for the device)."""
     name, _, stepping = optimizer.lower().partition(":")
+    if stepping == "fused" and name == "rmsprop":
+        raise MeshfitError(
+            f"optimizer {optimizer!r}: torch has no fused RMSprop; use 'rmsprop:foreach' "
+            f"(a list at a time) or 'rmsprop:for-loop'"
+        )
     if name not in OPTIMIZER_STATE_BYTES or (stepping and stepping not in STEPPINGS):
         raise MeshfitError(
             f"unknown optimizer {optimizer!r} for planning; known: "
