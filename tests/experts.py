@@ -22,9 +22,10 @@ import meshfit as mf
 VOCAB, LENGTH = 32, 8
 
 
-def qwen3_moe() -> nn.Module:
-    """Its load-balancing loss on; experts_implementation="eager" (its default,
-    torch._grouped_mm, takes no float64; "eager" is one of transformers' own choices)."""
+def qwen3_moe(router_loss: bool = True) -> nn.Module:
+    """Its load-balancing loss on (off: its config's default, the one pp takes);
+    experts_implementation="eager" (its default, torch._grouped_mm, takes no float64;
+    "eager" is one of transformers' own choices)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     return Qwen3MoeForCausalLM(
@@ -32,13 +33,13 @@ def qwen3_moe() -> nn.Module:
             vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=4,
             max_position_embeddings=2 * LENGTH, moe_intermediate_size=8, num_experts=4,
-            num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+            num_experts_per_tok=2, output_router_logits=router_loss, router_aux_loss_coef=0.02,
             experts_implementation="eager",
         )
     )  # fmt: skip
 
 
-def qwen2_moe() -> nn.Module:  # a shared expert beside the routed ones
+def qwen2_moe(router_loss: bool = True) -> nn.Module:  # a shared expert beside the routed ones
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     return Qwen2MoeForCausalLM(
@@ -46,7 +47,7 @@ def qwen2_moe() -> nn.Module:  # a shared expert beside the routed ones
             vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
             shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=2 * LENGTH, output_router_logits=True,
+            max_position_embeddings=2 * LENGTH, output_router_logits=router_loss,
             experts_implementation="eager",
         )
     )  # fmt: skip
@@ -150,6 +151,9 @@ class ListMoELM(nn.Module):
 BUILDS = {
     "qwen3_moe": qwen3_moe,
     "qwen2_moe": qwen2_moe,
+    # the load-balancing loss off (the configs' default), as pp takes them
+    "qwen3_moe_quiet": lambda: qwen3_moe(router_loss=False),
+    "qwen2_moe_quiet": lambda: qwen2_moe(router_loss=False),
     "mixtral": mixtral,
     "own": OwnMoELM,
     "own_skewed": lambda: OwnMoELM(top_k=1, skewed=True),

@@ -182,6 +182,8 @@ def test_optimizer_for_planning_names_the_ones_the_planner_knows():
     assert optimizer_for_planning(lambda p: torch.optim.Adamax(p)) == 8  # its state bytes
     with pytest.raises(MeshfitError, match="'adamw:foreach'"):
         estimate(hand_profile(), Plan(dp=1), batch_size=1, optimizer="adamw:vectorised")
+    with pytest.raises(MeshfitError, match="torch has no fused RMSprop"):
+        estimate(hand_profile(), Plan(dp=1), batch_size=1, optimizer="rmsprop:fused")
 
 
 @pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "sgd-momentum", "adagrad", "rmsprop"])
@@ -202,8 +204,9 @@ def test_the_planner_s_optimizer_temporaries_are_what_torch_makes(name, monkeypa
             continue
         count = counted(name, stepping, shapes)
         # one parameter at a time, the smaller one's temporary may still be bound when the
-        # larger's is made (Adagrad, RMSprop: 1.25 x the larger, counted as 1)
-        assert count <= got <= count + smaller, (stepping, got, count)
+        # larger's is made (Adagrad, RMSprop: 1.25 x the larger, counted as 1); a few
+        # scalars beside
+        assert count <= got <= count + smaller + 4096, (stepping, got, count)
 
 
 def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
@@ -242,6 +245,9 @@ def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
     looped = estimate(profile, Plan(dp=1), batch_size=1, hardware="h100",
                       optimizer="adamw:for-loop")  # fmt: skip
     assert looped.memory.stepping == cpu.memory.stepping
+    # a bare name other than meshfit's AdamW steps as torch's default: a list at a time
+    adam = estimate(profile, Plan(dp=1), batch_size=1, hardware="h100", optimizer="adam")
+    assert adam.memory.stepping == 102_000 * 4
     # an expert weight holds 1/ep of the experts (outside FSDP2), the rest 1/fsdp
     moe = dataclasses.replace(split, blocks=[
         dataclasses.replace(b, largest_param=100, largest_expert=800, expert_params=800)
@@ -249,6 +255,10 @@ def test_the_optimizer_step_is_a_peak_with_its_temporaries_on_the_cpu():
     assert estimate(moe, Plan(dp=1, fsdp=2), batch_size=2).memory.stepping == 2 * 400 * 4
     both = estimate(moe, Plan(dp=1, fsdp=2, ep=2), batch_size=2)
     assert both.memory.stepping == 2 * 800 / 2 * 4
+    # a list at a time under ep: the rank's parameters, its experts 1/ep of them (each
+    # block: 1000 parameters, 800 of them experts' -> 200 / 2 + 800 / 2)
+    listed = estimate(moe, Plan(dp=1, fsdp=2, ep=2), batch_size=2, optimizer="adamw:foreach")
+    assert listed.memory.stepping == (2 * (100 + 400) + 100 / 2) * 4
     dense = dataclasses.replace(moe, blocks=[
         dataclasses.replace(b, largest_param=2000) for b in moe.blocks])  # fmt: skip
     assert estimate(dense, Plan(dp=1, fsdp=2, ep=2), batch_size=2).memory.stepping == 2 * 1000 * 4
@@ -664,14 +674,14 @@ def test_context_parallel_divides_activations_and_keeps_the_gathered_keys_and_va
     assert full.memory.activations == pytest.approx(expected)
 
 
-def test_the_search_chooses_cp_when_a_sequence_does_not_fit_otherwise():
+def test_the_search_chooses_cp_when_a_sequence_does_not_fit_otherwise(monkeypatch):
     """Llama-3-8B's shape (transformers, bf16, on meta) at 131,072 tokens, a global batch
     of 8 sequences on 16 H100s: no plan that keeps whole sequences fits (the best needs
     several times a GPU); the plans that fit all cut the sequence. (BENCHMARKS.md has
     the table; benchmarks/planner_targets.py the same target for `meshfit plan`.)"""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    # for this test only: benchmarks/ left on sys.path made later launches' workers in
+    # this pytest process import benchmarks/experts.py for tests/experts.py
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     from planner_targets import llama3_8b
 
     from meshfit.planner.command import at_sequence_length
@@ -769,6 +779,7 @@ def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_al
     assert placed.step_time.communication < alone.step_time.communication / 3
     result = search_profile(p, 4, batch_size=8, hardware=fast_net_slow_chips())
     assert {e.plan.ep for e in result.ranked} == {1, 2, 4}
-    assert all(e.plan.tp == e.plan.pp == 1 for e in result.ranked if e.plan.ep > 1)
+    assert all(e.plan.tp == 1 for e in result.ranked if e.plan.ep > 1)
+    assert any(e.plan.pp > 1 for e in result.ranked if e.plan.ep > 1)  # ep beside pp
     dense = search_profile(hand_profile(), 4, batch_size=8, hardware=fast_net_slow_chips())
     assert {e.plan.ep for e in dense.ranked} == {1}

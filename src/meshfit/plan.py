@@ -268,16 +268,6 @@ class Plan:
                 f"splits every expert, ep places them whole; use ep with dp, fsdp or cp, "
                 f"or tp alone for the experts"
             )
-        if self.ep > 1 and self.pp > 1:
-            # measured: a hang at the first step of dp=2,pp=2,ep=2 (torch's schedule runs
-            # each stage's forward and backward once to infer shapes, and the ranks of an
-            # ep group reached their all-to-alls in different phases)
-            raise MeshfitError(
-                f"ep={self.ep} does not combine with pipeline parallel yet (plan {self}): "
-                f"torch's pipeline schedule infers its stages' shapes with a forward and "
-                f"backward that the ranks of an ep group run apart, while ep's all-to-alls "
-                f"need them together; use ep with dp, fsdp or cp, or pp without ep"
-            )
         loss_ranks = (self.dp or 1) * self.fsdp * self.cp
         if self.ep > 1 and self.dp is not None and loss_ranks % self.ep:
             raise MeshfitError(

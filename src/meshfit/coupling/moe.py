@@ -148,7 +148,8 @@ def pipeline_refusal(where: str) -> str:
     return (
         f"the model's load-balancing loss ({where}.{FUNCTION}) sums the router statistics "
         f"of every layer, and a pipeline stage holds only its own layers: train it with dp, "
-        f"fsdp or tp (the experts split), or turn the loss off under pp "
+        f"fsdp, ep (the experts placed) or tp (the experts split), or turn the loss off "
+        f"under pp "
         f"(output_router_logits=False in the config and the batch)"
     )
 

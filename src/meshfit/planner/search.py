@@ -168,7 +168,7 @@ def candidate_plans(
                     continue  # no long token sequence: cp costs more than it saves
                 for fsdp in _divisors(world_size // (pp * tp * cp)):
                     dp = world_size // (pp * tp * cp * fsdp)
-                    for ep in _expert_degrees(dp * fsdp * cp, tp, pp, limits):
+                    for ep in _expert_degrees(dp * fsdp * cp, tp, limits):
                         base = Plan(
                             dp=dp, fsdp=fsdp, cp=cp, ep=ep, tp=tp, pp=pp, precision=precision
                         )
@@ -192,10 +192,10 @@ def candidate_plans(
 CP_FROM_TOKENS = 4096
 
 
-def _expert_degrees(loss_ranks: int, tp: int, pp: int, limits: ModelLimits) -> list[int]:
+def _expert_degrees(loss_ranks: int, tp: int, limits: ModelLimits) -> list[int]:
     """ep=1, and for a mixture of experts each ep that divides both the loss ranks it
-    borrows and the experts (meshfit builds ep beside dp, fsdp and cp: not tp or pp)."""
-    if not limits.experts or tp > 1 or pp > 1:
+    borrows and the experts (meshfit builds ep beside dp, fsdp, cp and pp: not tp)."""
+    if not limits.experts or tp > 1:
         return [1]
     return [e for e in _divisors(loss_ranks) if limits.experts % e == 0]
 
