@@ -1501,8 +1501,10 @@ def capped_llama_phases(directory: str, cgroup: str, phases: list[tuple[str, int
     workers (a spawned worker's start-up costs more than the build). The first phase runs
     with glibc's defaults; before each later one the engine is dropped, glibc gives back
     what it freed (malloc_trim) and returns every freed block over 64 KiB from then on
-    (what MALLOC_MMAP_THRESHOLD_=65536 sets at start-up; set in the environment too, which
-    meshfit's build restores after lowering it), and the cgroup's peak is reset."""
+    (what MALLOC_MMAP_THRESHOLD_=65536 sets at start-up: the mmap threshold, set in the
+    environment too, which meshfit's build restores after lowering it, and the trim
+    threshold back at its 128 KiB, which glibc's dynamic rule raised), and the cgroup's
+    peak is reset; "start" is the usage then (what the phase before left behind)."""
     import ctypes
     import gc
 
@@ -1515,10 +1517,12 @@ def capped_llama_phases(directory: str, cgroup: str, phases: list[tuple[str, int
             libc.malloc_trim(0)
             os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
             libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+            libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD, glibc's default
             torch.distributed.barrier()  # every rank's peak reset after every rank freed
             with open(os.path.join(where, "memory.max_usage_in_bytes"), "w") as f:
                 f.write("0")
-        results.append(_capped_phase(directory, plan, where, True, steps))
+        start = _on_every_rank(_cgroup_peak(where))
+        results.append({**_capped_phase(directory, plan, where, True, steps), "start": start})
     return results
 
 
