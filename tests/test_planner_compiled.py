@@ -14,7 +14,8 @@ from torch import nn
 import meshfit as mf
 from meshfit.models import GPT, GPTConfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+# appended, not first: tests/experts.py must win over benchmarks/experts.py
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
 import planner_compiled as bench  # noqa: E402
 

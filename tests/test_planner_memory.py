@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+# appended, not first: tests/experts.py must win over benchmarks/experts.py
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
 import planner_memory as bench  # noqa: E402
 
