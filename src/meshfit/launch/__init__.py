@@ -11,6 +11,7 @@ node listens on loopback only (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -409,7 +410,14 @@ def _worker_main(
         sys.stderr.flush()
         # Exit at once: atexit handlers could block on peers that are already gone.
         os._exit(1)
+    # Objects in reference cycles that hold process groups (an engine's DDP Reducer) are
+    # freed here, while every group is live. Else the collection that pickling the result
+    # may trigger frees them after destroy_process_group, and a gloo group's destructor
+    # blocked on its mutex there (measured: a worker of tests/test_precision_fp8.py hung
+    # in ProcessGroupGloo's destructor, under gc, inside torch's return queue's put).
+    gc.collect()
     _shutdown_process_group()
+    gc.disable()  # nothing left to collect; the result is pickled next, then the exit
     return result
 
 
