@@ -76,7 +76,7 @@ def test_ep2_trains_the_one_process_run_on_every_kind_of_moe() -> None:
 
 
 @pytest.mark.slow
-def test_ep_composes_with_dp_fsdp_cp_and_pp_and_ep4() -> None:
+def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     """On 4 workers: ep=4, ep=2 beside dp=4 (each expert on 2 ranks, their gradients
     summed), fsdp=2 x ep=2 and x ep=4 (FSDP2 shards the rest), cp=2 x ep=2 and dp=2 x cp=2
     x ep=4 (tokens of cut sequences dispatched; the load-balancing loss over the whole
@@ -84,13 +84,18 @@ def test_ep_composes_with_dp_fsdp_cp_and_pp_and_ep4() -> None:
     (each stage's ranks place its layers' experts): dp=2 x pp=2 x ep=2 under 1F1B, fsdp=2
     x pp=2 x ep=2 under GPipe with 4 micro-batches, cp=2 x pp=2 x ep=2, and Qwen2-MoE's
     shared expert, with the load-balancing loss off (the configs' default); with it on,
-    refused in one line (a stage holds only its own layers' router statistics)."""
+    refused in one line (a stage holds only its own layers' router statistics). Beside tp
+    (tp leaves the experts whole, each tp rank sends the same tokens in its own ep group):
+    dp=2 x tp=2 x ep=2 with the load-balancing loss on, and Qwen2-MoE's shared expert
+    (split by tp) under fsdp=2 x tp=2 x ep=2."""
     plans = ("ep=4", "ep=2", "fsdp=2,ep=2", "fsdp=2,ep=4", "cp=2,ep=2", "dp=2,cp=2,ep=4")
     specs = [{"model": "qwen3_moe", "plan": p} for p in plans]
     specs += [{"model": "own", "plan": p} for p in ("ep=4", "fsdp=2,ep=2")]
     staged = ("dp=2,pp=2,ep=2", "fsdp=2,pp=2,ep=2,schedule=gpipe,microbatches=4", "cp=2,pp=2,ep=2")
     specs += [{"model": "qwen3_moe_quiet", "plan": p} for p in staged]
     specs += [{"model": "qwen2_moe_quiet", "plan": "dp=2,pp=2,ep=2"}]
+    specs += [{"model": "qwen3_moe", "plan": "dp=2,tp=2,ep=2"}]
+    specs += [{"model": "qwen2_moe_quiet", "plan": "fsdp=2,tp=2,ep=2"}]
     refused = {"model": "qwen3_moe", "plan": "dp=2,pp=2,ep=2"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -101,7 +106,7 @@ def test_ep_composes_with_dp_fsdp_cp_and_pp_and_ep4() -> None:
         if spec["model"] not in references:
             references[spec["model"]] = ep_run({**spec, "plan": None})
         assert_same(spec, got, references[spec["model"]])
-        if "pp=" in spec["plan"]:  # rank 0: half of its stage's layers' experts
+        if "pp=" in spec["plan"] or "tp=" in spec["plan"]:  # rank 0: half of its experts
             held, whole = got["placed"]
             assert whole > 0 and held * 2 == whole, (spec, got["placed"])
 
@@ -158,9 +163,8 @@ def test_ep_plans_are_read_and_what_does_not_combine_is_refused() -> None:
     assert plan.ep == 2 and str(mf.Plan.parse(str(plan))) == str(plan)
     with pytest.raises(mf.MeshfitError, match="ep=4 borrows its ranks from dp x fsdp x cp = 2"):
         mf.Plan(dp=2, ep=4).validate()
-    with pytest.raises(mf.MeshfitError, match="does not combine with tensor parallel"):
-        mf.Plan(dp=2, tp=2, ep=2).validate()
     mf.Plan(dp=2, pp=2, ep=2).validate()  # ep beside pp: built (the stages' ranks place)
+    mf.Plan(dp=2, tp=2, ep=2).validate()  # and beside tp (tp leaves the experts whole)
 
 
 @pytest.mark.slow

@@ -777,6 +777,12 @@ def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_al
     # gradients, which dp=4 all-reduces whole, are not reduced at all (each on one rank)
     assert placed.step_time.compute > alone.step_time.compute
     assert placed.step_time.communication < alone.step_time.communication / 3
+    # beside tp the experts stay whole, 1/ep of them per rank; the rest split by tp
+    tp = estimate(p, Plan(dp=4, tp=2), batch_size=8, hardware=hw).memory.parameters
+    both = estimate(p, Plan(dp=4, tp=2, ep=2), batch_size=8, hardware=hw).memory.parameters
+    assert both == pytest.approx(tp)  # the experts / 2 either way
+    quarter = estimate(p, Plan(dp=4, tp=2, ep=4), batch_size=8, hardware=hw).memory.parameters
+    assert (tp - quarter) / p.param_bytes == pytest.approx(2 * experts * (1 / 2 - 1 / 4))
     result = search_profile(p, 4, batch_size=8, hardware=fast_net_slow_chips())
     assert {e.plan.ep for e in result.ranked} == {1, 2, 4}
     assert all(e.plan.tp == 1 for e in result.ranked if e.plan.ep > 1)

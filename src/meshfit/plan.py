@@ -262,12 +262,6 @@ class Plan:
                 f"schedule {schedule!r} needs microbatches to be a multiple of pp={pp}, "
                 f"not {micro}; use microbatches={max(pp, micro // pp * pp)}"
             )
-        if self.ep > 1 and self.tp > 1:
-            raise MeshfitError(
-                f"ep={self.ep} does not combine with tensor parallel yet (plan {self}): tp "
-                f"splits every expert, ep places them whole; use ep with dp, fsdp or cp, "
-                f"or tp alone for the experts"
-            )
         loss_ranks = (self.dp or 1) * self.fsdp * self.cp
         if self.ep > 1 and self.dp is not None and loss_ranks % self.ep:
             raise MeshfitError(

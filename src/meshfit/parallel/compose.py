@@ -207,8 +207,9 @@ def _tensor_parallel(b: Build) -> None:
     device = b.topology.device
     traced = map_tensors(b.options.example_inputs, lambda t: t.to(device))  # beside the model
     b.tp_report = apply_tensor_parallel(
-        b.model, b.topology.tp_mesh, b.options.tp_plan, traced, init=b.options.init
-    )
+        b.model, b.topology.tp_mesh, b.options.tp_plan, traced, init=b.options.init,
+        experts_whole=b.plan.ep > 1,
+    )  # fmt: skip
 
 
 def _recomputation(b: Build) -> None:

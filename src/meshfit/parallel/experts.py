@@ -149,6 +149,12 @@ class ExpertParallel:
         first = self.rank * share
         for name in layer.tensors:
             full = getattr(module, name)
+            if isinstance(full, DTensor):  # a tp_plan of the user's split it
+                raise MeshfitError(
+                    f"ep={self.ep} places the experts of {layer.name} whole, and tp_plan "
+                    f"splits its {name!r}; leave the experts out of tp_plan (meshfit's own "
+                    f"derived plan does beside ep)"
+                )
             local = full.detach()[first : first + share].clone()
             placed = nn.Parameter(
                 DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False),

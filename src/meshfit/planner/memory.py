@@ -215,12 +215,21 @@ def _tp_of(part: PartCost, tp: int) -> int:
     return 1 if outputs and outputs % tp else tp
 
 
-def _split(part: PartCost, tp: int) -> float:
-    """Parameters of `part` on one tp rank."""
+def _split(part: PartCost, tp: int, without_experts: bool = False) -> float:
+    """Parameters of `part` on one tp rank; `without_experts`: of what is not its
+    experts' (beside ep, tp leaves the experts whole and ep places them)."""
     tp = _tp_of(part, tp)
-    if tp == 1:
-        return float(part.params)
-    return part.params * (1 - part.tp_share + part.tp_share / tp)
+    if not without_experts:
+        return (
+            float(part.params)
+            if tp == 1
+            else part.params * (1 - part.tp_share + part.tp_share / tp)
+        )
+    dense = part.params - part.expert_params
+    split = (
+        min(max(part.params * part.tp_share - part.expert_params, 0.0), dense) if tp > 1 else 0.0
+    )
+    return dense - split + split / tp
 
 
 # Precisions that compute under 2-byte autocast (fp8: bf16 around its float8 matmuls,
@@ -280,16 +289,15 @@ def _rank_memory(
     step_temporaries: tuple[float, float] = (0, 0),
 ) -> MemoryEstimate:
     parts = [profile.blocks[i] for i in blocks]
-    block_params = sum(_split(p, plan.tp) for p in parts)
+    block_params = sum(_split(p, plan.tp, without_experts=plan.ep > 1) for p in parts)
     rest = (_split(profile.head, plan.tp) if first else 0) + (
         _split(profile.tail, plan.tp) if last else 0
     )
     if first and last:
         rest -= profile.tied_params  # one stage: a tied weight is one tensor
     local = (block_params + rest) / _shards(plan)
-    if plan.ep > 1:  # the experts: whole, 1/ep of them per rank, outside FSDP2
-        experts = sum(p.expert_params for p in parts)
-        local += experts / plan.ep - experts / _shards(plan)
+    if plan.ep > 1:  # the experts: whole (tp leaves them), 1/ep of them per rank, outside FSDP2
+        local += sum(p.expert_params for p in parts) / plan.ep
     cbytes = _compute_bytes(plan, profile)
     memory = MemoryEstimate(
         parameters=local * profile.param_bytes,

@@ -194,7 +194,9 @@ CP_FROM_TOKENS = 4096
 
 def _expert_degrees(loss_ranks: int, tp: int, limits: ModelLimits) -> list[int]:
     """ep=1, and for a mixture of experts each ep that divides both the loss ranks it
-    borrows and the experts (meshfit builds ep beside dp, fsdp, cp and pp: not tp)."""
+    borrows and the experts, beside dp, fsdp, cp and pp; not offered beside tp (meshfit
+    builds it, but the time model counts the experts' FLOPs as tp splits them, where
+    beside ep each tp rank computes them whole)."""
     if not limits.experts or tp > 1:
         return [1]
     return [e for e in _divisors(loss_ranks) if limits.experts % e == 0]

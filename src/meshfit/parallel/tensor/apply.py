@@ -63,11 +63,15 @@ class Chosen:
 
 
 def split_and_check(
-    model: nn.Module, mesh: DeviceMesh, tp_plan: TPPlan | None, example_inputs: Any
+    model: nn.Module,
+    mesh: DeviceMesh,
+    tp_plan: TPPlan | None,
+    example_inputs: Any,
+    experts_whole: bool = False,
 ) -> Chosen:
     """apply_tensor_parallel on a model with values: derive (or take) the plan, split,
     and check the split on the traced input."""
-    chosen = _choose(model, mesh.size(), tp_plan, example_inputs)
+    chosen = _choose(model, mesh.size(), tp_plan, example_inputs, experts_whole)
     derivation = chosen.derivation
     styles = split_styles(model, chosen)
     reference, scale, gradients = None, True, {}
@@ -92,14 +96,22 @@ def split_and_check(
     return chosen
 
 
-def _choose(model: nn.Module, tp: int, tp_plan: TPPlan | None, example_inputs: Any) -> Chosen:
+def _choose(
+    model: nn.Module,
+    tp: int,
+    tp_plan: TPPlan | None,
+    example_inputs: Any,
+    experts_whole: bool = False,
+) -> Chosen:
     """The plan for `model` (derived and its sizes checked, or the user's), and the LM
-    heads a derived plan splits."""
+    heads a derived plan splits; with `experts_whole`, none of an experts module."""
     if tp_plan is not None:
         plan = {name: style for name, style in tp_plan.items()}
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
         return Chosen(plan, None, {})
     derivation = _derive(model, example_inputs, tp)
+    if experts_whole:
+        _leave_experts_whole(model, derivation)
     plan = dict(derivation.plan)
     check_tp_plan(model, {n: v for n, v in plan.items() if n not in derivation.weights}, tp)
     _check_weight_sizes(model, derivation, tp)
@@ -110,6 +122,24 @@ def _choose(model: nn.Module, tp: int, tp_plan: TPPlan | None, example_inputs: A
         heads, kept = gathered_heads(model, inputs, tp)
         derivation.whole.update(kept)
     return Chosen(plan, derivation, heads)
+
+
+def _leave_experts_whole(model: nn.Module, derivation: _Derivation) -> None:
+    """Drop what the plan splits inside an experts module (its weights, split as a pair
+    with one sum of the module's output: an all-or-nothing unit): expert parallel
+    places the experts whole, and each tp rank sends the same tokens to them in its own
+    ep group, so nothing of theirs is split or summed over tp."""
+    from meshfit.parallel.experts import find_expert_layers
+
+    for layer in find_expert_layers(model):
+        inside = layer.name + "."
+        for table in (derivation.plan, derivation.weights, derivation.local_attrs):
+            for name in [n for n in table if n.startswith(inside)]:
+                del table[name]
+        derivation.owners.pop(layer.name, None)
+        derivation.local_attrs.pop(layer.name, None)
+        derivation.summed = [n for n in derivation.summed if not n.startswith(inside)]
+        derivation.whole[layer.name] = "expert parallel places its experts whole"
 
 
 def split_styles(model: nn.Module, chosen: Chosen) -> dict[str, ParallelStyle]:

@@ -44,10 +44,11 @@ def apply_on_meta(
     tp_plan: Any,
     example_inputs: Any,
     init: Any = None,
+    experts_whole: bool = False,
 ) -> TPReport | None:
     """apply_tensor_parallel for a model on meta (see the module doc)."""
     if tp_plan is not None or type(model) is nn.Sequential:  # nothing traced, no check
-        chosen = _choose(model, mesh.size(), tp_plan, None)
+        chosen = _choose(model, mesh.size(), tp_plan, None, experts_whole)
         split(model, mesh, split_styles(model, chosen), chosen.derivation)
         if chosen.derivation is None:
             return None
@@ -56,7 +57,7 @@ def apply_on_meta(
     device = _mesh_device(mesh)
     _materialize(twin, init, device)
     try:
-        checked = split_and_check(twin, mesh, None, example_inputs)
+        checked = split_and_check(twin, mesh, None, example_inputs, experts_whole)
     except MeshfitError as error:
         raise MeshfitError(
             f"{error} (tensor parallel on a model built on meta derives and checks its "
