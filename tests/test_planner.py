@@ -783,6 +783,9 @@ def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_al
     assert both == pytest.approx(tp)  # the experts / 2 either way
     quarter = estimate(p, Plan(dp=4, tp=2, ep=4), batch_size=8, hardware=hw).memory.parameters
     assert (tp - quarter) / p.param_bytes == pytest.approx(2 * experts * (1 / 2 - 1 / 4))
+    beside = estimate(p, Plan(dp=4, tp=2, ep=4), batch_size=8, hardware=hw)
+    assert beside.step_time.communication > 0  # was negative: the experts taken off twice
+    assert any("ep beside tp" in note for note in beside.notes)
     result = search_profile(p, 4, batch_size=8, hardware=fast_net_slow_chips())
     assert {e.plan.ep for e in result.ranked} == {1, 2, 4}
     assert all(e.plan.tp == 1 for e in result.ranked if e.plan.ep > 1)

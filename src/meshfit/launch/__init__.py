@@ -11,7 +11,6 @@ node listens on loopback only (docs/security.md).
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import json
 import logging
@@ -31,6 +30,7 @@ import torch
 from meshfit.errors import MeshfitError
 from meshfit.launch import rendezvous, stores, warm, watchdog
 from meshfit.launch.devices import cpu_cores, select_devices
+from meshfit.launch.process_group import shutdown_process_group
 
 _ELASTIC_LOGGERS = (
     "torch.distributed.elastic",
@@ -410,23 +410,8 @@ def _worker_main(
         sys.stderr.flush()
         # Exit at once: atexit handlers could block on peers that are already gone.
         os._exit(1)
-    # Objects in reference cycles that hold process groups (an engine's DDP Reducer) are
-    # freed here, while every group is live. Else the collection that pickling the result
-    # may trigger frees them after destroy_process_group, and a gloo group's destructor
-    # blocked on its mutex there (measured: a worker of tests/test_precision_fp8.py hung
-    # in ProcessGroupGloo's destructor, under gc, inside torch's return queue's put).
-    gc.collect()
-    _shutdown_process_group()
-    gc.disable()  # nothing left to collect; the result is pickled next, then the exit
+    shutdown_process_group()  # collected first (a gloo group's destructor can block after)
     return result
-
-
-def _shutdown_process_group() -> None:
-    import torch.distributed as dist
-
-    watchdog.stop()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _write_failure(error_dir: str, exc: BaseException) -> None:

@@ -95,10 +95,25 @@ def _destroy_at_exit() -> None:
     still holds the group (a DeviceMesh, the engine), so it cannot prevent the abort at
     interpreter teardown that `meshfit run` workers avoid by exiting past it
     (meshfit/launch/boot.py)."""
+    with contextlib.suppress(Exception):
+        shutdown_process_group()
+
+
+def shutdown_process_group() -> None:
+    """The watchdog stopped and the process group destroyed, at a worker's end. Objects
+    in reference cycles that hold groups (an engine's DDP Reducer, a DeviceMesh) are
+    collected first, while every group is live, and the collector is off afterwards: a
+    collection after destroy_process_group freed a Reducer whose ProcessGroupGloo's
+    destructor then blocked on its mutex (measured: a worker of
+    tests/test_precision_fp8.py hung so while torch pickled its result). What the
+    interpreter's own teardown frees is not covered (boot.py exits past it)."""
+    import gc
+
     watchdog.stop()
     if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        gc.collect()
+        dist.destroy_process_group()
+        gc.disable()
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store | None:

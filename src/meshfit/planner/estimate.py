@@ -143,6 +143,11 @@ def estimate_profile(
         else:
             why = "the profile was traced for another precision"
         result.notes.append(f"compiled memory counted as eager ({why})")
+    if plan.ep > 1 and plan.tp > 1:
+        result.notes.append(
+            "ep beside tp: the experts' activations and FLOPs are counted as tp splits them, "
+            "where each tp rank holds and computes them whole (an under-count)"
+        )
     result.build = build_bytes(profile, ranks, plan.tp)
     if hardware is not None:
         result.device_memory = hardware.device_memory
@@ -274,7 +279,7 @@ def _add_time(
             )
         if plan.pp > 1 and parts:  # an activation out, a gradient back
             t_mb += 2 * _collective(hw, plan, "pp", parts[0].input_bytes * tokens * act_scale, 2.0)
-        params = sum(_split(p, plan.tp) for p in parts)
+        params = sum(_split(p, plan.tp, without_experts=plan.ep > 1) for p in parts)
         params += (_split(profile.head, plan.tp) if first else 0) + (
             _split(profile.tail, plan.tp) if last else 0
         )
@@ -290,7 +295,6 @@ def _add_time(
     if plan.ep > 1:  # the experts: neither gathered nor reduced by FSDP2/DDP; 1/ep of
         # their gradients summed over the ranks ep leaves
         experts = sum(b.expert_params for b in profile.blocks) / plan.pp
-        params -= experts
         replicas = (plan.dp or 1) * plan.fsdp * plan.cp // plan.ep
         comm += _collective(hw, plan, "dp", experts / plan.ep * GRADIENT_BYTES, 2.0, replicas)
     grad_bytes = params * GRADIENT_BYTES

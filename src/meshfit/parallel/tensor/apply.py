@@ -129,17 +129,21 @@ def _leave_experts_whole(model: nn.Module, derivation: _Derivation) -> None:
     with one sum of the module's output: an all-or-nothing unit): expert parallel
     places the experts whole, and each tp rank sends the same tokens to them in its own
     ep group, so nothing of theirs is split or summed over tp."""
-    from meshfit.parallel.experts import find_expert_layers
+    from meshfit.parallel.experts import ExpertLayer, find_expert_layers
 
     for layer in find_expert_layers(model):
-        inside = layer.name + "."
-        for table in (derivation.plan, derivation.weights, derivation.local_attrs):
-            for name in [n for n in table if n.startswith(inside)]:
+
+        def within(name: str, layer: ExpertLayer = layer) -> bool:
+            return name == layer.name or name.startswith(layer.name + ".")
+
+        for table in (
+            derivation.plan, derivation.weights, derivation.local_attrs, derivation.owners,
+            derivation.kv_slices,
+        ):  # fmt: skip
+            for name in [n for n in table if within(n)]:
                 del table[name]
-        derivation.owners.pop(layer.name, None)
-        derivation.local_attrs.pop(layer.name, None)
-        derivation.summed = [n for n in derivation.summed if not n.startswith(inside)]
-        derivation.whole[layer.name] = "expert parallel places its experts whole"
+        derivation.summed = [n for n in derivation.summed if not within(n)]
+        derivation.summed_inputs = [n for n in derivation.summed_inputs if not within(n)]
 
 
 def split_styles(model: nn.Module, chosen: Chosen) -> dict[str, ParallelStyle]:
