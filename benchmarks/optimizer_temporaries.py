@@ -1,8 +1,8 @@
 """What an optimizer's step makes beside its parameters, gradients and state, by how it
 steps: one parameter at a time (torch's default on the CPU), a list at a time
 (`foreach=True`, torch's default on a GPU) or fused (`fused=True`, meshfit's AdamW on a
-GPU), against what the planner counts (planner/memory.py's STEP_TEMPORARIES and
-FOREACH_TEMPORARIES).
+GPU), against what the planner counts (planner/memory.py's `step_temporaries`, from its
+STEP_TEMPORARIES and FOREACH_TEMPORARIES).
 
 Two float32 parameters, 1024 x 256 and 256 x 256 (4096 x 1024 and 1024 x 1024 with
 --large), their gradients set, the state made by a first step; `memory_probe` counts the
@@ -22,7 +22,7 @@ import sys
 import torch
 from torch import nn
 
-from meshfit.planner.memory import FOREACH_TEMPORARIES, STEP_TEMPORARIES
+from meshfit.planner.memory import step_temporaries
 from meshfit.planner.memory_probe import measure_peak
 
 OPTIMIZERS = {
@@ -54,11 +54,8 @@ def made(name: str, stepping: str, shapes: list[tuple[int, int]]) -> int | None:
 def counted(name: str, stepping: str, shapes: list[tuple[int, int]]) -> int:
     """The planner's count for the same parameters (float32)."""
     sizes = [a * b for a, b in shapes]
-    if stepping == "for-loop":
-        return STEP_TEMPORARIES.get(name, 0) * max(sizes) * 4
-    if stepping == "foreach":
-        return FOREACH_TEMPORARIES.get(name, 0) * sum(sizes) * 4
-    return 0
+    of_largest, of_all = step_temporaries(name, stepping)
+    return int((of_largest * max(sizes) + of_all * sum(sizes)) * 4)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,9 +23,7 @@ from meshfit.plan import Plan
 from meshfit.planner.hardware import Hardware
 from meshfit.planner.memory import (
     _AUTOCAST,
-    FOREACH_TEMPORARIES,
     GRADIENT_BYTES,
-    STEP_TEMPORARIES,
     USABLE_MEMORY,
     MemoryEstimate,
     _activation_scale,
@@ -40,6 +38,7 @@ from meshfit.planner.memory import (
     build_bytes,
     optimizer_stepping,
     stage_layout,
+    step_temporaries,
 )
 from meshfit.planner.profile import ModelProfile
 
@@ -179,12 +178,7 @@ def _step_temporaries(optimizer: str | float, hardware: Hardware | None) -> tupl
     name, stepping = optimizer_stepping(optimizer)
     on_gpu = hardware is not None and hardware.separate_host_memory
     default = ("fused" if name == "adamw" else "foreach") if on_gpu else "for-loop"
-    stepping = stepping or default
-    if stepping == "foreach":
-        return 0, FOREACH_TEMPORARIES.get(name, 0)
-    if stepping == "for-loop":
-        return STEP_TEMPORARIES.get(name, 0), 0
-    return 0, 0
+    return step_temporaries(name, stepping or default)
 
 
 def _group(plan: Plan, dim: str) -> tuple[int, int]:

@@ -71,6 +71,18 @@ OPTIMIZER_STATE_BYTES = {
 STEP_TEMPORARIES = {"adamw": 2, "adam": 2, "adagrad": 1, "rmsprop": 1}
 FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "adagrad": 2, "rmsprop": 1}
 STEPPINGS = ("for-loop", "foreach", "fused")
+
+
+def step_temporaries(name: str, stepping: str) -> tuple[float, float]:
+    """(temporaries the size of the rank's largest parameter, the size of all its
+    parameters) the step of optimizer `name` makes, stepping so (STEPPINGS)."""
+    if stepping == "foreach":
+        return 0, FOREACH_TEMPORARIES.get(name, 0)
+    if stepping == "for-loop":
+        return STEP_TEMPORARIES.get(name, 0), 0
+    return 0, 0
+
+
 GRADIENT_BYTES = 4  # float32 gradients (master weights stay float32 under bf16)
 # Share of a device's memory a plan may fill: the allocator's fragmentation and the
 # CUDA context need the rest.
@@ -219,16 +231,12 @@ def _split(part: PartCost, tp: int, without_experts: bool = False) -> float:
     """Parameters of `part` on one tp rank; `without_experts`: of what is not its
     experts' (beside ep, tp leaves the experts whole and ep places them)."""
     tp = _tp_of(part, tp)
+    if tp == 1:
+        return float(part.params - (part.expert_params if without_experts else 0))
     if not without_experts:
-        return (
-            float(part.params)
-            if tp == 1
-            else part.params * (1 - part.tp_share + part.tp_share / tp)
-        )
+        return part.params * (1 - part.tp_share + part.tp_share / tp)
     dense = part.params - part.expert_params
-    split = (
-        min(max(part.params * part.tp_share - part.expert_params, 0.0), dense) if tp > 1 else 0.0
-    )
+    split = min(max(part.params * part.tp_share - part.expert_params, 0.0), dense)
     return dense - split + split / tp
 
 
