@@ -86,15 +86,15 @@ def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     shared expert, with the load-balancing loss off (the configs' default); with it on,
     refused in one line (a stage holds only its own layers' router statistics). Beside tp
     (tp leaves the experts whole, each tp rank sends the same tokens in its own ep group):
-    dp=2 x tp=2 x ep=2 with the load-balancing loss on, and Qwen2-MoE's shared expert
-    (split by tp) under fsdp=2 x tp=2 x ep=2."""
+    dp=2 x tp=2 x ep=2 and cp=2 x tp=2 x ep=2 with the load-balancing loss on, and
+    Qwen2-MoE's shared expert (split by tp) under fsdp=2 x tp=2 x ep=2."""
     plans = ("ep=4", "ep=2", "fsdp=2,ep=2", "fsdp=2,ep=4", "cp=2,ep=2", "dp=2,cp=2,ep=4")
     specs = [{"model": "qwen3_moe", "plan": p} for p in plans]
     specs += [{"model": "own", "plan": p} for p in ("ep=4", "fsdp=2,ep=2")]
     staged = ("dp=2,pp=2,ep=2", "fsdp=2,pp=2,ep=2,schedule=gpipe,microbatches=4", "cp=2,pp=2,ep=2")
     specs += [{"model": "qwen3_moe_quiet", "plan": p} for p in staged]
     specs += [{"model": "qwen2_moe_quiet", "plan": "dp=2,pp=2,ep=2"}]
-    specs += [{"model": "qwen3_moe", "plan": "dp=2,tp=2,ep=2"}]
+    specs += [{"model": "qwen3_moe", "plan": p} for p in ("dp=2,tp=2,ep=2", "cp=2,tp=2,ep=2")]
     specs += [{"model": "qwen2_moe_quiet", "plan": "fsdp=2,tp=2,ep=2"}]
     refused = {"model": "qwen3_moe", "plan": "dp=2,pp=2,ep=2"}
     with warnings.catch_warnings():

@@ -142,10 +142,10 @@ def estimate_profile(
         else:
             why = "the profile was traced for another precision"
         result.notes.append(f"compiled memory counted as eager ({why})")
-    if plan.ep > 1 and plan.tp > 1:
+    if plan.ep > 1 and plan.tp > 1 and traced:
         result.notes.append(
-            "ep beside tp: the experts' activations and FLOPs are counted as tp splits them, "
-            "where each tp rank holds and computes them whole (an under-count)"
+            "ep beside tp, compiled: the compiled partition's experts' activations are "
+            "counted as tp splits them, where each tp rank keeps them whole (an under-count)"
         )
     result.build = build_bytes(profile, ranks, plan.tp)
     if hardware is not None:
@@ -233,7 +233,7 @@ def _add_time(
     slowest = None
     for blocks, first, last in layout:
         parts = [profile.blocks[i] for i in blocks]
-        flops = sum(_block_flops(p, plan.tp) for p in parts)
+        flops = sum(_block_flops(p, plan.tp, experts_whole=plan.ep > 1) for p in parts)
         fwd_extra = (_block_flops(profile.head, plan.tp) if first else 0) + (
             _block_flops(profile.tail, plan.tp) if last else 0
         )

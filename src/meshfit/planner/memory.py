@@ -235,9 +235,18 @@ def _split(part: PartCost, tp: int, without_experts: bool = False) -> float:
         return float(part.params - (part.expert_params if without_experts else 0))
     if not without_experts:
         return part.params * (1 - part.tp_share + part.tp_share / tp)
+    share = _dense_tp_share(part)
+    return (part.params - part.expert_params) * (1 - share + share / tp)
+
+
+def _dense_tp_share(part: PartCost) -> float:
+    """The fraction of `part`'s parameters outside its experts that tp splits: the
+    derived plan's share, the experts taken to be all split (tp splits them where ep does
+    not take them)."""
     dense = part.params - part.expert_params
-    split = min(max(part.params * part.tp_share - part.expert_params, 0.0), dense)
-    return dense - split + split / tp
+    if dense <= 0:
+        return 0.0
+    return min(max(part.params * part.tp_share - part.expert_params, 0.0), dense) / dense
 
 
 # Precisions that compute under 2-byte autocast (fp8: bf16 around its float8 matmuls,
@@ -267,17 +276,21 @@ def in_flight(plan: Plan, rank: int) -> float:
 
 def _block_activations(part: PartCost, plan: Plan, traced: bool) -> tuple[float, float]:
     """(bytes kept per sample for backward, bytes re-made at once during its backward),
-    in the compute dtype: the compiled partition's count where `traced`."""
+    in the compute dtype: the compiled partition's count where `traced`. Beside ep, tp
+    leaves the experts whole: what they keep is whole on every tp rank."""
     tp = plan.tp if part.tp_share > 0 else 1
     scale = _activation_scale(plan)
-    whole = (part.saved - part.saved_split + part.saved_split / tp) * scale
+    experts_whole = plan.ep > 1 and tp > 1
+    saved_split = part.saved_split - (part.expert_saved_split if experts_whole else 0.0)
+    whole = (part.saved - saved_split + saved_split / tp) * scale
     if traced and part.compiled_saved is not None:
         split = part.compiled_saved_split
         whole = part.compiled_saved - split + split / tp
     if plan.checkpointing == "full":
         return part.input_bytes * scale, whole
     if plan.checkpointing == "selective":
-        kept = part.kept_selective - part.kept_selective_split + part.kept_selective_split / tp
+        kept_split = part.kept_selective_split - (part.expert_kept_split if experts_whole else 0)
+        kept = part.kept_selective - kept_split + kept_split / tp
         kept = (kept + part.input_bytes) * scale
         return min(kept, whole), max(whole - kept, 0.0)
     return whole, 0.0
@@ -342,8 +355,8 @@ def _rank_memory(
         # one (dp x tp x pp replicas): its 3-D plan measured 5.83 MiB, 6.23 per block and
         # 6.77 counted so.
         memory.buffers += (block_params + rest) * (cbytes + GRADIENT_BYTES)
-    elif plan.uses_fsdp and parts:
-        largest = max(_split(p, plan.tp) for p in parts)
+    elif plan.uses_fsdp and parts:  # (not the experts beside ep: FSDP2 leaves them)
+        largest = max(_split(p, plan.tp, without_experts=plan.ep > 1) for p in parts)
         memory.buffers += 2 * largest * cbytes + largest * GRADIENT_BYTES
         if plan.reshard_after_forward:
             memory.buffers += rest * cbytes  # the root stays gathered
@@ -435,10 +448,16 @@ def _shards(plan: Plan) -> int:
     return plan.fsdp * plan.cp if plan.uses_fsdp else plan.fsdp
 
 
-def _block_flops(part: PartCost, tp: int) -> float:
+def _block_flops(part: PartCost, tp: int, experts_whole: bool = False) -> float:
+    """A part's forward FLOPs per sample on one tp rank; `experts_whole` (ep beside tp):
+    every tp rank computes its experts whole (their share of the work is not divided)."""
     tp = _tp_of(part, tp)
     if tp == 1 or part.tp_share == 0:
         return part.flops
+    if experts_whole and part.expert_params:
+        dense = part.flops - part.attention_flops - part.expert_flops
+        share = _dense_tp_share(part)
+        return dense * (1 - share + share / tp) + part.attention_flops / tp + part.expert_flops
     dense = part.flops - part.attention_flops
     return dense * (1 - part.tp_share + part.tp_share / tp) + part.attention_flops / tp
 

@@ -4,7 +4,8 @@ The forward runs where the model lives: on the `meta` device a 175B model is pro
 with no memory and in seconds (every op computes shapes only). While it runs, three
 PyTorch tools watch it:
 
-- `FlopCounterMode` counts the FLOPs of the matrix products and attention;
+- `FlopCounterMode` counts the FLOPs of the matrix products and attention (and of the
+  grouped products MoE experts run, parallel/flop_counts.py);
 - `saved_tensors_hooks` sees every tensor autograd keeps for backward: the activation
   memory (parameters excluded, each storage counted once);
 - a dispatch mode notes the outputs that "selective" recomputation keeps (the same op
@@ -27,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +37,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
 from meshfit.parallel.experts import find_expert_layers
+from meshfit.parallel.flop_counts import flop_counter
 from meshfit.parallel.recompute import _SAVE as SELECTIVE_KEEPS
 from meshfit.planner.fused_attention import FusedAttention
+from meshfit.planner.parameters import count_parameters, tied_parameters
 from meshfit.trees import map_tensors, tensors_in
 
 
@@ -61,6 +63,11 @@ class PartCost:
     input_bytes: float = 0.0  # the part's input ("full" recomputation keeps it; stages send it)
     attention_kv_bytes: float = 0.0  # keys and values its attention reads (cp gathers them)
     expert_params: int = 0  # elements of its experts' weights (of `params`; ep places them)
+    # of `flops`, `saved_split` and `kept_selective_split`: what its experts modules do and
+    # keep (beside ep, tp leaves the experts whole: every tp rank computes and keeps them)
+    expert_flops: float = 0.0
+    expert_saved_split: float = 0.0
+    expert_kept_split: float = 0.0
     # bytes a compiled step saves for backward (planner/compiled_memory.py), in the compute
     # dtype it was traced in; None: not traced
     compiled_saved: float | None = None
@@ -226,7 +233,7 @@ def _profile(
     width: dict[str, int] = {}
     seen: set[int] = set()
     tail_saved: list[tuple[int, int]] = []  # (last dimension, bytes) the tail keeps
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     flops_at = [0.0, 0.0]  # total, attention: when the current part began
 
     def totals() -> tuple[float, float]:
@@ -258,6 +265,8 @@ def _profile(
 
         return hook
 
+    in_experts = [False, 0.0]  # inside an experts module; the FLOP count when it began
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()._cdata
         if storage in originals and not on_meta:
@@ -270,6 +279,7 @@ def _profile(
         part.saved += size
         if _splits(t, width.get(current[0])):
             part.saved_split += size
+            part.expert_saved_split += size if in_experts[0] else 0
         if current[0] == "tail" and t.dim() >= 2:
             tail_saved.append((t.shape[-1], size))
         return t
@@ -284,18 +294,25 @@ def _profile(
         part.kept_selective += _nbytes(t)
         if _splits(t, width.get(current[0])):
             part.kept_selective_split += _nbytes(t)
+            part.expert_kept_split += _nbytes(t) if in_experts[0] else 0
 
     handles = []
     for layer in find_expert_layers(model):  # expert parallel's traffic: the pairs it sends
 
         def dispatched(module: nn.Module, args: tuple) -> None:
+            in_experts[:] = [True, totals()[0]]
             if len(args) >= 2 and torch.is_tensor(args[0]) and torch.is_tensor(args[1]):
                 pairs = args[1].numel()
                 parts[current[0]].dispatch_bytes += (
                     pairs * args[0].shape[-1] * args[0].element_size()
                 )
 
+        def returned(module: nn.Module, args: tuple, output: Any) -> None:
+            parts[current[0]].expert_flops += totals()[0] - in_experts[1]
+            in_experts[0] = False
+
         handles.append(layer.module.register_forward_pre_hook(dispatched))
+        handles.append(layer.module.register_forward_hook(returned))
     for i, (key, block) in enumerate(zip(keys, stack.blocks, strict=True)):
         nxt = keys[i + 1] if i + 1 < len(keys) else "tail"
         handles.append(block.register_forward_pre_hook(before(key), with_kwargs=True))
@@ -332,8 +349,8 @@ def _profile(
     for key, source in repeats.items():
         parts[key] = dataclasses.replace(parts[source])
 
-    _count_parameters(model, stack, parts)
-    tied = _tied_parameters(model, stack) if keys else 0
+    count_parameters(model, stack, parts)
+    tied = tied_parameters(model, stack) if keys else 0
     return ModelProfile(
         name=type(model).__name__,
         blocks=[_per_sample(parts[k], samples) for k in keys],
@@ -454,53 +471,6 @@ def _run_loss(loss_fn: Any, outputs: Any, targets: Any, pack: Callable) -> None:
         pack(torch.empty(logits[0].shape, dtype=torch.float32, device="meta"))
 
 
-def _count_parameters(model: nn.Module, stack: Any, parts: dict[str, PartCost]) -> None:
-    if not stack.keys:
-        _count_into(parts["head"], model.parameters(), {})
-        return
-    in_blocks: set[int] = set()
-    for key, block in zip(stack.keys, stack.blocks, strict=True):
-        unique = {id(p): p for p in block.parameters()}
-        experts = {
-            id(p): p
-            for layer in find_expert_layers(block)
-            for p in layer.module.parameters(recurse=False)
-        }
-        _count_into(parts[key], unique.values(), experts)
-        parts[key].trains = any(p.requires_grad for p in unique.values())
-        in_blocks.update(unique)
-    # Outside the blocks: a parameter belongs to the head if a module that runs before
-    # the blocks holds it; meshfit's pipeline cut decides the same way (registration
-    # order of the modules around the stack).
-    before, after = _around(model, stack)
-    for name, ids in (("head", before), ("tail", after)):
-        _count_into(parts[name], (p for i, p in ids.items() if i not in in_blocks), {})
-
-
-def _count_into(part: PartCost, params: Iterable[nn.Parameter], experts: dict) -> None:
-    """`part`'s parameter elements and its largest; its `experts`' (by id) apart."""
-    sizes = [p.numel() for p in params if id(p) not in experts]
-    expert_sizes = [p.numel() for p in experts.values()]
-    part.params = sum(sizes) + sum(expert_sizes)
-    part.largest_param = max(sizes, default=0)
-    part.expert_params = sum(expert_sizes)
-    part.largest_expert = max(expert_sizes, default=0)
-
-
-def _around(
-    model: nn.Module, stack: Any
-) -> tuple[dict[int, nn.Parameter], dict[int, nn.Parameter]]:
-    from meshfit.parallel.pipeline.cut import _head_tail_parameters
-
-    head, tail = _head_tail_parameters(model, stack)
-    return {id(p): p for _, _, p in head}, {id(p): p for _, _, p in tail}
-
-
-def _tied_parameters(model: nn.Module, stack: Any) -> int:
-    head, tail = _around(model, stack)
-    return sum(p.numel() for i, p in head.items() if i in tail)
-
-
 def _tensor_parallel_costs(
     model: nn.Module, stack: Any, example_inputs: Any, profile: ModelProfile
 ) -> None:
@@ -554,9 +524,10 @@ def _per_sample(part: PartCost, samples: int) -> PartCost:
         "input_bytes",
         "attention_kv_bytes",
         "dispatch_bytes",
+        "expert_flops",
+        "expert_saved_split",
+        "expert_kept_split",
     ):
-        if name == "ops":
-            continue
         setattr(part, name, getattr(part, name) / samples)
     return part
 

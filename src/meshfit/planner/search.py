@@ -168,7 +168,7 @@ def candidate_plans(
                     continue  # no long token sequence: cp costs more than it saves
                 for fsdp in _divisors(world_size // (pp * tp * cp)):
                     dp = world_size // (pp * tp * cp * fsdp)
-                    for ep in _expert_degrees(dp * fsdp * cp, tp, limits):
+                    for ep in _expert_degrees(dp * fsdp * cp, limits):
                         base = Plan(
                             dp=dp, fsdp=fsdp, cp=cp, ep=ep, tp=tp, pp=pp, precision=precision
                         )
@@ -192,12 +192,11 @@ def candidate_plans(
 CP_FROM_TOKENS = 4096
 
 
-def _expert_degrees(loss_ranks: int, tp: int, limits: ModelLimits) -> list[int]:
+def _expert_degrees(loss_ranks: int, limits: ModelLimits) -> list[int]:
     """ep=1, and for a mixture of experts each ep that divides both the loss ranks it
-    borrows and the experts, beside dp, fsdp, cp and pp; not offered beside tp (meshfit
-    builds it, but the time model counts the experts' FLOPs as tp splits them, where
-    beside ep each tp rank computes them whole)."""
-    if not limits.experts or tp > 1:
+    borrows and the experts, beside dp, fsdp, cp, tp and pp (beside tp each tp rank
+    computes the experts whole: the estimate counts them so)."""
+    if not limits.experts:
         return [1]
     return [e for e in _divisors(loss_ranks) if limits.experts % e == 0]
 

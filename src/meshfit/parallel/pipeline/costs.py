@@ -1,7 +1,7 @@
 """What a pipeline stage costs, and the cut points that balance the stages.
 
 Costs are each block's forward FLOPs on an example batch (matrix products, convolutions
-and attention, counted by torch's FlopCounterMode: rank 0 counts them and tells the
+and attention, counted by torch's FlopCounterMode (MoE experts' grouped products too): rank 0 counts them and tells the
 others) or, without one, parameter counts. Both are properties of the model and the
 batch's shape, never of the machine's load: a cut on measured time moved with timing
 noise, and with it the random numbers each stage's dropout draws, so the same script
@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.batchnorm import local_statistics
 from meshfit.parallel.blocks import BlockStack
+from meshfit.parallel.flop_counts import flop_counter
 from meshfit.trees import call_model
 
 
@@ -120,7 +120,7 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
     count), the FLOPs before and after the blocks, and the bytes autograd saves in each
     block for backward (the activation memory it costs). One forward; the same numbers
     on any machine, however busy."""
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()  # the grouped products of MoE experts counted too
     saved = dict.fromkeys(stack.keys, 0)
     flops: dict[str, float] = {}
     current: list[str] = ["head"]

@@ -1,0 +1,33 @@
+"""torch's FlopCounterMode with the formulas it lacks: grouped matrix products.
+
+Mixture-of-experts layers run their experts as one grouped matrix product
+(`torch._grouped_mm`: transformers 5's default experts kernel, for Mixtral, Qwen2/3-MoE,
+OLMoE, ...), for which torch 2.13's FlopCounterMode has no formula: it counted none of
+the experts' FLOPs (measured: a Qwen3-MoE block's experts, 45% of its forward FLOPs,
+counted 0), so the planner's step time and a pipeline cut balanced on FLOPs saw MoE
+layers as their attention alone. Every FLOP count in meshfit goes through `flop_counter`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args, **kwargs) -> int:
+    """FLOPs of `torch._grouped_mm(a, b, offs)` from its operands' shapes. 2-D x 3-D (the
+    experts' forward: rows of `a` grouped by `offs`, each group times its expert's (K, N)
+    matrix), 2-D x 2-D (a weight's gradient: K grouped) and 3-D x 2-D: every row of `a`
+    meets one (K, N) matrix, 2 x M x K x N; 3-D x 3-D is a batch of G products."""
+    groups = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 1
+    return 2 * groups * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
+def _formulas() -> dict:
+    ops = [getattr(torch.ops.aten, name, None) for name in ("_grouped_mm", "_scaled_grouped_mm")]
+    return {op: grouped_mm_flops for op in ops if op is not None}
+
+
+def flop_counter() -> FlopCounterMode:
+    """A FlopCounterMode (silent) that also counts grouped matrix products."""
+    return FlopCounterMode(display=False, custom_mapping=_formulas())
