@@ -74,6 +74,22 @@ def _turn(alone: bool) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest's hook
+    """The slow tests first, the everyday ones next, the `alone` ones last (each group in
+    file order; pytest-xdist hands tests out in this order). An `alone` test waits for the
+    test beside it to end before it starts: measured in the suite, 134 s of such waits
+    (a 7.6 s test waited 60 s for a neighbour's 2-minute compile) while its worker idled.
+    Last, the tests beside them are short everyday ones or other `alone` ones."""
+    order = {"slow": 0, "everyday": 1, "alone": 2}
+
+    def group(item) -> int:  # noqa: ANN001
+        if item.get_closest_marker("alone") is not None:
+            return order["alone"]
+        return order["slow" if item.get_closest_marker("slow") is not None else "everyday"]
+
+    items.sort(key=group)  # stable: file order within each group
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201 - pytest's hook
     # around setup, call and teardown, so the wait is in no test's reported duration
