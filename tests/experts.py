@@ -189,7 +189,11 @@ def ep_run(spec: dict) -> dict:
     own = spec["model"] in ("own", "own_skewed", "own_3_experts", "list")
     with _misrouted() if spec.get("misrouted") else contextlib.nullcontext():
         engine = mf.parallelize(
-            model, spec.get("plan"), loss_fn=token_loss if own else "model", optimizer=zoo_optimizer
+            model,
+            spec.get("plan"),
+            loss_fn=token_loss if own else "model",
+            optimizer=zoo_optimizer,
+            tp_plan=spec.get("tp_plan"),
         )
         losses = [float(engine.step(batch_of(spec["model"], s))) for s in range(3)]
     return {"losses": losses, "state": engine.full_state_dict(), "placed": _placed(engine)}

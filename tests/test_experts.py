@@ -87,7 +87,9 @@ def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     refused in one line (a stage holds only its own layers' router statistics). Beside tp
     (tp leaves the experts whole, each tp rank sends the same tokens in its own ep group):
     dp=2 x tp=2 x ep=2 and cp=2 x tp=2 x ep=2 with the load-balancing loss on, and
-    Qwen2-MoE's shared expert (split by tp) under fsdp=2 x tp=2 x ep=2."""
+    Qwen2-MoE's shared expert (split by tp) under fsdp=2 x tp=2 x ep=2; a tp_plan of the
+    user's naming the experts module is refused in one line (it failed with an
+    AttributeError inside the split)."""
     plans = ("ep=4", "ep=2", "fsdp=2,ep=2", "fsdp=2,ep=4", "cp=2,ep=2", "dp=2,cp=2,ep=4")
     specs = [{"model": "qwen3_moe", "plan": p} for p in plans]
     specs += [{"model": "own", "plan": p} for p in ("ep=4", "fsdp=2,ep=2")]
@@ -97,10 +99,18 @@ def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     specs += [{"model": "qwen3_moe", "plan": p} for p in ("dp=2,tp=2,ep=2", "cp=2,tp=2,ep=2")]
     specs += [{"model": "qwen2_moe_quiet", "plan": "fsdp=2,tp=2,ep=2"}]
     refused = {"model": "qwen3_moe", "plan": "dp=2,pp=2,ep=2"}
+    # a tp_plan of the user's that splits the experts, beside ep (which places them whole)
+    split = {"model": "qwen3_moe", "plan": "dp=2,tp=2,ep=2"}
+    split["tp_plan"] = {"model.layers.*.mlp.experts": "colwise"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        *results, refusal = mf.launch(many_ep_runs, nproc=4, args=([*specs, refused],))
+        *results, refusal, split_refusal = mf.launch(
+            many_ep_runs, nproc=4, args=([*specs, refused, split],)
+        )
     assert "a pipeline stage holds only its own layers" in refusal.get("refused", ""), refusal
+    why = split_refusal.get("refused", "")
+    assert "tp_plan['model.layers.*.mlp.experts'] = 'colwise': model.layers.0.mlp.experts " in why
+    assert "(Qwen3MoeExperts) has no `weight` to split" in why and "\n" not in why, why
     references: dict[str, dict] = {}
     for spec, got in zip(specs, results, strict=True):
         if spec["model"] not in references:

@@ -32,6 +32,7 @@ from meshfit.parallel.tensor.check import (
     _outputs,
     _settle_local_sizes,
     check_tp_plan,
+    check_user_targets,
     narrow,
     reference_gradients,
 )
@@ -108,6 +109,7 @@ def _choose(
     if tp_plan is not None:
         plan = {name: style for name, style in tp_plan.items()}
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
+        check_user_targets(model, plan)
         return Chosen(plan, None, {})
     derivation = _derive(model, example_inputs, tp)
     if experts_whole:

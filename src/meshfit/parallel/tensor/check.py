@@ -104,6 +104,31 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> None:
                 )
 
 
+def check_user_targets(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Refuse up front an entry of the user's tp_plan whose module tp cannot split by
+    name: "colwise"/"rowwise" split a module's `weight` (a Linear, an Embedding, a
+    Conv1D, a convolution, a fused projection), and a module without one (an experts
+    module with weights of shape (experts, ...), a container) would fail inside the
+    split with an AttributeError that names neither the entry nor the fix."""
+    modules = dict(model.named_modules())
+    for key, style in plan.items():
+        if not isinstance(style, str):
+            continue  # a ParallelStyle of torch's: it applies itself
+        for name in _matching(modules, key):
+            module = modules.get(name)
+            if module is None or isinstance(getattr(module, "weight", None), torch.Tensor):
+                continue
+            if _is_channel_layer(module):
+                continue
+            held = [n for n, _ in module.named_parameters(recurse=False)]
+            what = f"its own parameters are {held}" if held else "it holds no parameter itself"
+            raise MeshfitError(
+                f"tp_plan[{key!r}] = {style!r}: {name} ({type(module).__name__}) has no "
+                f"`weight` to split ({what}); name the Linear layers inside it, or leave "
+                f"tp_plan out and meshfit derives the split (an experts module's included)"
+            )
+
+
 def _matching(modules: dict[str, nn.Module], key: str) -> list[str]:
     """Module names `key` names: itself, or every match of a pattern whose dot-separated
     parts are matched one by one (fnmatch), as parallelize_module matches them."""
