@@ -772,6 +772,13 @@ def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_al
     # them: they counted 0): 16 tokens x top-2, each through (64 -> 2x32) and (32 -> 64)
     assert p.blocks[0].expert_flops == 16 * 2 * 2 * (64 * 64 + 32 * 64)
     assert p.blocks[0].flops > p.blocks[0].attention_flops + p.blocks[0].expert_flops
+    # and a pipeline cut balanced on FLOPs counts them (2 samples; attention as it runs)
+    from meshfit.parallel.blocks import find_blocks
+    from meshfit.parallel.pipeline import count_costs
+
+    ids = {"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")}
+    costs = count_costs(model, find_blocks(model), ids)
+    assert costs.blocks[0] >= 2 * (p.blocks[0].flops - p.blocks[0].attention_flops)
     hw = dataclasses.replace(fast_net_slow_chips(), intra_node_bandwidth=1e6)
     alone = estimate(p, Plan(dp=4), batch_size=8, hardware=hw)
     placed = estimate(p, Plan(dp=4, ep=4), batch_size=8, hardware=hw)

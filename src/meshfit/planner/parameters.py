@@ -13,6 +13,8 @@ from meshfit.parallel.experts import find_expert_layers
 
 
 def count_parameters(model: nn.Module, stack: Any, parts: dict[str, Any]) -> None:
+    """Fill each PartCost of `parts` ("head", the blocks' keys, "tail") with its
+    parameter elements, its largest, and its experts' apart."""
     if not stack.keys:
         _count_into(parts["head"], model.parameters(), {})
         return
@@ -55,5 +57,6 @@ def _around(
 
 
 def tied_parameters(model: nn.Module, stack: Any) -> int:
+    """Elements of the parameters used both before and after the blocks (tied)."""
     head, tail = _around(model, stack)
     return sum(p.numel() for i, p in head.items() if i in tail)

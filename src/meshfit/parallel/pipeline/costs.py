@@ -1,8 +1,9 @@
 """What a pipeline stage costs, and the cut points that balance the stages.
 
-Costs are each block's forward FLOPs on an example batch (matrix products, convolutions
-and attention, counted by torch's FlopCounterMode (MoE experts' grouped products too): rank 0 counts them and tells the
-others) or, without one, parameter counts. Both are properties of the model and the
+Costs are each block's forward FLOPs on an example batch (matrix products, convolutions,
+attention and MoE experts' grouped products, counted by torch's FlopCounterMode with
+parallel/flop_counts.py's formulas: rank 0 counts them and tells the others) or, without
+one, parameter counts. Both are properties of the model and the
 batch's shape, never of the machine's load: a cut on measured time moved with timing
 noise, and with it the random numbers each stage's dropout draws, so the same script
 and seed trained another run on a busy machine. A block without FLOPs
