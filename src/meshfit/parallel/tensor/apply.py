@@ -111,9 +111,7 @@ def _choose(
         check_tp_plan(model, {n: s for n, s in plan.items() if isinstance(s, str)}, tp)
         check_user_targets(model, plan)
         return Chosen(plan, None, {})
-    derivation = _derive(model, example_inputs, tp)
-    if experts_whole:
-        _leave_experts_whole(model, derivation)
+    derivation = _derive(model, example_inputs, tp, experts_whole)
     plan = dict(derivation.plan)
     check_tp_plan(model, {n: v for n, v in plan.items() if n not in derivation.weights}, tp)
     _check_weight_sizes(model, derivation, tp)
@@ -124,28 +122,6 @@ def _choose(
         heads, kept = gathered_heads(model, inputs, tp)
         derivation.whole.update(kept)
     return Chosen(plan, derivation, heads)
-
-
-def _leave_experts_whole(model: nn.Module, derivation: _Derivation) -> None:
-    """Drop what the plan splits inside an experts module (its weights, split as a pair
-    with one sum of the module's output: an all-or-nothing unit): expert parallel
-    places the experts whole, and each tp rank sends the same tokens to them in its own
-    ep group, so nothing of theirs is split or summed over tp."""
-    from meshfit.parallel.experts import ExpertLayer, find_expert_layers
-
-    for layer in find_expert_layers(model):
-
-        def within(name: str, layer: ExpertLayer = layer) -> bool:
-            return name == layer.name or name.startswith(layer.name + ".")
-
-        for table in (
-            derivation.plan, derivation.weights, derivation.local_attrs, derivation.owners,
-            derivation.kv_slices,
-        ):  # fmt: skip
-            for name in [n for n in table if within(n)]:
-                del table[name]
-        derivation.summed = [n for n in derivation.summed if not within(n)]
-        derivation.summed_inputs = [n for n in derivation.summed_inputs if not within(n)]
 
 
 def split_styles(model: nn.Module, chosen: Chosen) -> dict[str, ParallelStyle]:

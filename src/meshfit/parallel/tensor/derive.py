@@ -1,8 +1,7 @@
 """The plan from the trace: Megatron's column/row pairs per block (_classify), the fused
 projections' chunks, the experts' weight parameters, the integer sizes each rank must
 see as its local value, and the replicated parameters whose gradients are summed over
-the tp ranks.
-"""
+the tp ranks."""
 
 from __future__ import annotations
 
@@ -45,10 +44,12 @@ def derive_tp_plan(model: nn.Module, example_inputs: Any = None) -> dict[str, st
     return _derive(model, example_inputs).plan
 
 
-def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None) -> _Derivation:
+def _derive(
+    model: nn.Module, example_inputs: Any = None, tp: int | None = None, experts_whole: bool = False
+) -> _Derivation:
     """The plan (a Sequential's pairs, else from one traced forward), with what the split
     model is checked against. With `tp` known, key/value heads fewer than the tp ranks
-    are replicated instead of split (_replicate_shared_kv)."""
+    are replicated (_replicate_shared_kv); `experts_whole`: nothing of an experts module."""
     if type(model) is nn.Sequential:
         plan = _sequential_pairs(model, prefix="")
         if plan:
@@ -118,7 +119,7 @@ def _derive(model: nn.Module, example_inputs: Any = None, tp: int | None = None)
                 local_attrs.setdefault(owner, {})["num_key_value_groups"] = groups * heads
         _note_weights(split, trace, block_plan, whole, prefix=f"{name}.")
     split.inputs, split.local_attrs = inputs, local_attrs
-    keep_whole_what_cannot_split(model, split, tp if tp and tp > 1 else 2)
+    keep_whole_what_cannot_split(model, split, tp if tp and tp > 1 else 2, experts_whole)
     if "rowwise" not in plan.values():
         kept = "".join(f"; {owner} kept whole: {why}" for owner, why in split.whole.items())
         raise _nothing_to_split(

@@ -31,11 +31,16 @@ class _Captured(Exception):  # noqa: N818 - control flow, not an error
         self.args_, self.kwargs = args, kwargs
 
 
-def keep_whole_what_cannot_split(model: nn.Module, derivation: Any, tp: int) -> None:
+def keep_whole_what_cannot_split(
+    model: nn.Module, derivation: Any, tp: int, experts_whole: bool = False
+) -> None:
     """Drop from `derivation` (in place) every kind of sub-layer whose narrowed code
     fails on the input of the first block of its kind, recording why in
-    `derivation.whole`. Not where tp
-    does not divide the plan's widths or head counts: that refusal names the cause."""
+    `derivation.whole`. Not where tp does not divide the plan's widths or head counts:
+    that refusal names the cause. `experts_whole` (beside ep): the experts modules are
+    left whole first (leave_experts_whole), and their blocks tried without them."""
+    if experts_whole:
+        leave_experts_whole(model, derivation)
     from meshfit.errors import MeshfitError
     from meshfit.parallel.tensor.check import check_tp_plan
     from meshfit.parallel.tensor.trace import _block_units
@@ -206,3 +211,26 @@ def _drop(derivation: Any, units: list[str], layer: str) -> None:
     derivation.summed_inputs[:] = [n for n in derivation.summed_inputs if not within(n)]
     for name in [n for n in derivation.kv_slices if within(n)]:
         del derivation.kv_slices[name]
+
+
+def leave_experts_whole(model: nn.Module, derivation: Any) -> None:
+    """Drop what the plan splits inside an experts module (its weights, split as a pair
+    with one sum of the module's output: an all-or-nothing unit): expert parallel
+    places the experts whole, and each tp rank sends the same tokens to them in its own
+    ep group, so nothing of theirs is split or summed over tp. Before the trial of what
+    cannot be split (which skips a block while it holds experts' weights to narrow)."""
+    from meshfit.parallel.experts import ExpertLayer, find_expert_layers
+
+    for layer in find_expert_layers(model):
+
+        def within(name: str, layer: ExpertLayer = layer) -> bool:
+            return name == layer.name or name.startswith(layer.name + ".")
+
+        for table in (
+            derivation.plan, derivation.weights, derivation.local_attrs, derivation.owners,
+            derivation.kv_slices,
+        ):  # fmt: skip
+            for name in [n for n in table if within(n)]:
+                del table[name]
+        derivation.summed = [n for n in derivation.summed if not within(n)]
+        derivation.summed_inputs = [n for n in derivation.summed_inputs if not within(n)]
