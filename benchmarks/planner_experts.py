@@ -16,7 +16,7 @@ The FLOPs: a forward's count under torch's FlopCounterMode against the planner's
 the count by hand (every matrix product of the model, attention without a causal saving
 as the profile counts it).
 
-    python benchmarks/planner_experts.py          # every plan (~2 min on 2 cores)
+    python benchmarks/planner_experts.py          # every plan (~25 s on 2 cores)
     python benchmarks/planner_experts.py --quick  # smoke test: one process
 
 Writes benchmarks/results/planner_experts.json; prints a table.

@@ -772,6 +772,11 @@ def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_al
     # them: they counted 0): 16 tokens x top-2, each through (64 -> 2x32) and (32 -> 64)
     assert p.blocks[0].expert_flops == 16 * 2 * 2 * (64 * 64 + 32 * 64)
     assert p.blocks[0].flops > p.blocks[0].attention_flops + p.blocks[0].expert_flops
+    # tp's derived plan splits the experts as a column/row pair (one all-reduce of the
+    # block's two): beside ep, where tp leaves them whole, the step pays only attention's
+    block = p.blocks[0]
+    assert (block.tp_reductions, block.expert_tp_reductions) == (2, 1)
+    assert (block.tp_projections, block.expert_tp_projections) == (6, 2)
     # and a pipeline cut balanced on FLOPs counts them (2 samples; attention as it runs)
     from meshfit.parallel.blocks import find_blocks
     from meshfit.parallel.pipeline import count_costs

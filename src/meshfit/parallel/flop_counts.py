@@ -15,10 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 
 def grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args, **kwargs) -> int:
-    """FLOPs of `torch._grouped_mm(a, b, offs)` from its operands' shapes. 2-D x 3-D (the
-    experts' forward: rows of `a` grouped by `offs`, each group times its expert's (K, N)
-    matrix), 2-D x 2-D (a weight's gradient: K grouped) and 3-D x 2-D: every row of `a`
-    meets one (K, N) matrix, 2 x M x K x N; 3-D x 3-D is a batch of G products."""
+    """FLOPs of `torch._grouped_mm(a, b, offs)` from its operands' shapes: 2 x M x K x N
+    for 2-D x 3-D (the experts' forward: rows of `a` (M, K) grouped by `offs`, each group
+    times its expert's (K, N) matrix), 2-D x 2-D (a weight's gradient: the K of (M, K) x
+    (K, N) grouped) and 3-D x 2-D (N grouped); G times that for 3-D x 3-D, a batch of G
+    products (checked: forward and backward of the experts' products count 3x the
+    forward)."""
     groups = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 1
     return 2 * groups * a_shape[-2] * a_shape[-1] * b_shape[-1]
 

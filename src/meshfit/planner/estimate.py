@@ -40,7 +40,7 @@ from meshfit.planner.memory import (
     stage_layout,
     step_temporaries,
 )
-from meshfit.planner.profile import ModelProfile
+from meshfit.planner.profile import ModelProfile, PartCost
 
 DDP_BUCKET_BYTES = 25 * 1024**2  # DDP's default bucket: the last one cannot hide
 PCIE_BANDWIDTH = 25e9  # host <-> device per GPU (PCIe 4/5 x16, usable): offload's transfers
@@ -211,6 +211,17 @@ def _collective(
     return factor * (n - 1) / n * nbytes / hw.group_bandwidth(span, stride) + hw.latency
 
 
+def _tp_counts(part: PartCost, plan: Plan) -> tuple[int, int]:
+    """(tp's all-reduces, tp's split layers) of a block's forward: beside ep, not its
+    experts modules' (tp leaves them whole for ep to place)."""
+    if plan.ep > 1:
+        return (
+            part.tp_reductions - part.expert_tp_reductions,
+            part.tp_projections - part.expert_tp_projections,
+        )
+    return part.tp_reductions, part.tp_projections
+
+
 def _add_time(
     result: Estimate,
     profile: ModelProfile,
@@ -247,12 +258,12 @@ def _add_time(
         gathered = last and _tp_of(profile.tail, plan.tp) > 1 and profile.tail.tp_gathered_outputs
         if plan.tp > 1:
             redo = 1 + (1 if plan.checkpointing == "full" else 0)
-            launches += sum(p.tp_projections for p in parts) * hw.dtensor_overhead * redo
+            launches += sum(_tp_counts(p, plan)[1] for p in parts) * hw.dtensor_overhead * redo
             launches += profile.tail.tp_projections * hw.dtensor_overhead if gathered else 0
         t_mb = max(t_mb, launches) if hw.launch_ahead else t_mb + launches
         # tensor parallel: every row-parallel output is all-reduced, forward and backward
         for p in parts:
-            calls = p.tp_reductions * (2 + (1 if plan.checkpointing == "full" else 0))
+            calls = _tp_counts(p, plan)[0] * (2 + (1 if plan.checkpointing == "full" else 0))
             nbytes = p.input_bytes * tokens * act_scale
             t_mb += calls * _collective(hw, plan, "tp", nbytes, 2.0)
             if plan.ep > 1 and p.dispatch_bytes:  # tokens to their experts and back,

@@ -169,7 +169,7 @@ def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], boo
         raise MeshfitError(
             f"{stages} pipeline stages need at least {stages} blocks; the model has {n}"
         )
-    starts = _cached_starts(profile, stages, plan.tp)
+    starts = _cached_starts(profile, stages, plan.tp, plan.ep > 1)
     bounds = [*starts, n]
     layout = []
     for r in range(plan.pp):
@@ -178,22 +178,26 @@ def stage_layout(profile: ModelProfile, plan: Plan) -> list[tuple[list[int], boo
     return layout
 
 
-def _cached_starts(profile: ModelProfile, stages: int, tp: int) -> list[int]:
+def _cached_starts(
+    profile: ModelProfile, stages: int, tp: int, experts_whole: bool = False
+) -> list[int]:
     """meshfit cuts after tensor parallel has split the blocks (their FLOPs are counted
-    on the split model), so the cut balances the split blocks' FLOPs."""
+    on the split model) and before expert parallel places the experts (beside ep, whole
+    on every tp rank), so the cut balances the split blocks' FLOPs."""
     from meshfit.parallel.pipeline.costs import StageCosts, balanced_starts
 
     cache = profile.__dict__.setdefault("_starts", {})
-    if (stages, tp) not in cache:
+    key = (stages, tp, experts_whole)
+    if key not in cache:
         costs = StageCosts(
             unit="flops",
-            blocks=[_block_flops(b, tp) or float(b.params) for b in profile.blocks],
+            blocks=[_block_flops(b, tp, experts_whole) or float(b.params) for b in profile.blocks],
             head=_block_flops(profile.head, tp),
             tail=_block_flops(profile.tail, tp),
             trainable=[b.params > 0 for b in profile.blocks],
         )
-        cache[stages, tp] = balanced_starts(costs, stages)
-    return cache[stages, tp]
+        cache[key] = balanced_starts(costs, stages)
+    return cache[key]
 
 
 def optimizer_stepping(optimizer: str) -> tuple[str, str | None]:

@@ -76,6 +76,9 @@ class PartCost:
     tp_share: float = 0.0  # fraction of `params` tensor parallel splits
     tp_reductions: int = 0  # all-reduces of a tp forward (row-parallel outputs)
     tp_projections: int = 0  # layers tp splits (each a DTensor dispatch, forward and backward)
+    # of tp_reductions and tp_projections: its experts modules' (beside ep tp leaves them)
+    expert_tp_reductions: int = 0
+    expert_tp_projections: int = 0
     # a head tp splits over its outputs and gathers (tensor.gathered_heads): its output
     # count, which tp must divide (else it stays whole); 0: none
     tp_gathered_outputs: int = 0
@@ -494,6 +497,7 @@ def _tensor_parallel_costs(
         return
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
+    experts = [f"{layer.name}." for layer in find_expert_layers(model)]
     for key, part in zip(stack.keys, profile.blocks, strict=True):
         prefix = f"{stack.qualified(repeats.get(key, key))}."
         mine = {n: s for n, s in plan.items() if n.startswith(prefix)}
@@ -501,6 +505,9 @@ def _tensor_parallel_costs(
         part.tp_share = split / part.params if part.params else 0.0
         part.tp_reductions = sum(1 for style in mine.values() if style == "rowwise")
         part.tp_projections = len(mine)
+        theirs = [s for n, s in mine.items() if any(f"{n}.".startswith(e) for e in experts)]
+        part.expert_tp_reductions = sum(1 for style in theirs if style == "rowwise")
+        part.expert_tp_projections = len(theirs)
     profile.max_tp = largest_tp(model, plan)
     if heads and profile.tail.params:
         split = sum(tensor.split_numel(modules, params, name, "colwise") for name in heads)

@@ -112,20 +112,28 @@ def check_user_targets(model: nn.Module, plan: dict[str, Any]) -> None:
     split with an AttributeError that names neither the entry nor the fix."""
     modules = dict(model.named_modules())
     for key, style in plan.items():
-        if not isinstance(style, str):
-            continue  # a ParallelStyle of torch's: it applies itself
+        if not isinstance(style, str) or Split.parse(style) is None:
+            continue  # a ParallelStyle of torch's applies itself; a bad string is named later
         for name in _matching(modules, key):
             module = modules.get(name)
             if module is None or isinstance(getattr(module, "weight", None), torch.Tensor):
                 continue
             if _is_channel_layer(module):
                 continue
-            held = [n for n, _ in module.named_parameters(recurse=False)]
-            what = f"its own parameters are {held}" if held else "it holds no parameter itself"
+            held = dict(module.named_parameters(recurse=False))
+            start = (
+                f"tp_plan[{key!r}] = {style!r}: {name} ({type(module).__name__}) has no `weight`"
+            )
+            if held and all(p.dim() >= 3 for p in held.values()):
+                raise MeshfitError(
+                    f"{start}: its {list(held)} are experts' weights (experts, ...), which a "
+                    f"tp_plan entry cannot split; leave it out of tp_plan (beside ep, ep places "
+                    f"the experts whole), or give no tp_plan and meshfit derives the split"
+                )
+            what = f"its own parameters are {list(held)}" if held else "it holds none itself"
             raise MeshfitError(
-                f"tp_plan[{key!r}] = {style!r}: {name} ({type(module).__name__}) has no "
-                f"`weight` to split ({what}); name the Linear layers inside it, or leave "
-                f"tp_plan out and meshfit derives the split (an experts module's included)"
+                f"{start} to split ({what}); name the layers inside it that hold one, or "
+                f"give no tp_plan and meshfit derives the split"
             )
 
 
