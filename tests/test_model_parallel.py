@@ -77,6 +77,20 @@ def test_four_way_model_parallel_matches_one_process() -> None:
     check_against_one_process(specs, mf.launch(many_engine_runs, nproc=4, args=(specs,)))
 
 
+def test_a_cut_on_cpu_counts_attention_as_the_planner_does() -> None:
+    """torch's FlopCounterMode has no formula for the CPU's fused attention kernel:
+    the cut's cost of a GPT block was its projections alone (the planner's profile added
+    attention by hand). parallel/flop_counts.py gives it one: the two counts agree."""
+    from meshfit.planner import profile_model
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32))
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    costs = count_costs(model, find_blocks(model), tokens)
+    block = profile_model(model, tokens).blocks[0]
+    assert block.attention_flops == 4 * 4 * 32 * 32 * 8  # heads x queries x keys x depth
+    assert costs.blocks[0] == 2 * block.flops  # two samples, attention included
+
+
 def test_pipeline_cuts_balance_forward_flops() -> None:
     """One heavy block then five light ones: cutting by count (3+3) puts the heavy
     block and two more on stage 0; cutting by forward FLOPs must even the stages out,

@@ -1,14 +1,19 @@
-"""torch's FlopCounterMode with the formulas it lacks: grouped matrix products.
+"""torch's FlopCounterMode with the formulas it lacks: grouped matrix products, and the
+CPU's fused attention.
 
 Mixture-of-experts layers run their experts as one grouped matrix product
 (`torch._grouped_mm`: transformers 5's default experts kernel, for Mixtral, Qwen2/3-MoE,
 OLMoE, ...), for which torch 2.13's FlopCounterMode has no formula: it counted none of
 the experts' FLOPs (measured: a Qwen3-MoE block's experts, 45% of its forward FLOPs,
 counted 0), so the planner's step time and a pipeline cut balanced on FLOPs saw MoE
-layers as their attention alone. Every FLOP count in meshfit goes through `flop_counter`.
+layers as their attention alone. The CPU's attention kernel had none either (the
+planner's profile added it by hand; a pipeline cut on CPU workers balanced blocks without
+their attention). Every FLOP count in meshfit goes through `flop_counter`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -25,11 +30,31 @@ def grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args, **kwargs) 
     return 2 * groups * a_shape[-2] * a_shape[-1] * b_shape[-1]
 
 
+def cpu_attention_flops(
+    query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size, *args, **kwargs
+) -> int:
+    """FLOPs of the CPU's fused attention (`_scaled_dot_product_flash_attention_for_cpu`,
+    which torch has no formula for): scores and their product with the values, every
+    query head against every key (grouped-query attention passes fewer key heads; no
+    saving counted for a causal mask, as torch's formulas for the GPU kernels count)."""
+    *batch, queries, depth = query_shape
+    scores = math.prod(batch) * queries * key_shape[-2]
+    return 2 * scores * depth + 2 * scores * value_shape[-1]
+
+
+_FORMULAS = {
+    "_grouped_mm": grouped_mm_flops,
+    "_scaled_grouped_mm": grouped_mm_flops,
+    "_scaled_dot_product_flash_attention_for_cpu": cpu_attention_flops,
+}
+
+
 def _formulas() -> dict:
-    ops = [getattr(torch.ops.aten, name, None) for name in ("_grouped_mm", "_scaled_grouped_mm")]
-    return {op: grouped_mm_flops for op in ops if op is not None}
+    ops = {name: getattr(torch.ops.aten, name, None) for name in _FORMULAS}
+    return {op: _FORMULAS[name] for name, op in ops.items() if op is not None}
 
 
 def flop_counter() -> FlopCounterMode:
-    """A FlopCounterMode (silent) that also counts grouped matrix products."""
+    """A FlopCounterMode (silent) that also counts grouped matrix products and the CPU's
+    fused attention."""
     return FlopCounterMode(display=False, custom_mapping=_formulas())
