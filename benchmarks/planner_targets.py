@@ -1,6 +1,7 @@
 """Targets for `meshfit plan` in BENCHMARKS.md (run from this directory):
 
 cd benchmarks && meshfit plan planner_targets:gpt3 --hardware a100-80gb --nodes 128 --precision bf16
+cd benchmarks && meshfit plan planner_targets:qwen3_30b_a3b --hardware h100 --nodes 2
 """
 
 from __future__ import annotations
@@ -39,3 +40,23 @@ def llama3_8b():
     ids = torch.zeros(8, 8192, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
     return model, batch, "model"
+
+
+def qwen3_30b_a3b():
+    """Qwen3-30B-A3B's shape (transformers' Qwen3MoeForCausalLM: 48 layers, 128 experts
+    of width 768, 8 per token; bf16) on the meta device, a global batch of 32 sequences of
+    4,096 tokens with their labels:
+
+    cd benchmarks && meshfit plan planner_targets:qwen3_30b_a3b --hardware h100 --nodes 2
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, max_position_embeddings=4096,
+    )  # fmt: skip
+    with torch.device("meta"):  # bf16: torch._grouped_mm's meta kernel takes no other
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(32, 4096, dtype=torch.long)
+    return model, {"input_ids": ids, "labels": ids}, "model"
