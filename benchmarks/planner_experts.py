@@ -135,8 +135,8 @@ def predicted(plans: list[tuple[str, int]]) -> dict[str, float]:
 
 def flop_counts() -> dict[str, float]:
     """One forward's FLOPs: torch's FlopCounterMode, the planner's profile (which counts
-    attention by hand where torch's CPU kernel has no formula, and the experts' grouped
-    products: parallel/flop_counts.py), and by hand."""
+    the CPU's attention kernel and the experts' grouped products, torch having no
+    formula for either: parallel/flop_counts.py), and by hand."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from meshfit.planner import profile_model

@@ -92,7 +92,7 @@ def test_expert_parallel_plans_are_counted_within_10_percent() -> None:
     the experts: counted with them, the count was 44% over at dp=2,fsdp=2,ep=4) and pp;
     every peak within 10%. And the FLOPs the planner counts for one forward are the
     model's by hand: torch's FlopCounterMode has no formula for the experts' grouped
-    products (nor for the CPU's attention kernel, which the profile counts by hand): it
+    products (nor for the CPU's attention kernel: parallel/flop_counts.py gives both): it
     counted 42% of them."""
     import planner_experts as moe
 

@@ -13,10 +13,8 @@ their attention). Every FLOP count in meshfit goes through `flop_counter`.
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 
 def grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args, **kwargs) -> int:
@@ -33,19 +31,30 @@ def grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args, **kwargs) 
 def cpu_attention_flops(
     query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size, *args, **kwargs
 ) -> int:
-    """FLOPs of the CPU's fused attention (`_scaled_dot_product_flash_attention_for_cpu`,
-    which torch has no formula for): scores and their product with the values, every
-    query head against every key (grouped-query attention passes fewer key heads; no
-    saving counted for a causal mask, as torch's formulas for the GPU kernels count)."""
-    *batch, queries, depth = query_shape
-    scores = math.prod(batch) * queries * key_shape[-2]
-    return 2 * scores * depth + 2 * scores * value_shape[-1]
+    """FLOPs of the CPU's fused attention (`_scaled_dot_product_flash_attention_for_cpu`)
+    by torch's own formula for the GPU kernels (grouped-query attention included; no
+    saving counted for a causal mask, as there)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def cpu_attention_backward_flops(
+    grad_out_shape: torch.Size,
+    query_shape: torch.Size,
+    key_shape: torch.Size,
+    value_shape: torch.Size,
+    *args,
+    **kwargs,
+) -> int:
+    """Its backward's: torch's formula (the scores computed again, then four products:
+    2.5 x the forward)."""
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 _FORMULAS = {
     "_grouped_mm": grouped_mm_flops,
     "_scaled_grouped_mm": grouped_mm_flops,
     "_scaled_dot_product_flash_attention_for_cpu": cpu_attention_flops,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": cpu_attention_backward_flops,
 }
 
 

@@ -2,8 +2,9 @@
 `scaled_dot_product_attention` would take its unfused math path and keep a sequence x
 sequence score matrix no real run keeps, so it runs as the fused memory-efficient kernel
 (what CPU and GPU runs use), whose meta kernel and FLOP count PyTorch ships; elsewhere
-the call goes through, its FLOPs added by hand where FlopCounterMode has no formula for
-the kernel (CPU's). Each call's keys and values are reported (context parallel gathers
+the call goes through, its FLOPs added by hand where the counter has no formula for the
+kernel (the CPU's has one in parallel/flop_counts.py; a device whose kernel torch has no
+formula for still gets the hand count). Each call's keys and values are reported (context parallel gathers
 them)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 class FusedAttention(TorchFunctionMode):
     """On `meta`, run scaled_dot_product_attention as the fused memory-efficient kernel
     (the module doc). Elsewhere the call goes through unchanged, and its FLOPs are
-    added by hand where FlopCounterMode has no formula for the kernel (CPU's)."""
+    added by hand where the counter has no formula for the kernel."""
 
     def __init__(
         self, active: bool, counter: FlopCounterMode, attended: Callable[[int], None]
