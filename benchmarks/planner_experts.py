@@ -30,9 +30,10 @@ import json
 import os
 import time
 import warnings
+from typing import Any
 
+import planner_memory
 import torch
-import torch.distributed as dist
 
 import meshfit as mf
 from meshfit.planner.memory_probe import measure_peak
@@ -73,8 +74,9 @@ def make_batch(step: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def measure(plan: str) -> dict:
-    """This rank's peak during step MEASURED_STEP under `plan`."""
+def measure(plan: str, config: Any = None) -> dict:
+    """This rank's peak during step MEASURED_STEP under `plan` (`config`: unused, the
+    model is CONFIG's; planner_memory.run_all passes one)."""
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     engine = mf.parallelize(
@@ -91,31 +93,11 @@ def measure(plan: str) -> dict:
     return {"rank": engine.rank, **peak.as_dict()}
 
 
-def worker(plans: list[str]) -> list[list[dict]]:
-    torch.set_num_threads(1)
-    out = []
-    for plan in plans:
-        row = measure(plan)
-        gc.collect()
-        rows: list[dict | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, row)
-        out.append(rows)
-    return out
-
-
 def run_all(plans: list[tuple[str, int]]) -> dict[str, dict]:
-    """{plan: the rank with the largest measured peak}."""
-    largest = {}
-    for nproc in sorted({n for _, n in plans}):
-        names = [p for p, n in plans if n == nproc]
-        if nproc == 1:
-            torch.set_num_threads(1)
-            per_plan = [[measure(plan)] for plan in names]
-        else:
-            per_plan = mf.launch(worker, nproc=nproc, args=(names,))
-        for plan, rows in zip(names, per_plan, strict=True):
-            largest[plan] = max(rows, key=lambda r: r["total"])
-    return largest
+    """{plan: the rank with the largest measured peak}: planner_memory.py's launches, this
+    model's measure."""
+    rows = planner_memory.run_all(plans, None, measure_fn=measure)
+    return {r["plan"]: max(r["ranks"], key=lambda rank: rank["total"]) for r in rows}
 
 
 def predicted(plans: list[tuple[str, int]]) -> dict[str, float]:

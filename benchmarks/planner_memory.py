@@ -29,6 +29,8 @@ import gc
 import json
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,12 +105,13 @@ def measure(plan: str, config: GPTConfig = CONFIG) -> dict:
     return row  # the engine goes with this frame; callers collect before the next plan
 
 
-def worker(plans: list[str], config: GPTConfig) -> list[list[dict]]:
-    """Every plan in one set of workers: per plan, every rank's row (rank order)."""
+def worker(plans: list[str], config: Any, measure_fn: Callable = measure) -> list[list[dict]]:
+    """Every plan in one set of workers: per plan, every rank's row (rank order), as
+    `measure_fn(plan, config)` measures it (benchmarks/planner_experts.py passes its own)."""
     torch.set_num_threads(1)
     out = []
     for plan in plans:
-        row = measure(plan, config)
+        row = measure_fn(plan, config)
         gc.collect()
         rows: list[dict | None] = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
@@ -116,7 +119,11 @@ def worker(plans: list[str], config: GPTConfig) -> list[list[dict]]:
     return out
 
 
-def run_all(plans: list[tuple[str, int]], config: GPTConfig) -> list[dict]:
+def run_all(
+    plans: list[tuple[str, int]], config: Any, measure_fn: Callable = measure
+) -> list[dict]:
+    """Every plan, those of one world size in one launch: per plan, every rank's row and
+    the largest rank's."""
     results = []
     for nproc in sorted({n for _, n in plans}):
         names = [p for p, n in plans if n == nproc]
@@ -125,10 +132,10 @@ def run_all(plans: list[tuple[str, int]], config: GPTConfig) -> list[dict]:
             torch.set_num_threads(1)
             per_plan = []
             for plan in names:
-                per_plan.append([measure(plan, config)])
+                per_plan.append([measure_fn(plan, config)])
                 gc.collect()
         else:
-            per_plan = mf.launch(worker, nproc=nproc, args=(names, config))
+            per_plan = mf.launch(worker, nproc=nproc, args=(names, config, measure_fn))
         seconds = time.perf_counter() - start
         for plan, rows in zip(names, per_plan, strict=True):
             largest = max(rows, key=lambda r: r["total"])
