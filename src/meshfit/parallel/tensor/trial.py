@@ -199,10 +199,15 @@ def _raised(block: nn.Module, captured: tuple) -> BaseException | None:
 def _drop(derivation: Any, units: list[str], layer: str) -> None:
     """Remove `layer` (named inside a block) and what is in it from the share of
     `derivation` of every block in `units` (the blocks of one kind)."""
-    inside = [f"{unit}.{layer}" for unit in units]
+    _drop_within(derivation, [f"{unit}.{layer}" for unit in units])
+
+
+def _drop_within(derivation: Any, modules: list[str]) -> None:
+    """Remove every module in `modules` and what is in it from `derivation`: its plan's
+    entries, weights, sizes, owners, sums and key/value slices."""
 
     def within(name: str) -> bool:
-        return any(name == p or name.startswith(p + ".") for p in inside)
+        return any(name == m or name.startswith(m + ".") for m in modules)
 
     for table in (derivation.plan, derivation.local_attrs, derivation.weights, derivation.owners):
         for name in [n for n in table if within(n)]:
@@ -219,18 +224,6 @@ def leave_experts_whole(model: nn.Module, derivation: Any) -> None:
     places the experts whole, and each tp rank sends the same tokens to them in its own
     ep group, so nothing of theirs is split or summed over tp. Before the trial of what
     cannot be split (which skips a block while it holds experts' weights to narrow)."""
-    from meshfit.parallel.experts import ExpertLayer, find_expert_layers
+    from meshfit.parallel.experts import find_expert_layers
 
-    for layer in find_expert_layers(model):
-
-        def within(name: str, layer: ExpertLayer = layer) -> bool:
-            return name == layer.name or name.startswith(layer.name + ".")
-
-        for table in (
-            derivation.plan, derivation.weights, derivation.local_attrs, derivation.owners,
-            derivation.kv_slices,
-        ):  # fmt: skip
-            for name in [n for n in table if within(n)]:
-                del table[name]
-        derivation.summed = [n for n in derivation.summed if not within(n)]
-        derivation.summed_inputs = [n for n in derivation.summed_inputs if not within(n)]
+    _drop_within(derivation, [layer.name for layer in find_expert_layers(model)])
