@@ -777,6 +777,12 @@ def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_al
     block = p.blocks[0]
     assert (block.tp_reductions, block.expert_tp_reductions) == (2, 1)
     assert (block.tp_projections, block.expert_tp_projections) == (6, 2)
+    # the experts' weights never dispatch through DTensor (without ep tp runs their own
+    # forward on the local shards, one all-reduce after them): 4 layers pay its overhead
+    from meshfit.planner.estimate import _tp_counts
+
+    assert _tp_counts(block, Plan(dp=4, tp=2)) == (2, 4)
+    assert _tp_counts(block, Plan(dp=4, tp=2, ep=2)) == (1, 4)
     # and a pipeline cut balanced on FLOPs counts them (2 samples; attention as it runs)
     from meshfit.parallel.blocks import find_blocks
     from meshfit.parallel.pipeline import count_costs

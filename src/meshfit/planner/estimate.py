@@ -212,14 +212,13 @@ def _collective(
 
 
 def _tp_counts(part: PartCost, plan: Plan) -> tuple[int, int]:
-    """(tp's all-reduces, tp's split layers) of a block's forward: beside ep, not its
-    experts modules' (tp leaves them whole for ep to place)."""
-    if plan.ep > 1:
-        return (
-            part.tp_reductions - part.expert_tp_reductions,
-            part.tp_projections - part.expert_tp_projections,
-        )
-    return part.tp_reductions, part.tp_projections
+    """(tp's all-reduces, tp's layers that dispatch through DTensor) of a block's
+    forward. An experts module's weights never dispatch through DTensor: without ep, tp
+    runs the module's own forward on their local shards (parallel/tensor/styles.py,
+    `_WeightShard`: one all-reduce after all experts); beside ep, tp leaves them whole
+    for ep to place, their all-reduce too."""
+    reductions = part.tp_reductions - (part.expert_tp_reductions if plan.ep > 1 else 0)
+    return reductions, part.tp_projections - part.expert_tp_projections
 
 
 def _add_time(

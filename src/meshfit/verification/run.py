@@ -186,8 +186,9 @@ def verify(
         functions with ``def`` in a .py module (not a lambda, a nested function or a
         notebook cell), or use ``functools.partial`` of one.
     plan: the plan to check, e.g. "tp=2,pp=2" or a Plan.
-    batch: the global batch ``(inputs, targets)``, used at every step; or a list of
-        batches (tuples), one per step.
+    batch: the global batch ``(inputs, targets)``, used at every step; with
+        ``loss_fn="model"`` the mapping the model takes, labels included (a data
+        collator's dict); or a list of batches, one per step.
     loss_fn: as for `mf.parallelize`.
     steps: training steps (default 3; with a list of batches, its length).
     nproc: worker processes (default: the plan's world size, taking dp=1 when the plan
