@@ -180,7 +180,7 @@ def token_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def ep_run(spec: dict) -> dict:
     """`spec["model"]` under `spec["plan"]` for 3 SGD steps (float64 unless its kernels
-    refuse it); with "misrouted": the negative control (rank 1 sends its first token's
+    refuse it; "grad_clip" as parallelize takes it); with "misrouted": the negative control (rank 1 sends its first token's
     first expert pair to the wrong rank)."""
     torch.manual_seed(1234)
     model = BUILDS[spec["model"]]()
@@ -194,6 +194,7 @@ def ep_run(spec: dict) -> dict:
             loss_fn=token_loss if own else "model",
             optimizer=zoo_optimizer,
             tp_plan=spec.get("tp_plan"),
+            grad_clip=spec.get("grad_clip"),
         )
         losses = [float(engine.step(batch_of(spec["model"], s))) for s in range(3)]
     return {"losses": losses, "state": engine.full_state_dict(), "placed": _placed(engine)}

@@ -89,7 +89,8 @@ def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     dp=2 x tp=2 x ep=2 and cp=2 x tp=2 x ep=2 with the load-balancing loss on, and
     Qwen2-MoE's shared expert (split by tp) under fsdp=2 x tp=2 x ep=2; a tp_plan of the
     user's naming the experts module is refused in one line (it failed with an
-    AttributeError inside the split)."""
+    AttributeError inside the split). The gradient clipped to the whole model's norm
+    beside dp, cp, fsdp and tp."""
     plans = ("ep=4", "ep=2", "fsdp=2,ep=2", "fsdp=2,ep=4", "cp=2,ep=2", "dp=2,cp=2,ep=4")
     specs = [{"model": "qwen3_moe", "plan": p} for p in plans]
     specs += [{"model": "own", "plan": p} for p in ("ep=4", "fsdp=2,ep=2")]
@@ -98,6 +99,11 @@ def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     specs += [{"model": "qwen2_moe_quiet", "plan": "dp=2,pp=2,ep=2"}]
     specs += [{"model": "qwen3_moe", "plan": p} for p in ("dp=2,tp=2,ep=2", "cp=2,tp=2,ep=2")]
     specs += [{"model": "qwen2_moe_quiet", "plan": "fsdp=2,tp=2,ep=2"}]
+    # the gradient's norm clipped over the whole model, the experts' rows on other ranks
+    # included (clipped far below the norm, so a wrong norm is a wrong update); dp x ep
+    # and cp x ep called torch's own clip on a mix of DTensor and plain gradients
+    clipped = ("ep=2", "cp=2,ep=2", "fsdp=2,ep=2", "dp=2,tp=2,ep=2")
+    specs += [{"model": "qwen3_moe", "plan": p, "grad_clip": 1e-3} for p in clipped]
     refused = {"model": "qwen3_moe", "plan": "dp=2,pp=2,ep=2"}
     # a tp_plan of the user's that splits the experts, beside ep (which places them whole)
     split = {"model": "qwen3_moe", "plan": "dp=2,tp=2,ep=2"}
@@ -113,11 +119,12 @@ def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     assert "(Qwen3MoeExperts) has no `weight`: its ['gate_up_proj', 'down_proj'] are " in why
     assert "leave it out of tp_plan (beside ep, ep places the experts whole)" in why
     assert "\n" not in why, why
-    references: dict[str, dict] = {}
+    references: dict[tuple, dict] = {}
     for spec, got in zip(specs, results, strict=True):
-        if spec["model"] not in references:
-            references[spec["model"]] = ep_run({**spec, "plan": None})
-        assert_same(spec, got, references[spec["model"]])
+        key = (spec["model"], spec.get("grad_clip"))
+        if key not in references:
+            references[key] = ep_run({**spec, "plan": None})
+        assert_same(spec, got, references[key])
         if "pp=" in spec["plan"] or "tp=" in spec["plan"]:  # rank 0: half of its experts
             held, whole = got["placed"]
             assert whole > 0 and held * 2 == whole, (spec, got["placed"])

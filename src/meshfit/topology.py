@@ -312,9 +312,9 @@ class Topology:
 
     @property
     def gradients_split(self) -> bool:
-        """Whether no rank holds the whole gradient (tensor / pipeline parallel, or
-        sharded data parallel), so its norm needs collectives."""
-        return self.plan.tp > 1 or self.plan.pp > 1 or self.plan.uses_fsdp
+        """Whether no rank holds the whole gradient (tensor / pipeline / expert
+        parallel, or sharded data parallel), so its norm needs collectives."""
+        return self.plan.tp > 1 or self.plan.pp > 1 or self.plan.ep > 1 or self.plan.uses_fsdp
 
     def batch_sum(self, local: torch.Tensor) -> torch.Tensor:
         """The sum of a per-rank tensor (a loss, a count, a metric) over the ranks a loss
