@@ -146,6 +146,50 @@ def test_a_model_that_fails_in_float64_is_compared_in_its_own_dtype() -> None:
     assert "RuntimeError: expected float32 input" in report.note and "note: " in str(report)
 
 
+def test_a_plan_that_fails_in_float64_where_one_process_does_not_is_compared_in_its_own_dtype():
+    """The one-process run trains in float64 and the plan's fails there (a kernel on the
+    plan's path only): compared again in the model's own dtype, both runs, with a note
+    naming the plan and the kernel's error; it was reported as meshfit refusing the plan
+    ("the first training step failed inside the model ... in float64")."""
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g))
+    report = mf.verify(vt.Float32OnlyWhenSplit, "dp=2", batch, loss_fn=F.cross_entropy)
+    assert report.ok and report.dtype == "float32" and report.refused is None, report
+    assert report.note.startswith(
+        "compared in the model's own dtype: plan dp=2 does not train in float64 "
+        "(RuntimeError: Expected mat_a to be Float32, got torch.float64)"
+    ), report.note
+
+
+def test_a_compiled_step_is_traced_without_hooks_and_its_departure_named_by_gradient() -> None:
+    """Under compile=True the first step's trace hooks no module (torch.compile would
+    trace the hooks into the step: a graph break and a recompile at every module, not the
+    compiled program the run trains with); a departure is then named by the first
+    gradient a backward meets, saying the outputs were not recorded."""
+    from meshfit.verification.locate import FirstStepTrace, first_departure
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    traces = {}
+    for hooked in (True, False):
+        tracer = FirstStepTrace(model, outputs=hooked)
+        tracer.start()
+        assert bool(model[0]._forward_hooks) is hooked
+        model.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()  # the gradients read here
+        traces[hooked] = tracer.finish()
+    assert not model[0]._forward_hooks
+    assert traces[False]["outputs"] == {} and not traces[False]["outputs_recorded"]
+    wrong = {**traces[False], "grads": dict(traces[False]["grads"])}
+    for name in ("0.weight", "1.bias"):  # two departures: the backward meets 1.* first
+        total, squares, count = wrong["grads"][name]
+        wrong["grads"][name] = [2 * total, 4 * squares, count]  # the gradient doubled
+    found = first_departure([wrong], [traces[False]], 1e-6)
+    assert found.startswith("the gradient of 1.bias, ") and found.endswith(
+        "apart (module outputs not recorded in a compiled step)"
+    ), found
+
+
 @pytest.mark.slow
 def test_tp_copies_apart_on_the_ranks_are_a_different_run() -> None:
     """A small Qwen3 built in float32 under tp=2: the same run; with tp's summing of the

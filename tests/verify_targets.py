@@ -61,6 +61,21 @@ class Float32Only(torch.nn.Module):
         return self.linear(x)
 
 
+class Float32OnlyWhenSplit(torch.nn.Module):
+    """A model whose kernel refuses float64 on a path only a plan takes (Qwen3-MoE's
+    grouped matmul under compile=True beside dp: one process compiles it into a kernel
+    that takes float64, the plan's ranks run torch's, which does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 and torch.distributed.is_initialized():
+            raise RuntimeError(f"Expected mat_a to be Float32, got {x.dtype}")
+        return self.linear(x)
+
+
 def qwen3_and_batch() -> tuple:
     """A small transformers Qwen3 (per-head q_norm / k_norm) in float32, an SFT batch,
     and its token loss: `meshfit verify --plan tp=2` on it."""

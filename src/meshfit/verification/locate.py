@@ -43,10 +43,14 @@ Trace = dict[str, Any]  # {"order": [module names], "classes", "outputs", "grads
 class FirstStepTrace:
     """Records one step's digests on this rank (`start` before the step, `finish` after).
     The gradients are read when an optimizer is about to step (torch's global step
-    pre-hook: the engine's optimizer is built with the forms, on the first batch)."""
+    pre-hook: the engine's optimizer is built with the forms, on the first batch).
+    Without `outputs` (a compiled step) no module gets a hook: torch.compile would trace
+    them into the step, breaking its graph at every module (and recompiling per module
+    name), so the step would not be the compiled program the run trains with."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, outputs: bool = True) -> None:
         self.model = model
+        self.record_outputs = outputs
         self.order: list[str] = []
         self.classes: dict[str, str] = {}
         self.outputs: dict[str, Digest] = {}
@@ -56,8 +60,9 @@ class FirstStepTrace:
     def start(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        for name, module in self.model.named_modules():
-            self.handles.append(module.register_forward_hook(self._output_hook(name)))
+        if self.record_outputs:
+            for name, module in self.model.named_modules():
+                self.handles.append(module.register_forward_hook(self._output_hook(name)))
         self.handles.append(register_optimizer_step_pre_hook(self._gradients))
 
     def finish(self) -> Trace:
@@ -69,6 +74,7 @@ class FirstStepTrace:
             "classes": self.classes,
             "outputs": self.outputs,
             "grads": self.grads,
+            "outputs_recorded": self.record_outputs,
         }
 
     def _output_hook(self, name: str) -> Callable[..., None]:
@@ -127,15 +133,21 @@ def first_departure(got: list[Trace], ref: list[Trace], tolerance: float) -> str
         if apart is not None and apart > tolerance:
             shown = f"{name} ({ref[0]['classes'][name]})" if name else "the model"
             return f"the output of {shown}, {apart:.1e} apart"
-    rank_of = {name: i for i, name in enumerate(order)}
-    params = sorted(
-        ref[0]["grads"],
-        key=lambda p: -rank_of.get(p.rpartition(".")[0], -1),  # the backward's order
-    )
+    recorded = ref[0].get("outputs_recorded", True) and got[0].get("outputs_recorded", True)
+    if recorded:
+        rank_of = {name: i for i, name in enumerate(order)}
+        params = sorted(
+            ref[0]["grads"],
+            key=lambda p: -rank_of.get(p.rpartition(".")[0], -1),  # the backward's order
+        )
+        context = "every module's output the same"
+    else:  # no forward order: the parameters' own, last first (as a backward meets them)
+        params = list(reversed(ref[0]["grads"]))
+        context = "module outputs not recorded in a compiled step"
     for name in params:
         apart = _apart(_combined(got, "grads", name), ref[0]["grads"][name])
         if apart is not None and apart > tolerance:
-            return f"the gradient of {name}, {apart:.1e} apart (every module's output the same)"
+            return f"the gradient of {name}, {apart:.1e} apart ({context})"
     return None
 
 
