@@ -191,6 +191,29 @@ def test_a_compiled_step_is_traced_without_hooks_and_its_departure_named_by_grad
 
 
 @pytest.mark.slow
+def test_micro_batches_of_a_coupled_loss_are_compared_with_one_process_in_the_same_rounds():
+    """In-batch negatives (sentence pairs, each anchor against every positive) under
+    dp=2 with 2 micro-batches: meshfit forms the loss per round of micro-batches (the
+    m-th of both ranks together, docs/guide.md), so verify compares with one process
+    with 2 micro-batches on the rows in that order, and says so; against the whole
+    batch at once (what verify compared with before) it is another run."""
+    from zoo import FAMILIES, SentencePairs
+
+    family = FAMILIES["sentence_pairs"]
+    inputs, targets = family.batch(8, 0)
+    loss = family.loss()
+    report = mf.verify(SentencePairs, "dp=2,microbatches=2", (inputs, targets), loss_fn=loss)
+    assert report.ok and report.dtype == "float64", report
+    assert "the reference: one process with microbatches=2 on the rows in the order plan " in (
+        report.note
+    ), report.note
+    # the control: the same plan's run is not the whole batch's
+    whole = mf.verify(SentencePairs, "dp=2", (inputs, targets), loss_fn=loss)
+    assert whole.ok and whole.note is None
+    assert abs(report.losses[0] - whole.losses[0]) > 1e3 * report.loss_bound, (report, whole)
+
+
+@pytest.mark.slow
 def test_tp_copies_apart_on_the_ranks_are_a_different_run() -> None:
     """A small Qwen3 built in float32 under tp=2: the same run; with tp's summing of the
     per-head norms' gradient parts taken out (the bug of issue 34, which a float32

@@ -43,7 +43,7 @@ from meshfit.verification.report import (  # noqa: F401
     tolerance,
     weight_differences,
 )
-from meshfit.verification.runs import one_process_reference, train
+from meshfit.verification.runs import in_round_order, one_process_reference, train
 from meshfit.verification.sending import _check_sendable
 from meshfit.verification.targets import (  # noqa: F401
     _check_options,
@@ -275,6 +275,9 @@ def verify_many(
     _own_dtype_where_float64_failed(
         source, planned, results, references, batches, seed, devices, threads
     )
+    _rounds_where_a_coupled_loss_is_formed_per_round(
+        source, planned, results, references, batches, seed, devices, threads
+    )
     reports = []
     for i, (shown, count, resolved, refused) in enumerate(planned):
         if resolved is None:
@@ -326,6 +329,43 @@ def _own_dtype_where_float64_failed(
             )
         (got,) = _launch_plans(source, [shown], batches, seed, count, devices, threads, [None])
         results[i] = {**got, "reference": own[resolved.precision]}
+
+
+def _rounds_where_a_coupled_loss_is_formed_per_round(
+    source: _Objects | _Target,
+    planned: list[tuple[str, int, Plan | None, str | None]],
+    results: dict[int, dict[str, Any]],
+    references: dict[str, dict[str, Any]],
+    batches: list[Any],
+    seed: int,
+    devices: str | Sequence[int] | None,
+    threads: int | None,
+) -> None:
+    """A plan with micro-batches forms a loss that couples the samples (an MoE's
+    load-balancing loss, in-batch negatives) per round of micro-batches, as one process
+    with those micro-batches does (docs/guide.md, "Micro-batches"): compared with that
+    run, on the rows in the order the rounds take them, not with the whole batch's."""
+    for i, got in results.items():
+        if not got.get("rounds"):
+            continue
+        ranks, micro = got["rounds"]
+        shown, resolved = planned[i][0], planned[i][2]
+        base = got.get("reference") or references[resolved.precision]
+        note = (
+            f"the reference: one process with microbatches={micro} on the rows in the "
+            f"order plan {shown} runs them (the loss couples the samples of a batch and "
+            f"is formed per round of micro-batches: the m-th of every rank together)"
+        )
+        rows = [in_round_order(b, ranks, micro) for b in batches]
+        rounds = one_process_reference(
+            source, resolved.precision, rows, seed, devices, threads, base["run_dtype"],
+            None, microbatches=micro,
+        )  # fmt: skip
+        # the same model and dtype as the whole batch's run: its tolerance (float32's
+        # measured noise) and its note hold
+        rounds.update(rtol=base["rtol"], loss_rtol=base["loss_rtol"])
+        rounds["note"] = f"{base['note']}; {note}" if base["note"] else note
+        got["reference"] = rounds
 
 
 def _compare(

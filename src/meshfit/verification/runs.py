@@ -59,11 +59,15 @@ def train(
         trace = tracer.finish()
     losses += [float(engine.step(batch)) for batch in batches[1:]]
     gap, name = (0.0, None) if reference else replica_gap(engine)
+    coupled = engine.coupling.verdict is not None and bool(engine.coupling.verdict.met)
+    micro = engine.plan.num_microbatches
     return {
         "losses": losses,
         "state": engine.full_state_dict(),
         "replicas": (gap, name),
         "trace": gathered(trace),
+        # a coupled loss formed per round of micro-batches: (ranks, micro-batches)
+        "rounds": (engine.topology.dp_size, micro) if coupled and micro > 1 else None,
     }
 
 
@@ -76,17 +80,19 @@ def one_process_reference(
     threads: int | None,
     dtype: torch.dtype | None,
     note: str | None = None,
+    microbatches: int = 1,
 ) -> dict[str, Any]:
-    """The one-process run, in this process; on a GPU machine whose workers are told to
-    use the CPU (devices="cpu"), in one worker process instead, so that both runs use
-    the same kind of device (this process would take the GPU)."""
+    """The one-process run (with `microbatches`, where a plan forms a coupled loss per
+    round of them), in this process; on a GPU machine whose workers are told to use the
+    CPU (devices="cpu"), in one worker process instead, so that both runs use the same
+    kind of device (this process would take the GPU)."""
     from meshfit.launch import launch, plan_workers
 
     here = "cuda" if torch.cuda.is_available() else "cpu"
+    args = (source, precision, batches, seed, dtype, note, microbatches)
     if plan_workers(1, devices, threads).device_kind != here:
-        args = (source, precision, batches, seed, dtype, note)
         return launch(_reference_run, nproc=1, args=args, devices=devices, threads=threads)
-    return _reference_run(source, precision, batches, seed, dtype, note)
+    return _reference_run(*args)
 
 
 def _reference_run(
@@ -96,24 +102,30 @@ def _reference_run(
     seed: int,
     dtype: torch.dtype | None = None,
     note: str | None = None,
+    microbatches: int = 1,
 ) -> dict[str, Any]:
     """The one-process run, in `dtype` when the model runs in it (else in its own, with
-    a note that says why: `note`, where the caller knows); "run_dtype" is the one the
+    a note that says why; `note`: what the caller adds); "run_dtype" is the one the
     plans' runs must use."""
-    plan = None if precision == "fp32" else Plan(precision=precision)
+    plan = None
+    if precision != "fp32" or microbatches > 1:
+        plan = Plan(precision=precision, microbatches=microbatches if microbatches > 1 else None)
     if dtype is not None:
         try:
-            return _reference_in(source.recipe(seed), plan, batches, dtype, None)
+            return _reference_in(source.recipe(seed), plan, batches, dtype, note)
         except Exception as failure:  # noqa: BLE001 - compared in its own dtype instead
             # meshfit's first-step explanation wraps the model's own error: name that one
             error = failure.__cause__ or failure
-            note = (
+            note = _joined(
+                note,
                 f"compared in the model's own dtype: it does not train in "
                 f"{str(dtype).removeprefix('torch.')} ({type(error).__name__}: "
-                f"{(str(error).splitlines() or [''])[0]})"
+                f"{(str(error).splitlines() or [''])[0]})",
             )
     reference = _reference_in(source.recipe(seed), plan, batches, None, note)
-    if reference["dtype"] == torch.float32 and precision == "fp32":
+    # (with micro-batches the caller carries the whole batch's judgement over: the rows
+    # reversed would form a coupled loss over other samples per micro-batch)
+    if reference["dtype"] == torch.float32 and precision == "fp32" and microbatches == 1:
         _judge_by_measured_noise(reference, source, plan, batches, seed)
     return reference
 
@@ -169,11 +181,39 @@ def _judge_by_measured_noise(
 def _reversed_rows(batch: Any) -> Any:
     """The batch with its samples in reverse order: every tensor whose first dimension is
     the batch's."""
+    return _rows(batch, lambda size: torch.arange(size - 1, -1, -1))
+
+
+def in_round_order(batch: Any, ranks: int, microbatches: int) -> Any:
+    """The batch's samples in the order a plan's rounds of micro-batches run them: round
+    m holds the m-th micro-batch of every rank, rank after rank (coupling/scope.py). One
+    process with `microbatches` micro-batches on these rows forms a coupled loss (an MoE's
+    load-balancing loss, in-batch negatives) over the same samples as the plan does."""
+
+    def order(size: int) -> torch.Tensor:
+        share, micro = size // ranks, size // ranks // microbatches
+        rows = [
+            r * share + m * micro + i
+            for m in range(microbatches)
+            for r in range(ranks)
+            for i in range(micro)
+        ]
+        return torch.tensor(rows)
+
+    return _rows(batch, order)
+
+
+def _rows(batch: Any, order: Any) -> Any:
+    """Every tensor of `batch` whose first dimension is the batch's, its rows taken in
+    `order(size)`."""
     from meshfit.trees import tensors_in
 
     found = tensors_in(batch)
     size = found[0].shape[0] if found and found[0].ndim else 0
-    return map_tensors(batch, lambda t: t.flip(0) if t.ndim and t.shape[0] == size else t)
+    index = order(size)
+    return map_tensors(
+        batch, lambda t: t[index.to(t.device)] if t.ndim and t.shape[0] == size else t
+    )
 
 
 def _joined(note: str | None, more: str) -> str:
