@@ -28,9 +28,7 @@ from meshfit.options import LossFn, OptimizerFactory
 from meshfit.plan import Plan
 from meshfit.prepare import as_plan
 from meshfit.verification.locate import (  # noqa: F401 - replica_gap: tests import it here
-    FirstStepTrace,
     departure,
-    gathered,
     replica_gap,
 )
 
