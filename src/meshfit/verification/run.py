@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from meshfit.verification.report import (  # noqa: F401
     tolerance,
     weight_differences,
 )
-from meshfit.verification.runs import in_round_order, one_process_reference, train
+from meshfit.verification.runs import _joined, in_round_order, one_process_reference, train
 from meshfit.verification.sending import _check_sendable
 from meshfit.verification.targets import (  # noqa: F401
     _check_options,
@@ -270,12 +270,9 @@ def verify_many(
             source, [planned[i][0] for i in group], batches, seed, count, devices, threads, dtypes
         )
         results.update(zip(group, outcome, strict=True))
-    _own_dtype_where_float64_failed(
-        source, planned, results, references, batches, seed, devices, threads
-    )
-    _rounds_where_a_coupled_loss_is_formed_per_round(
-        source, planned, results, references, batches, seed, devices, threads
-    )
+    job = _Job(source, batches, seed, devices, threads)
+    _own_dtype_where_float64_failed(job, planned, results, references)
+    _rounds_where_a_coupled_loss_is_formed_per_round(job, planned, results, references)
     reports = []
     for i, (shown, count, resolved, refused) in enumerate(planned):
         if resolved is None:
@@ -289,19 +286,27 @@ def verify_many(
     return reports
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What every run of one verify call shares: the model's source, the batches, the
+    seed and where the workers run."""
+
+    source: _Objects | _Target
+    batches: list[Any]
+    seed: int
+    devices: str | Sequence[int] | None
+    threads: int | None
+
+
 # What explain_first_failure (runtime/batch_errors.py) says of a kernel's dtype error
 _REFUSES_FLOAT64 = "(the model's parameters in float64)"
 
 
 def _own_dtype_where_float64_failed(
-    source: _Objects | _Target,
+    job: _Job,
     planned: list[tuple[str, int, Plan | None, str | None]],
     results: dict[int, dict[str, Any]],
     references: dict[str, dict[str, Any]],
-    batches: list[Any],
-    seed: int,
-    devices: str | Sequence[int] | None,
-    threads: int | None,
 ) -> None:
     """A plan whose run failed in float64 where the one-process run did not (a kernel
     that refuses float64 on a path only the plan takes: Qwen3-MoE's grouped matmul under
@@ -314,30 +319,30 @@ def _own_dtype_where_float64_failed(
         if _REFUSES_FLOAT64 in got.get("refused", "")
         and references[planned[i][2].precision]["run_dtype"] == torch.float64
     ]
-    own: dict[str, dict[str, Any]] = {}
+    own: dict[str, dict[str, Any]] = {}  # one reference per precision, its note per plan
     for i in again:
         shown, count, resolved, _ = planned[i]
         error = results[i]["refused"].split(_REFUSES_FLOAT64 + ": ", 1)[-1].split("; give ")[0]
-        note = (
-            f"compared in the model's own dtype: plan {shown} does not train in float64 ({error})"
-        )
+        note = f"plan {shown} does not train in float64 ({error})"
         if resolved.precision not in own:
             own[resolved.precision] = one_process_reference(
-                source, resolved.precision, batches, seed, devices, threads, None, note
-            )
-        (got,) = _launch_plans(source, [shown], batches, seed, count, devices, threads, [None])
-        results[i] = {**got, "reference": own[resolved.precision]}
+                job.source, resolved.precision, job.batches, job.seed, job.devices,
+                job.threads, None,
+            )  # fmt: skip
+        reference = own[resolved.precision]
+        said = [f"compared in the model's own dtype: {note}", reference["note"]]
+        reference = {**reference, "note": "; ".join(n for n in said if n)}
+        (got,) = _launch_plans(
+            job.source, [shown], job.batches, job.seed, count, job.devices, job.threads, [None]
+        )
+        results[i] = {**got, "reference": reference}
 
 
 def _rounds_where_a_coupled_loss_is_formed_per_round(
-    source: _Objects | _Target,
+    job: _Job,
     planned: list[tuple[str, int, Plan | None, str | None]],
     results: dict[int, dict[str, Any]],
     references: dict[str, dict[str, Any]],
-    batches: list[Any],
-    seed: int,
-    devices: str | Sequence[int] | None,
-    threads: int | None,
 ) -> None:
     """A plan with micro-batches forms a loss that couples the samples (an MoE's
     load-balancing loss, in-batch negatives) per round of micro-batches, as one process
@@ -354,15 +359,16 @@ def _rounds_where_a_coupled_loss_is_formed_per_round(
             f"order plan {shown} runs them (the loss couples the samples of a batch and "
             f"is formed per round of micro-batches: the m-th of every rank together)"
         )
-        rows = [in_round_order(b, ranks, micro) for b in batches]
+        rows = [in_round_order(b, ranks, micro) for b in job.batches]
         rounds = one_process_reference(
-            source, resolved.precision, rows, seed, devices, threads, base["run_dtype"],
-            None, microbatches=micro,
+            job.source, resolved.precision, rows, job.seed, job.devices, job.threads,
+            base["run_dtype"], None, microbatches=micro,
         )  # fmt: skip
         # the same model and dtype as the whole batch's run: its tolerance (float32's
         # measured noise) and its note hold
-        rounds.update(rtol=base["rtol"], loss_rtol=base["loss_rtol"])
-        rounds["note"] = f"{base['note']}; {note}" if base["note"] else note
+        rounds.update(
+            rtol=base["rtol"], loss_rtol=base["loss_rtol"], note=_joined(base["note"], note)
+        )
         got["reference"] = rounds
 
 
