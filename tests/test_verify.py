@@ -300,6 +300,19 @@ def test_what_cannot_reach_the_workers_is_refused_by_name() -> None:
         _notebook_build.__module__ = __name__
 
 
+def test_meshfit_own_losses_reach_the_workers() -> None:
+    """mf.losses.cross_entropy is what meshfit's warnings and guide recommend; it was a
+    closure, refused by verify as "a nested function" the user should define at the top
+    of a module. Its pickled copy keeps what the engine reads from it."""
+    import pickle
+
+    loss = mf.losses.cross_entropy(ignore_index=3, shift=True)
+    copy = pickle.loads(pickle.dumps(loss))
+    assert (copy.ignore_index, copy.shifts_targets, copy.deferred_head) == (3, True, "outputs")
+    report = mf.verify(vt.small_mlp, "dp=2", vt.small_batch(), loss_fn=mf.losses.cross_entropy())
+    assert report.ok, report
+
+
 def test_bad_arguments_are_refused() -> None:
     batch = vt.small_batch()
     with pytest.raises(mf.MeshfitError, match="verify does not take 'lr'"):

@@ -11,7 +11,8 @@ per-micro-batch means weighs a token of a short micro-batch more.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +41,7 @@ def _preshifted() -> bool:
     return _PRESHIFTED[-1]
 
 
-def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[Any, Any], LossPair]:
+def cross_entropy(ignore_index: int = -100, shift: bool = False) -> CrossEntropy:
     """Token cross-entropy as `(sum over real tokens, number of real tokens)`.
 
     Takes logits `[..., vocab]` (a tensor, or a model output object with `.logits`,
@@ -49,28 +50,40 @@ def cross_entropy(ignore_index: int = -100, shift: bool = False) -> Callable[[An
     shift=True predicts token t+1 from position t (labels as Hugging Face collators give
     them, unshifted); leave it False when the targets are already the next tokens.
     """
+    return CrossEntropy(ignore_index, shift)
 
-    def loss(outputs: Any, targets: torch.Tensor) -> LossPair:
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """`mf.losses.cross_entropy`'s loss: an object, not a closure, so that it pickles
+    (mf.verify and mf.launch send the loss to their workers)."""
+
+    ignore_index: int = -100
+    shift: bool = False
+    deferred_head = "outputs"  # chunked_loss=True applies (parallel/head_loss.py)
+
+    @property
+    def shifts_targets(self) -> bool:  # context parallel reads it
+        return self.shift
+
+    def __call__(self, outputs: Any, targets: torch.Tensor) -> LossPair:
         from meshfit.parallel.head_loss import take_deferred
 
+        ignore_index = self.ignore_index
         logits = logits_of(outputs)
         deferred = take_deferred(logits)  # chunked_loss=True: the head's input instead
         if deferred is not None:
-            shifts = shift and not _preshifted()
+            shifts = self.shift and not _preshifted()
             targets = targets[..., 1:] if shifts else targets
             total = deferred.loss(targets, ignore_index, shift=shifts)
             return total, (targets != ignore_index).sum()
-        if shift and not _preshifted():
+        if self.shift and not _preshifted():
             logits, targets = logits[..., :-1, :], targets[..., 1:]
         logits = logits.reshape(-1, logits.shape[-1])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         targets = targets.reshape(-1)
         total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
         return total, (targets != ignore_index).sum()
-
-    loss.shifts_targets = shift  # type: ignore[attr-defined]  # context parallel reads it
-    loss.deferred_head = "outputs"  # type: ignore[attr-defined]  # chunked_loss=True applies
-    return loss
 
 
 def logits_of(outputs: Any) -> torch.Tensor:
