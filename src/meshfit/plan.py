@@ -240,14 +240,19 @@ class Plan:
                 f"dp/fsdp/pp (e.g. 'fsdp={self.tp * self.fsdp},precision=fp8'), or "
                 f"precision='bf16' with tp"
             )
-        if self.schedule == "zero-bubble" and self.pp > 1 and (self.fsdp > 1 or (self.dp or 1) > 1):
+        averaged = self.fsdp > 1 or (self.dp or 1) > 1 or self.cp > 1
+        if self.schedule == "zero-bubble" and self.pp > 1 and averaged:
             # Measured: dp=2 or fsdp=2 with pp=2 zero-bubble trained a different run from
-            # step 1 on. The schedule computes weight gradients in a deferred pass, after
-            # DDP / FSDP2 have already reduced the gradients across replicas.
+            # step 1 on, and so did cp=2 (its ranks' gradients are averaged by the same
+            # DDP / FSDP2, 7.0e-4 apart over 3 steps). The schedule computes weight
+            # gradients in a deferred pass, after DDP / FSDP2 have already reduced them.
+            what = (
+                "context parallel" if not (self.fsdp > 1 or (self.dp or 1) > 1) else "data parallel"
+            )
             raise MeshfitError(
-                f"schedule='zero-bubble' does not combine with data parallel (plan {self}): "
-                f"it computes weight gradients after DDP/FSDP2 have reduced them, so "
-                f"replicas would train on partial gradients; use "
+                f"schedule='zero-bubble' does not combine with {what} (plan {self}): "
+                f"it computes weight gradients after DDP/FSDP2 have reduced them over the "
+                f"ranks, so each would train on partial gradients; use "
                 f"schedule='interleaved-1f1b' (the next smallest bubble) or '1f1b'"
             )
         micro, pp, schedule = self.num_microbatches, self.pp, self.schedule
