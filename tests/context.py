@@ -101,6 +101,39 @@ class HandAttentionLM(nn.Module):
         return self.head(x)
 
 
+class HandAttentionBlocks(nn.Module):
+    """HandAttentionLM's einsum attention inside blocks a pipeline can cut (the stage
+    that holds them must name the departing module)."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        width = 16
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(_HandBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _HandBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = torch.einsum("btd,bsd->bts", q, k) / q.shape[-1] ** 0.5
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        return x + self.out(torch.einsum("bts,bsd->btd", scores.softmax(-1), v))
+
+
 def qwen3_moe() -> nn.Module:  # a mixture of experts, its load-balancing loss on
     from experts import qwen3_moe
 
@@ -116,6 +149,7 @@ BUILDS = {
     "nanogpt": nanogpt,
     "gpt": meshfit_gpt,
     "hand_attention": HandAttentionLM,
+    "hand_blocks": HandAttentionBlocks,
 }
 
 
@@ -138,9 +172,11 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
     cross_entropy(shift=True) on (inputs, labels); "model": the model's own loss on a
     collator's dict; "next": a nanoGPT-style (x, next tokens))."""
     ids, labels, mask = _tokens(batch, step)
-    if model in ("nanogpt", "gpt", "hand_attention"):
+    if model in ("nanogpt", "gpt", "hand_attention", "hand_blocks"):
         data = torch.cat([ids, ids[:, :1]], dim=1)
         x, y = data[:, :-1], data[:, 1:].clone()
+        if loss == "masked_mean":  # the collator's -100 where its labels have them
+            y[labels == -100] = -100
         if model == "nanogpt":
             return {"idx": x, "targets": y}, y
         return x, y
@@ -149,17 +185,35 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
+def masked_token_mean(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """F.cross_entropy's default: the mean over the targets that are not -100."""
+    return F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+
+
+def shifted_here(outputs: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (sum, count) loss that shifts the labels itself, as much research code does."""
+    logits = outputs.logits[:, :-1].flatten(0, 1)
+    labels = labels[:, 1:].flatten()
+    return F.cross_entropy(logits, labels, reduction="sum"), (labels != -100).sum()
+
+
 def loss_of(model: str, loss: str) -> Any:
+    if loss == "masked_mean":
+        return masked_token_mean
+    if loss == "shifted_here":
+        return shifted_here
     if model == "nanogpt":
         return lambda outputs, targets: outputs[1]  # the loss its forward computed
-    if model in ("gpt", "hand_attention"):
+    if model in ("gpt", "hand_attention", "hand_blocks"):
         return lambda outputs, targets: F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
     return "model" if loss == "model" else mf.losses.cross_entropy(shift=True)
 
 
 def cp_run(spec: dict) -> dict:
     """`spec["model"]` under `spec["plan"]` for 3 SGD steps on batches of 8 x 16 tokens
-    (float64); "loss": "pair" (default) or "model"; "packed": packed documents instead;
+    (float64); "loss": "pair" (default), "model", "masked_mean" or "shifted_here";
+    "packed": packed documents instead; "long_prompt": long_prompt_batch instead;
+    "left_padded": left_padded_batch instead ("first whole": its first row unpadded);
     "undone_on_rank1": the negative control (rank 1 holds contiguous chunks, not its
     load-balanced pair); "predict": engine.predict first (refused under cp)."""
     torch.manual_seed(1234)
@@ -175,11 +229,43 @@ def cp_run(spec: dict) -> dict:
             engine.predict(batch_of(spec["model"], loss, 0)[0])
         losses = []
         for step in range(3):
-            batch = (
-                packed_batch(step) if spec.get("packed") else batch_of(spec["model"], loss, step)
-            )
+            if spec.get("packed"):
+                batch = packed_batch(step)
+            elif spec.get("long_prompt"):
+                batch = long_prompt_batch(step)
+            elif spec.get("left_padded"):
+                batch = left_padded_batch(step, first_whole=spec["left_padded"] == "first whole")
+            else:
+                batch = batch_of(spec["model"], loss, step)
             losses.append(float(engine.step(batch)))
     return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def left_padded_batch(step: int, first_whole: bool) -> tuple[dict, torch.Tensor]:
+    """A collator's rows padded on the left (padding_side="left"), -100 on the padding
+    and each row's first token; `first_whole`: the first row has no padding (the cp
+    probe's window then shows none)."""
+    g = torch.Generator().manual_seed(93_000 + step)
+    ids = torch.zeros(8, LENGTH, dtype=torch.long)
+    labels = torch.full((8, LENGTH), -100)
+    mask = torch.zeros(8, LENGTH, dtype=torch.long)
+    for i in range(8):
+        n = LENGTH if i == 0 and first_whole else int(torch.randint(4, LENGTH, (), generator=g))
+        ids[i, LENGTH - n :] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[i, LENGTH - n :] = 1
+        labels[i, LENGTH - n + 1 :] = ids[i, LENGTH - n + 1 :]
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def long_prompt_batch(step: int) -> tuple[dict, torch.Tensor]:
+    """4 rows of 256 tokens (two windows of the cp=2 probe's 128), the first row's first
+    200 labels -100 (a long prompt): its share's probe window must be the row's end,
+    the other share's is its start."""
+    g = torch.Generator().manual_seed(97_000 + step)
+    ids = torch.randint(1, VOCAB, (4, 256), generator=g)
+    labels = ids.clone()
+    labels[0, :200] = -100
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels
 
 
 def many_cp_runs(specs: list[dict]) -> list[dict]:

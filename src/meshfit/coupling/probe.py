@@ -243,6 +243,10 @@ def _weighted_by_real_targets(
     return (a.double() * count_a + b.double() * count_b) / (count_a + count_b)
 
 
+def _broadcast(t: torch.Tensor) -> bool:
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
+
+
 @contextlib.contextmanager
 def held_still(model: nn.Module) -> Iterator[None]:
     """No gradients, no dropout, the random state and every buffer as they were after,
@@ -251,7 +255,9 @@ def held_still(model: nn.Module) -> Iterator[None]:
     norms = [
         m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
     ]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # a buffer broadcast from one element (a pipeline stage's placeholder for a weight
+    # another stage trains: pipeline/cut.py) cannot be written, so nothing can change it
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not _broadcast(b)]
     frozen = [(p, p._version) for p in model.parameters() if not p.requires_grad]
     for m in norms:
         m.eval()

@@ -29,6 +29,7 @@ from meshfit.errors import MeshfitError
 from meshfit.losses import targets_preshifted
 from meshfit.parallel.context.attention import (
     DOCUMENTS_KEY,
+    PADDING_KEY,
     TOKENS_KEY,
     CausalSDPA,
     SequenceState,
@@ -73,9 +74,13 @@ class SequenceSplit:
         positions = local_positions(length, self.cp, self.rank, device)
         if self.shifts and isinstance(targets, torch.Tensor):
             targets = shifted(targets)
+        real = None
         if self.hugging_face and isinstance(inputs, Mapping):
+            real = _padding_of(inputs, length)
             inputs = self._positions_passed(dict(inputs), length, device)
-        self.state = SequenceState(self.group, positions, length)
+            if real is not None:
+                inputs[PADDING_KEY] = real
+        self.state = SequenceState(self.group, positions, length, real=real)
         return cut(inputs, length, positions), cut(targets, length, positions)
 
     def _positions_passed(self, inputs: dict, length: int, device: torch.device) -> dict:
@@ -105,6 +110,18 @@ class SequenceSplit:
                 stack.enter_context(CausalSDPA(self.state))
             stack.callback(self.state.masks.clear)  # autograd keeps what backward needs
             yield
+
+
+def _padding_of(inputs: Mapping, length: int) -> torch.Tensor | None:
+    """The batch's attention_mask (rows, sequence) as bools where it pads a row, else
+    None. Attention under cp builds its own mask from each token's place; transformers'
+    padding must go into it, or a real token after left padding reads the padding (the
+    mask transformers builds covers the rank's tokens only, and is not used)."""
+    mask = inputs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[1] != length:
+        return None
+    real = mask.bool()
+    return None if bool(real.all()) else real
 
 
 def _is_hugging_face(model: nn.Module) -> bool:

@@ -4,7 +4,8 @@ Each rank computes attention for its own queries against the keys and values of 
 whole sequence: they are gathered from the cp group (torch's all-gather; the gradient
 of each key and value is summed over the ranks whose queries read it and returned to its
 rank), with the mask built from every token's place in the sequence: causal by position,
-within its document for packed rows, within the sliding window where the layer has one.
+within its document for packed rows, within the sliding window where the layer has one,
+never a padding key where the batch's attention_mask pads rows.
 Llama 3 chose this all-gather of K/V over ring attention for grouped-query attention,
 where K/V are a fraction of the activations; a rank's memory for K/V is then the whole
 sequence's K/V of one layer at a time, everything else 1/cp.
@@ -14,7 +15,8 @@ The attention of the models people bring is found, not rewritten:
   (`ALL_ATTENTION_FUNCTIONS.get_interface`: eager, sdpa, flex, ...): inside a cp step
   that lookup returns `hf_attention`, which takes the layer's q, k, v (rotated by the
   rank's own position_ids, which the split passes) and ignores the mask transformers
-  built for the local tokens alone;
+  built for the local tokens alone (the padding in it comes from the batch's whole
+  attention_mask instead, which the split passes too);
 - models that call `F.scaled_dot_product_attention` themselves (nanoGPT, meshfit's GPT,
   timm) meet `CausalSDPA`, a torch-function mode that replaces a causal call with the
   exact one (a call with a mask of its own is refused: its mask covers local tokens);
@@ -40,6 +42,7 @@ from meshfit.parallel.collectives import gather_with_grad
 
 TOKENS_KEY = "meshfit_tokens"  # (rows, local tokens): each token's place in its sequence
 DOCUMENTS_KEY = "meshfit_documents"  # (rows, local tokens): its document in a packed row
+PADDING_KEY = "meshfit_padding"  # (rows, local tokens): 1 for a real token, 0 for padding
 
 
 @dataclass
@@ -50,6 +53,8 @@ class SequenceState:
     group: dist.ProcessGroup
     positions: torch.Tensor  # (local tokens,)
     length: int  # the whole sequence
+    # (rows, whole sequence): the batch's attention_mask as bools, where it pads a row
+    real: torch.Tensor | None = None
     # the additive masks built this micro-batch, shared by every layer: one (local x
     # whole sequence) mask per step, not one per layer (SDPA keeps its mask for backward)
     masks: list[tuple] = field(default_factory=list)
@@ -65,6 +70,7 @@ def attend(
     tokens: torch.Tensor | None = None,
     documents: torch.Tensor | None = None,
     window: int | None = None,
+    padding: torch.Tensor | None = None,
     softmax_fp32: bool = False,
 ) -> torch.Tensor:
     """Attention of this rank's queries `q` (batch, heads, local, dim) over the whole
@@ -72,7 +78,7 @@ def attend(
     causal by token position. Returns (batch, heads, local, dim)."""
     keys = gather_with_grad(k, 2, state.group)
     values = gather_with_grad(v, 2, state.group)
-    mask = _mask(state, q, tokens, documents, window)
+    mask = _mask(state, q, tokens, documents, window, padding)
     grouped = keys.shape[1] != q.shape[1]  # grouped-query attention: a k/v head per group
     if softmax_fp32:  # transformers' eager attention: the softmax in float32
         if grouped:
@@ -95,19 +101,24 @@ def _mask(
     tokens: torch.Tensor | None,
     documents: torch.Tensor | None,
     window: int | None,
+    padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The additive mask (rows, 1, local queries, all keys) of q's dtype: 0 where a query
-    may read a key (causal by token position, within its document, within the window),
-    -inf elsewhere. Built once per micro-batch and window, shared by the layers; one row
-    for every row unless documents differ by row (packed rows). A float mask, because
+    may read a key (causal by token position, within its document, within the window, a
+    real token where the batch's attention_mask pads rows), -inf elsewhere. Built once
+    per micro-batch and window, shared by the layers; one row for every row unless
+    documents or padding differ by row. A query with no key left (left padding before a
+    row's first real token) reads itself: its output is padding's, never read by a real
+    token, and a row of -inf alone would be NaN. A float mask, because
     SDPA on CPU turns a boolean one into a float copy per call and keeps that copy for
     backward (measured: +134 MB per layer at 4,096 x 8,192 tokens)."""
     key = (window, q.dtype, q.device)
-    for made_for, by_tokens, by_documents, mask in state.masks:  # `is`: the same batch's
-        if made_for == key and by_tokens is tokens and by_documents is documents:
+    for made_for, by_tokens, by_documents, by_padding, mask in state.masks:
+        same = by_tokens is tokens and by_documents is documents and by_padding is padding
+        if made_for == key and same:  # `is`: the same micro-batch's tensors
             return mask
     q_tokens = tokens if tokens is not None else state.positions[None]
-    if documents is None:
+    if documents is None and padding is None:
         q_tokens = q_tokens[:1]  # every row cut the same: one row serves them all
     q_tokens = q_tokens.to(q.device)
     k_tokens = _gather_plain(q_tokens, state.group)
@@ -117,9 +128,13 @@ def _mask(
         allowed = allowed & (_gather_plain(docs, state.group)[:, None, :] == docs[:, :, None])
     if window:
         allowed = allowed & (q_tokens[:, :, None] - k_tokens[:, None, :] < window)
+    if padding is not None:  # transformers' padding mask, over the whole sequence's keys
+        allowed = allowed & _gather_plain(padding.to(q.device), state.group).bool()[:, None, :]
+        lonely = ~allowed.any(-1, keepdim=True)
+        allowed = allowed | (lonely & (k_tokens[:, None, :] == q_tokens[:, :, None]))
     mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
     mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]
-    state.masks.append((key, tokens, documents, mask))
+    state.masks.append((key, tokens, documents, padding, mask))
     return mask
 
 
@@ -164,6 +179,7 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
             tokens=kwargs.get(TOKENS_KEY),
             documents=kwargs.get(DOCUMENTS_KEY),
             window=window,
+            padding=kwargs.get(PADDING_KEY),
             softmax_fp32=implementation == "eager",
         )
         return out.transpose(1, 2).contiguous(), None

@@ -63,6 +63,7 @@ class PipelineRunner:
     head_deferred: bool = False  # chunked_loss=True: the LM head defers to the loss (head_loss.py)
     pair_loss: bool | None = None  # whether loss_fn returns (sum, count); known after a step
     foreign_state: frozenset[str] = frozenset()  # state keys another stage owns
+    sequence_checked: bool = False  # context parallel's first-step probe is done
 
     @property
     def sum_gradient_divisor(self) -> int:
@@ -163,9 +164,24 @@ class PipelineRunner:
             merged.update(part or {})
         return merged
 
+    def _check_the_sequence_cut(self, inputs: Any, targets: Any) -> None:
+        """Context parallel's probe (parallel/context/probe.py), through the stages: the
+        cut must keep the loss. Without it, a model whose attention meshfit cannot see, or
+        a mean loss over masked tokens, trained another run under cp x pp with no word
+        (measured: meshfit's GPT with a token-mean loss and -100 targets, 3.4712 against
+        one process's 3.4684 at the first step, where cp alone refused it)."""
+        from meshfit.parallel.context.probe import check_staged_sequence_split
+
+        self.sequence_checked = True
+        balancing = self.coupling.load_balancing if self.coupling is not None else None
+        left_out = balancing.left_out() if balancing is not None and balancing.found else None
+        check_staged_sequence_split(self, inputs, targets, left_out)
+
     def _run(self, inputs: Any, targets: Any, train: bool) -> LocalLoss:
         """One pass of the schedule; returns this rank's share's (mean, None) or (sum,
         count) on every rank of the pipeline."""
+        if train and self.sequence is not None and not self.sequence_checked:
+            self._check_the_sequence_cut(inputs, targets)
         losses: list[torch.Tensor] = []
         self.stage_loss.counts.clear()
         # The batch's inputs reach every stage as a keyword, cut into micro-batches by
