@@ -215,19 +215,27 @@ def cp_run(spec: dict) -> dict:
     "packed": packed documents instead; "long_prompt": long_prompt_batch instead;
     "left_padded": left_padded_batch instead ("first whole": its first row unpadded);
     "undone_on_rank1": the negative control (rank 1 holds contiguous chunks, not its
-    load-balanced pair); "predict": engine.predict first (refused under cp)."""
+    load-balanced pair); "predict": engine.predict first (refused under cp); "metrics":
+    mf.metrics.next_token_accuracy beside the loss ("mean": a token mean, refused under
+    cp), its value per step in the result."""
     torch.manual_seed(1234)
     model = BUILDS[spec["model"]]().double()
     loss = spec.get("loss", "pair")
     with contextlib.ExitStack() as stack:
         if spec.get("undone_on_rank1"):
             stack.enter_context(_contiguous_on_rank1())
+        metrics = {
+            None: None,
+            True: {"acc": mf.metrics.next_token_accuracy},
+            "mean": {"acc": token_mean_accuracy},
+        }[spec.get("metrics")]
         engine = mf.parallelize(
-            model, spec.get("plan"), loss_fn=loss_of(spec["model"], loss), optimizer=zoo_optimizer
-        )
+            model, spec.get("plan"), loss_fn=loss_of(spec["model"], loss), optimizer=zoo_optimizer,
+            metrics=metrics,
+        )  # fmt: skip
         if spec.get("predict"):
             engine.predict(batch_of(spec["model"], loss, 0)[0])
-        losses = []
+        losses, accuracies = [], []
         for step in range(3):
             if spec.get("packed"):
                 batch = packed_batch(step)
@@ -238,7 +246,13 @@ def cp_run(spec: dict) -> dict:
             else:
                 batch = batch_of(spec["model"], loss, step)
             losses.append(float(engine.step(batch)))
-    return {"losses": losses, "state": engine.full_state_dict()}
+            accuracies += [float(v) for v in engine.last_metrics.values()]
+    return {"losses": losses, "state": engine.full_state_dict(), "metrics": accuracies}
+
+
+def token_mean_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token accuracy as a mean over the micro-batch's tokens (no pair)."""
+    return (outputs.argmax(-1) == targets).double().mean()
 
 
 def left_padded_batch(step: int, first_whole: bool) -> tuple[dict, torch.Tensor]:

@@ -41,6 +41,7 @@ def assert_same(spec: dict, got: dict, ref: dict) -> None:
     losses, weights = distance(got, ref)
     loss_rtol = MODEL_LOSS_RTOL if spec.get("loss") == "model" else RTOL
     assert losses <= loss_rtol and weights <= RTOL, (spec, losses, weights)
+    assert got["metrics"] == pytest.approx(ref["metrics"], rel=RTOL), spec
 
 
 @pytest.mark.slow
@@ -69,6 +70,11 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         {"model": "llama", "plan": "cp=2", "left_padded": "first whole"},
         {"model": "llama", "plan": "cp=2", "left_padded": "all"},
         {"model": "mistral", "plan": "cp=2", "left_padded": "all"},
+        # metrics get the targets the loss gets: shifted before the cut where the loss
+        # shifts (before, mf.metrics.accuracy read them shifted under cp and unshifted in
+        # one process: 0.026 against 0.0 at the first step)
+        {"model": "llama", "plan": "cp=2", "metrics": True},
+        {"model": "llama", "plan": "cp=2", "loss": "model", "metrics": True},
     ]
     controls = [
         {"model": "hand_attention", "plan": "cp=2"},
@@ -76,13 +82,14 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         {"model": "llama", "plan": "cp=2", "predict": True},
         {"model": "gpt", "plan": "cp=2", "loss": "masked_mean"},
         {"model": "llama", "plan": "cp=2", "loss": "shifted_here"},
+        {"model": "gpt", "plan": "cp=2", "metrics": "mean"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
     for spec, got in zip(specs, results, strict=False):
         assert_same(spec, got, cp_run({**spec, "plan": None}))
-    hand, undone, predict, masked_mean, shifted_here = results[len(specs) :]
+    hand, undone, predict, masked_mean, shifted_here, mean_metric = results[len(specs) :]
     assert "context parallel cannot cut this model's sequences" in hand.get("refused", ""), hand
     assert "out (Linear)" in hand["refused"] and "\n" not in hand["refused"]
     assert "context parallel cannot cut this model's sequences" in undone.get("refused", "")
@@ -94,6 +101,7 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     assert "mf.losses.cross_entropy(ignore_index=-100)" in masked_mean["refused"]
     assert "cannot cut this loss" in shifted_here.get("refused", ""), shifted_here
     assert "shifts the targets itself" in shifted_here["refused"]
+    assert "metric 'acc' returns a mean" in mean_metric.get("refused", ""), mean_metric
 
 
 @pytest.mark.slow
@@ -109,6 +117,7 @@ def test_cp_composes_with_dp_fsdp_tp_and_pp_and_cp4() -> None:
     plans = ("cp=4", "dp=2,cp=2", "fsdp=2,cp=2", "cp=2,tp=2", "cp=2,pp=2")
     specs = [{"model": m, "plan": p} for m in ("llama", "nanogpt") for p in plans]
     specs.append({"model": "llama", "plan": "fsdp=2,cp=2", "long_prompt": True})
+    specs.append({"model": "llama", "plan": "cp=2,pp=2", "metrics": True})
     controls = [
         {"model": "gpt", "plan": "cp=2,pp=2", "loss": "masked_mean"},
         {"model": "hand_blocks", "plan": "cp=2,pp=2"},
@@ -118,7 +127,7 @@ def test_cp_composes_with_dp_fsdp_tp_and_pp_and_cp4() -> None:
         results = mf.launch(many_cp_runs, nproc=4, args=([*specs, *controls],))
     references = {}
     for spec, got in zip(specs, results, strict=False):
-        key = (spec["model"], spec.get("long_prompt", False))
+        key = (spec["model"], spec.get("long_prompt", False), spec.get("metrics"))
         if key not in references:
             references[key] = cp_run({**spec, "plan": None})
         assert_same(spec, got, references[key])

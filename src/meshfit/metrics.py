@@ -8,6 +8,12 @@ count) in float64 (a mean is weighted by the micro-batch's sample count), sums t
 over micro-batches and data-parallel ranks in one all-reduce, and divides: the value
 one process gets on the whole batch. `engine.last_metrics` holds the results of the
 last step or evaluation; `fit` puts them in its records ("acc", "eval_acc").
+
+Under context parallel each rank holds part of every sequence: a metric must return a
+pair over tokens (a mean over a rank's samples is refused: it would weigh each rank's
+share of a sequence, not the sequence), and where the loss shifts next-token targets
+meshfit shifts them before the cut, so the metric gets them shifted, as
+`next_token_accuracy` expects.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class MetricTap:
         self.loss_fn = loss_fn
         self.metrics = metrics
         self.calls: list[torch.Tensor] = []  # per call: [sum_1, count_1, sum_2, ...]
+        self.sequence_cut = False  # context parallel (parallel/context/): pairs only
 
     def __getattr__(self, name: str) -> Any:  # the wrapped loss's own attributes
         return getattr(self.__dict__["loss_fn"], name)
@@ -64,7 +71,15 @@ class MetricTap:
         with torch.no_grad():  # kept on the device: no sync per micro-batch
             values = []
             for name, fn in self.metrics.items():
-                values += _as_pair(fn(outputs, targets), targets, name, device)
+                value = fn(outputs, targets)
+                if self.sequence_cut and not _is_pair(value):
+                    raise MeshfitError(
+                        f"metric {name!r} returns a mean, and under context parallel each "
+                        f"rank holds part of every sequence, so a mean over its samples is "
+                        f"not the one-process value; return a pair (sum, count) over tokens, "
+                        f"as mf.metrics.accuracy does, or train without cp"
+                    )
+                values += _as_pair(value, targets, name, device)
             self.calls.append(torch.stack(values))
         return self.loss_fn(outputs, targets)
 
@@ -92,8 +107,12 @@ def reduce_metrics(
     return dict(zip(tap.metrics, means.unbind(), strict=True))
 
 
+def _is_pair(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 2
+
+
 def _as_pair(value: Any, targets: Any, name: str, device: torch.device) -> list[torch.Tensor]:
-    if isinstance(value, tuple) and len(value) == 2:
+    if _is_pair(value):
         total, count = value
         return [_scalar(total, name, device), _scalar(count, name, device)]
     samples = tensors_in(targets)[0].shape[0] if tensors_in(targets) else 1
@@ -118,3 +137,17 @@ def accuracy(outputs: Any, targets: torch.Tensor, ignore_index: int = -100) -> t
     keep = targets != ignore_index
     correct = (logits.argmax(-1) == targets) & keep
     return correct.sum(), keep.sum()
+
+
+def next_token_accuracy(outputs: Any, labels: torch.Tensor, ignore_index: int = -100) -> tuple:
+    """`accuracy` of the prediction at each position against the next position's label,
+    for labels as Hugging Face collators give them (unshifted; what
+    `mf.losses.cross_entropy(shift=True)` and `loss_fn="model"` take). Under context
+    parallel meshfit has shifted them before the cut (the next token may be on another
+    rank), and this compares position by position there."""
+    from meshfit.losses import _preshifted
+
+    logits = getattr(outputs, "logits", outputs)
+    if not _preshifted():
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    return accuracy(logits, labels, ignore_index)

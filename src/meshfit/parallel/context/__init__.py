@@ -57,6 +57,10 @@ class SequenceSplit:
         self.cp, self.rank = mesh.size(), mesh.get_local_rank()
         self.hugging_face = _is_hugging_face(model)
         self.shifts = bool(getattr(loss_fn, "shifts_targets", False))
+        from meshfit.metrics import MetricTap
+
+        if isinstance(loss_fn, MetricTap):  # metrics: pairs over tokens only
+            loss_fn.sequence_cut = True
         self.state: SequenceState | None = None
         norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
         if norms:
