@@ -217,7 +217,8 @@ def cp_run(spec: dict) -> dict:
     "undone_on_rank1": the negative control (rank 1 holds contiguous chunks, not its
     load-balanced pair); "predict": engine.predict first (refused under cp); "metrics":
     mf.metrics.next_token_accuracy beside the loss ("mean": a token mean, refused under
-    cp), its value per step in the result."""
+    cp), its value per step in the result; "evaluate_first": an evaluation before the
+    first step, its loss the first of the losses ("only": no step after it)."""
     torch.manual_seed(1234)
     model = BUILDS[spec["model"]]().double()
     loss = spec.get("loss", "pair")
@@ -236,6 +237,10 @@ def cp_run(spec: dict) -> dict:
         if spec.get("predict"):
             engine.predict(batch_of(spec["model"], loss, 0)[0])
         losses, accuracies = [], []
+        if spec.get("evaluate_first"):
+            losses.append(float(engine.evaluate(batch_of(spec["model"], loss, 5))))
+            if spec["evaluate_first"] == "only":
+                return {"losses": losses}
         for step in range(3):
             if spec.get("packed"):
                 batch = packed_batch(step)

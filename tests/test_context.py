@@ -76,6 +76,7 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # one process: 0.026 against 0.0 at the first step)
         {"model": "llama", "plan": "cp=2", "metrics": True},
         {"model": "llama", "plan": "cp=2", "loss": "model", "metrics": True},
+        {"model": "llama", "plan": "cp=2", "evaluate_first": True},
     ]
     controls = [
         {"model": "hand_attention", "plan": "cp=2"},
@@ -84,13 +85,16 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         {"model": "gpt", "plan": "cp=2", "loss": "masked_mean"},
         {"model": "llama", "plan": "cp=2", "loss": "shifted_here"},
         {"model": "gpt", "plan": "cp=2", "metrics": "mean"},
+        # the probe runs at the first evaluation too (before, an evaluation before any
+        # step was not checked: it reported another loss with no word)
+        {"model": "hand_attention", "plan": "cp=2", "evaluate_first": "only"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
     for spec, got in zip(specs, results, strict=False):
         assert_same(spec, got, cp_run({**spec, "plan": None}))
-    hand, undone, predict, masked_mean, shifted_here, mean_metric = results[len(specs) :]
+    hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated = results[len(specs) :]
     assert "context parallel cannot cut this model's sequences" in hand.get("refused", ""), hand
     assert "out (Linear)" in hand["refused"] and "\n" not in hand["refused"]
     assert "context parallel cannot cut this model's sequences" in undone.get("refused", "")
@@ -103,6 +107,7 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     assert "cannot cut this loss" in shifted_here.get("refused", ""), shifted_here
     assert "shifts the targets itself" in shifted_here["refused"]
     assert "metric 'acc' returns a mean" in mean_metric.get("refused", ""), mean_metric
+    assert "out (Linear)" in evaluated.get("refused", ""), evaluated
 
 
 @pytest.mark.slow
@@ -122,6 +127,7 @@ def test_cp_composes_with_dp_fsdp_tp_and_pp_and_cp4() -> None:
     controls = [
         {"model": "gpt", "plan": "cp=2,pp=2", "loss": "masked_mean"},
         {"model": "hand_blocks", "plan": "cp=2,pp=2"},
+        {"model": "hand_blocks", "plan": "cp=2,pp=2", "evaluate_first": "only"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -132,11 +138,12 @@ def test_cp_composes_with_dp_fsdp_tp_and_pp_and_cp4() -> None:
         if key not in references:
             references[key] = cp_run({**spec, "plan": None})
         assert_same(spec, got, references[key])
-    masked_mean, hand = results[len(specs) :]
+    masked_mean, hand, evaluated = results[len(specs) :]
     assert "cannot cut this loss" in masked_mean.get("refused", ""), masked_mean
     assert "returns a mean" in masked_mean["refused"]
     assert "cannot cut this model's sequences" in hand.get("refused", ""), hand
     assert "the first module whose output departs is blocks.0.out (Linear)" in hand["refused"]
+    assert "blocks.0.out (Linear)" in evaluated.get("refused", ""), evaluated
 
 
 @pytest.mark.slow

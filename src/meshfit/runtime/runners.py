@@ -153,16 +153,22 @@ class LocalRunner:
             self.experts.reduce_gradients()
         return result
 
-    def _train(self, inputs: Any, targets: Any) -> LocalLoss:
-        if not self._sequence_checked:  # context parallel: the cut must keep the loss
-            from meshfit.parallel.context.probe import check_sequence_split
+    def _check_the_sequence_cut(self, inputs: Any, targets: Any) -> None:
+        """Context parallel: the cut must keep the loss (parallel/context/probe.py), at
+        the first step or the first evaluation, whichever comes first."""
+        if self._sequence_checked:
+            return
+        from meshfit.parallel.context.probe import check_sequence_split
 
-            self._sequence_checked = True
-            balancing = self.coupling.load_balancing if self.coupling is not None else None
-            left_out = balancing.left_out() if balancing is not None and balancing.found else None
-            check_sequence_split(
-                self.model, self.sequence, self.probe_loss(), inputs, targets, left_out
-            )
+        self._sequence_checked = True
+        balancing = self.coupling.load_balancing if self.coupling is not None else None
+        left_out = balancing.left_out() if balancing is not None and balancing.found else None
+        check_sequence_split(
+            self.model, self.sequence, self.probe_loss(), inputs, targets, left_out
+        )
+
+    def _train(self, inputs: Any, targets: Any) -> LocalLoss:
+        self._check_the_sequence_cut(inputs, targets)
         micro = self.microbatches
         if micro == 1:  # the common case, without the accumulation's extra kernels
             with self.precision.autocast():
@@ -190,6 +196,7 @@ class LocalRunner:
         return total, counted
 
     def evaluate(self, inputs: Any, targets: Any) -> LocalLoss:
+        self._check_the_sequence_cut(inputs, targets)
         with self.precision.autocast():
             loss, count = self._loss(inputs, targets)
         return reported(loss), count

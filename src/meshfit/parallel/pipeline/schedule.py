@@ -180,7 +180,7 @@ class PipelineRunner:
     def _run(self, inputs: Any, targets: Any, train: bool) -> LocalLoss:
         """One pass of the schedule; returns this rank's share's (mean, None) or (sum,
         count) on every rank of the pipeline."""
-        if train and self.sequence is not None and not self.sequence_checked:
+        if self.sequence is not None and not self.sequence_checked:  # a step or an evaluation
             self._check_the_sequence_cut(inputs, targets)
         losses: list[torch.Tensor] = []
         self.stage_loss.counts.clear()
