@@ -86,7 +86,8 @@ def coupled_run(spec: dict) -> dict:
     "order": the rows of every batch in this order; "loss": one of LOSSES instead of
     the family's; "local_balancing"/"no_probe": the negative controls (the
     load-balancing statistics of each rank's own tokens; no coupling probe, so nothing
-    is gathered)."""
+    is gathered); "evaluate_first": an evaluation of the first batch before any step,
+    its loss the first of the losses."""
     family = FAMILIES[spec["model"]]
     dtype = getattr(torch, family.dtype)
     torch.manual_seed(1234)
@@ -95,7 +96,10 @@ def coupled_run(spec: dict) -> dict:
     with contextlib.ExitStack() as stack:
         _controls(spec, stack)
         engine = mf.parallelize(model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer)
-        losses = [float(engine.step(_batch(family, dtype, step, spec))) for step in range(3)]
+        losses = []
+        if spec.get("evaluate_first"):
+            losses.append(float(engine.evaluate(_batch(family, dtype, 0, spec))))
+        losses += [float(engine.step(_batch(family, dtype, step, spec))) for step in range(3)]
     return {"losses": losses, "state": engine.full_state_dict()}
 
 

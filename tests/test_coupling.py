@@ -170,9 +170,10 @@ def test_coupled_losses_train_the_one_process_run_and_the_controls_do_not() -> N
     Qwen3-MoE's load-balancing loss are formed per round of micro-batches (the m-th of
     both ranks together): the one-process run with microbatches=2 on the rows in that
     order. In-batch negatives written with mf.gather_batch train the one-process run.
-    Controls: the load-balancing statistics of each rank's own tokens (the run before
-    this change) and the in-batch products left per rank (no probe) train other runs;
-    a module that mixes samples is refused on every rank alike."""
+    An evaluation before the first step gives one process's loss (in-batch negatives,
+    CLIP). Controls: the load-balancing statistics of each rank's own tokens (the run
+    before this change) and the in-batch products left per rank (no probe) train other
+    runs; a module that mixes samples is refused on every rank alike."""
     order = round_order(8, ranks=2, microbatches=2)
     rounds = "dp=2,microbatches=2"
     specs = [
@@ -181,12 +182,18 @@ def test_coupled_losses_train_the_one_process_run_and_the_controls_do_not() -> N
         {"model": "sentence_pairs", "plan": "dp=2", "loss": "gathered"},
         {"model": "qwen3_moe_aux", "plan": "dp=2", "local_balancing": True},
         {"model": "sentence_pairs", "plan": "dp=2", "no_probe": True},
+        # an evaluation before any step: the probe runs there (before, each rank formed
+        # the coupled loss of its own samples: 1.997 against one process's 2.669)
+        {"model": "sentence_pairs", "plan": "dp=2", "evaluate_first": True},
+        {"model": "clip", "plan": "dp=2", "evaluate_first": True},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_coupled_runs, nproc=2, args=(specs,))
         refused = mf.launch(_refused_under_dp, nproc=2)
-        clip, moe_rounds, gathered, local, per_rank = results
+        clip, moe_rounds, gathered, local, per_rank, *evaluated = results
+        for spec, got in zip(specs[-2:], evaluated, strict=True):
+            assert_same_run(got, coupled_run({**spec, "plan": None}))
         assert_same_run(
             clip, coupled_run({"model": "clip", "plan": "microbatches=2", "order": order})
         )

@@ -124,6 +124,8 @@ class Engine:
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
         self._batch_checked = False  # until a training step has worked
+        # the coupling probe ran (at the first step or evaluation, whichever came first)
+        self._coupling_checked = False
         self._evaluated = False  # until an evaluation has worked
         # the global item count of the last evaluation of a (sum, count) loss (None for
         # a mean): what weighs its batch in a mean over several (fit's eval loss)
@@ -239,8 +241,7 @@ class Engine:
             self.parallel_model.train()
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         check_microbatches(batch_size(inputs, "inputs"), self.plan, self.dp_size)
-        if not self._batch_checked:
-            self._check_coupling(inputs, targets)
+        self._check_coupling(inputs, targets)
         self.coupling.count_step(inputs, targets, self.plan.num_microbatches)
         try:
             with explain_first_failure(
@@ -273,16 +274,20 @@ class Engine:
         self._optimizer_step()
         return loss
 
-    def _check_coupling(self, inputs: Any, targets: Any) -> None:
+    def _check_coupling(self, inputs: Any, targets: Any, what: str = "training step") -> None:
         """The coupling probe on this rank's first samples (coupling/probe.py): a loss
         that couples the samples of the batch is made global or refused before training;
-        what was made global is said once."""
+        what was made global is said once. Once per engine: at the first step or the
+        first evaluation, whichever comes first."""
+        if self._coupling_checked:
+            return
         loss_of = self.runner.probe_loss()
         if loss_of is None:
             return
         low = self.plan.precision != "fp32" or self._model_dtype in (torch.bfloat16, torch.float16)
-        with explain_first_failure(True, "training step", inputs, targets, self._model_dtype):
+        with explain_first_failure(True, what, inputs, targets, self._model_dtype):
             self.coupling.check_first_batch(self.user_model, loss_of, inputs, targets, low)
+        self._coupling_checked = True
         note = self.coupling.note()
         if note and self.rank == 0:
             print(f"meshfit: {note}", flush=True)
@@ -317,6 +322,9 @@ class Engine:
     def _evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
         self.parallel_model.eval()
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        # an evaluation before any step: a coupled loss must be global here too (before,
+        # in-batch negatives under dp=2 evaluated to 1.997 where one process has 2.669)
+        self._check_coupling(inputs, targets, "evaluation")
         self.coupling.count_step(inputs, targets, self.runner.eval_microbatches)
         try:
             with explain_first_failure(
