@@ -65,6 +65,22 @@ def mistral() -> nn.Module:  # a sliding window of 5 tokens, shorter than the se
     )  # fmt: skip
 
 
+def gemma2() -> nn.Module:
+    """Gemma 2: attention scores capped (softcap x tanh(score / softcap); a cap this
+    small makes ignoring it show at the first step), sliding-window layers, RMSNorms
+    computed in float32 inside; given its token ids alone, as a tensor."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4, query_pre_attn_scalar=4,
+            max_position_embeddings=2 * LENGTH, sliding_window=5, attn_logit_softcapping=0.05,
+            final_logit_softcapping=30.0,
+        )
+    )  # fmt: skip
+
+
 def nanogpt() -> nn.Module:
     from nanogpt import GPT, GPTConfig
 
@@ -150,6 +166,7 @@ BUILDS = {
     "gpt": meshfit_gpt,
     "hand_attention": HandAttentionLM,
     "hand_blocks": HandAttentionBlocks,
+    "gemma2": gemma2,
 }
 
 
@@ -172,7 +189,7 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
     cross_entropy(shift=True) on (inputs, labels); "model": the model's own loss on a
     collator's dict; "next": a nanoGPT-style (x, next tokens))."""
     ids, labels, mask = _tokens(batch, step)
-    if model in ("nanogpt", "gpt", "hand_attention", "hand_blocks"):
+    if model in ("nanogpt", "gpt", "hand_attention", "hand_blocks", "gemma2"):
         data = torch.cat([ids, ids[:, :1]], dim=1)
         x, y = data[:, :-1], data[:, 1:].clone()
         if loss == "masked_mean":  # the collator's -100 where its labels have them
@@ -202,6 +219,8 @@ def loss_of(model: str, loss: str) -> Any:
         return masked_token_mean
     if loss == "shifted_here":
         return shifted_here
+    if model == "gemma2":
+        return mf.losses.cross_entropy()  # the targets are the next tokens already
     if model == "nanogpt":
         return lambda outputs, targets: outputs[1]  # the loss its forward computed
     if model in ("gpt", "hand_attention", "hand_blocks"):

@@ -36,11 +36,18 @@ def distance(got: dict, ref: dict) -> tuple[float, float]:
     return losses, weights
 
 
+# Gemma 2's RMSNorm computes in float32 and casts back: the cut's reordered key sums
+# (1e-16 apart in float64) round differently there, in forward and backward (measured
+# over 3 steps: losses 3.4e-10, weights 5.7e-8 apart; float32's roundoff is 6e-8)
+FLOAT32_INSIDE_RTOL = 1e-6
+
+
 def assert_same(spec: dict, got: dict, ref: dict) -> None:
     assert "refused" not in got, (spec, got.get("refused"))
     losses, weights = distance(got, ref)
     loss_rtol = MODEL_LOSS_RTOL if spec.get("loss") == "model" else RTOL
-    assert losses <= loss_rtol and weights <= RTOL, (spec, losses, weights)
+    rtol = FLOAT32_INSIDE_RTOL if spec["model"] == "gemma2" else RTOL
+    assert losses <= max(loss_rtol, rtol) and weights <= rtol, (spec, losses, weights)
     assert got["metrics"] == pytest.approx(ref["metrics"], rel=RTOL), spec
 
 
@@ -77,6 +84,11 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         {"model": "llama", "plan": "cp=2", "metrics": True},
         {"model": "llama", "plan": "cp=2", "loss": "model", "metrics": True},
         {"model": "llama", "plan": "cp=2", "evaluate_first": True},
+        # its attention scores capped, as transformers' eager attention caps them, and its
+        # token ids given alone, by name, with the rank's positions beside them (before,
+        # the cap was ignored, 5.9e-7 apart at the first step, and ids given alone left
+        # the model making positions 0..local length: refused naming its rotary table)
+        {"model": "gemma2", "plan": "cp=2"},
     ]
     controls = [
         {"model": "hand_attention", "plan": "cp=2"},

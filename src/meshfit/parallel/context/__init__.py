@@ -56,6 +56,9 @@ class SequenceSplit:
         self.group = mesh.get_group()
         self.cp, self.rank = mesh.size(), mesh.get_local_rank()
         self.hugging_face = _is_hugging_face(model)
+        # a transformers model given its token ids alone: they go by the name of the
+        # forward's first parameter (input_ids), so that position_ids can go beside them
+        self.ids_name = _first_parameter(model) if self.hugging_face else None
         self.shifts = bool(getattr(loss_fn, "shifts_targets", False))
         from meshfit.metrics import MetricTap
 
@@ -79,6 +82,9 @@ class SequenceSplit:
         if self.shifts and isinstance(targets, torch.Tensor):
             targets = shifted(targets)
         real = None
+        if self.ids_name and isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
+            # (before, the model made positions 0..local length: Gemma2's rotary departed)
+            inputs = {self.ids_name: inputs}
         if self.hugging_face and isinstance(inputs, Mapping):
             real = _padding_of(inputs, length)
             inputs = self._positions_passed(dict(inputs), length, device)
@@ -126,6 +132,16 @@ def _padding_of(inputs: Mapping, length: int) -> torch.Tensor | None:
         return None
     real = mask.bool()
     return None if bool(real.all()) else real
+
+
+def _first_parameter(model: nn.Module) -> str | None:
+    import inspect
+
+    try:
+        names = list(inspect.signature(type(model).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return None
+    return names[0] if names else None
 
 
 def _is_hugging_face(model: nn.Module) -> bool:

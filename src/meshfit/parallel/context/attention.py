@@ -72,20 +72,25 @@ def attend(
     window: int | None = None,
     padding: torch.Tensor | None = None,
     softmax_fp32: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries `q` (batch, heads, local, dim) over the whole
     sequence's keys and values (`k`, `v`: batch, kv heads, local, dim, gathered here),
-    causal by token position. Returns (batch, heads, local, dim)."""
+    causal by token position; `softcap`: the scores capped as transformers' eager
+    attention caps them (Gemma 2: softcap x tanh(score / softcap)), before the mask.
+    Returns (batch, heads, local, dim)."""
     keys = gather_with_grad(k, 2, state.group)
     values = gather_with_grad(v, 2, state.group)
     mask = _mask(state, q, tokens, documents, window, padding)
     grouped = keys.shape[1] != q.shape[1]  # grouped-query attention: a k/v head per group
-    if softmax_fp32:  # transformers' eager attention: the softmax in float32
+    if softmax_fp32 or softcap:  # transformers' eager attention: the softmax in float32
         if grouped:
             repeat = q.shape[1] // keys.shape[1]
             keys = keys.repeat_interleave(repeat, dim=1)
             values = values.repeat_interleave(repeat, dim=1)
         scores = torch.matmul(q, keys.transpose(2, 3)) * (scale or q.shape[-1] ** -0.5)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, values)
     # enable_gqa: the narrow K/V kept for backward, not copies repeated per query head
@@ -180,6 +185,7 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
             documents=kwargs.get(DOCUMENTS_KEY),
             window=window,
             padding=kwargs.get(PADDING_KEY),
+            softcap=kwargs.get("softcap"),
             softmax_fp32=implementation == "eager",
         )
         return out.transpose(1, 2).contiguous(), None
