@@ -81,6 +81,21 @@ def gemma2() -> nn.Module:
     )  # fmt: skip
 
 
+def gpt_oss() -> nn.Module:
+    """GPT-OSS: a learned sink per head in every attention's softmax, sliding-window
+    layers between full ones, a mixture of experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(
+        GptOssConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4, sliding_window=5,
+            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2 * LENGTH,
+            experts_implementation="eager",  # float64 (torch._grouped_mm takes none)
+        )
+    )  # fmt: skip
+
+
 def nanogpt() -> nn.Module:
     from nanogpt import GPT, GPTConfig
 
@@ -167,6 +182,7 @@ BUILDS = {
     "hand_attention": HandAttentionLM,
     "hand_blocks": HandAttentionBlocks,
     "gemma2": gemma2,
+    "gpt_oss": gpt_oss,
 }
 
 

@@ -89,6 +89,8 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # the cap was ignored, 5.9e-7 apart at the first step, and ids given alone left
         # the model making positions 0..local length: refused naming its rotary table)
         {"model": "gemma2", "plan": "cp=2"},
+        # a learned sink per head in the softmax (before, refused naming its o_proj)
+        {"model": "gpt_oss", "plan": "cp=2"},
     ]
     controls = [
         {"model": "hand_attention", "plan": "cp=2"},

@@ -73,17 +73,21 @@ def attend(
     padding: torch.Tensor | None = None,
     softmax_fp32: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries `q` (batch, heads, local, dim) over the whole
     sequence's keys and values (`k`, `v`: batch, kv heads, local, dim, gathered here),
     causal by token position; `softcap`: the scores capped as transformers' eager
-    attention caps them (Gemma 2: softcap x tanh(score / softcap)), before the mask.
-    Returns (batch, heads, local, dim)."""
+    attention caps them (Gemma 2: softcap x tanh(score / softcap)), before the mask;
+    `sinks` (heads,): a score per head that takes its share of the softmax and reads
+    nothing, as transformers' GPT-OSS eager attention computes it (the softmax in the
+    scores' dtype, after subtracting each row's largest). Returns (batch, heads, local,
+    dim)."""
     keys = gather_with_grad(k, 2, state.group)
     values = gather_with_grad(v, 2, state.group)
     mask = _mask(state, q, tokens, documents, window, padding)
     grouped = keys.shape[1] != q.shape[1]  # grouped-query attention: a k/v head per group
-    if softmax_fp32 or softcap:  # transformers' eager attention: the softmax in float32
+    if softmax_fp32 or softcap or sinks is not None:  # transformers' eager attention
         if grouped:
             repeat = q.shape[1] // keys.shape[1]
             keys = keys.repeat_interleave(repeat, dim=1)
@@ -91,6 +95,13 @@ def attend(
         scores = torch.matmul(q, keys.transpose(2, 3)) * (scale or q.shape[-1] ** -0.5)
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
+        if sinks is not None:
+            scores = scores + mask
+            sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+            combined = torch.cat([scores, sink], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+            return torch.matmul(weights.to(values.dtype), values)
         weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, values)
     # enable_gqa: the narrow K/V kept for backward, not copies repeated per query head
@@ -186,6 +197,7 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
             window=window,
             padding=kwargs.get(PADDING_KEY),
             softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux"),
             softmax_fp32=implementation == "eager",
         )
         return out.transpose(1, 2).contiguous(), None
