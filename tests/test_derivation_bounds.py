@@ -78,3 +78,26 @@ def test_blocks_inside_stages_are_traced_once_and_split() -> None:
         for b in range(depth)
         for fc, style in (("fc1", "colwise"), ("fc2", "rowwise"))
     }, plan
+
+
+def test_a_block_with_float32_experts_is_tried_in_bf16_and_gpt_oss_refused_by_name() -> None:
+    """GPT-OSS's attention holds a sink per head, which its split forward cannot take
+    (the trial on meta finds it and keeps the attention whole); its experts, router and
+    all else hold biases that stay whole too: nothing is left to split, refused in one
+    line naming each. Before, the trial's unsplit block failed on meta (torch's meta
+    kernel of _grouped_mm takes bf16 only), no verdict came, and the split model failed
+    in its attention instead."""
+    pytest.importorskip("transformers")
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    model = GptOssForCausalLM(
+        GptOssConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4, sliding_window=5,
+            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        )
+    )  # fmt: skip
+    with pytest.raises(mf.MeshfitError, match="tensor parallel finds nothing to split") as got:
+        derive_tp_plan(model, {"input_ids": torch.randint(0, 32, (2, 8))})
+    assert "self_attn kept whole: its split forward fails" in str(got.value)
+    assert "\n" not in str(got.value)

@@ -66,9 +66,14 @@ def _try_kind(
     fails is kept whole in every block of its kind (`units`)."""
     captured = None
     for _ in range(8):  # each pass keeps one more kind of sub-layer whole
-        mine = _in_block(derivation.plan, first)
-        if not mine or _in_block(derivation.weights, first):
-            return  # nothing left, or experts' weights: not narrowed here
+        # experts' weights are not narrowed here: the trial runs their module whole (its
+        # input and output are the block's full width either way), the Linears narrowed
+        # (before, a block with experts was not tried at all, and GPT-OSS's attention,
+        # whose sinks are one per head, failed in the split model instead)
+        experts = _in_block(derivation.weights, first)
+        mine = {n: s for n, s in _in_block(derivation.plan, first).items() if n not in experts}
+        if not mine:
+            return  # nothing left
         if captured is None:
             captured = _block_input(model, block, derivation.inputs)
             if captured is None:
@@ -130,9 +135,17 @@ def _failing_sublayer(
     or no verdict (the unsplit copy fails on meta too, or a layer is not narrowed here).
     A whole k/v projection whose heads the ranks share (`kv_slices`) is narrowed to the
     one head each rank keeps of its output."""
+    dtype = None
     if _raised(_on_meta(block), captured) is not None:
-        return None
-    trial = _on_meta(block)
+        # torch's meta kernel of _grouped_mm (transformers' MoE experts) takes bf16 only,
+        # where the CPU kernel takes float32 too: a float32 block is tried in bf16 (its
+        # shapes are what is tried; before, GPT-OSS got no trial and its split attention
+        # failed in the split model)
+        captured = map_tensors(captured, _bf16)
+        if _raised(_on_meta(block, torch.bfloat16), captured) is not None:
+            return None
+        dtype = torch.bfloat16
+    trial = _on_meta(block, dtype)
     modules = dict(trial.named_modules())
     for name, style in plan.items():
         if not (isinstance(style, str) and _narrow(modules.get(name), style, tp)):
@@ -160,8 +173,13 @@ def _failing_sublayer(
     return layer, f"its split forward fails ({type(error).__name__}: {first})"
 
 
-def _on_meta(block: nn.Module) -> nn.Module:
-    return copy.deepcopy(block).to_empty(device="meta").eval()
+def _on_meta(block: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    copied = copy.deepcopy(block).to_empty(device="meta").eval()
+    return copied if dtype is None else copied.to(dtype)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.is_floating_point() else t
 
 
 def _narrow(module: nn.Module | None, style: str, tp: int) -> bool:
@@ -171,17 +189,18 @@ def _narrow(module: nn.Module | None, style: str, tp: int) -> bool:
     if not isinstance(module, nn.Linear) or split is None:
         return False
     out_features, in_features = module.weight.shape
+    meta = {"device": "meta", "dtype": module.weight.dtype}
     if split.column:
         if out_features % tp:
             return False
-        module.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device="meta"))
+        module.weight = nn.Parameter(torch.empty(out_features // tp, in_features, **meta))
         if module.bias is not None:
-            module.bias = nn.Parameter(torch.empty(out_features // tp, device="meta"))
+            module.bias = nn.Parameter(torch.empty(out_features // tp, **meta))
         module.out_features = out_features // tp
     else:
         if in_features % tp:
             return False
-        module.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device="meta"))
+        module.weight = nn.Parameter(torch.empty(out_features, in_features // tp, **meta))
         module.in_features = in_features // tp
     return True
 
