@@ -57,6 +57,19 @@ def test_dp2_is_the_same_run() -> None:
     assert "verdict: same run" in str(report)
 
 
+def test_a_float64_model_that_computes_in_float32_inside_is_judged_by_its_noise() -> None:
+    """A float64 model whose norm computes in float32 (Gemma 2's RMSNorm): dp=2 sums its
+    weight's float32 gradient in another order, 1e-9 apart, which float64's tolerance
+    called a DIFFERENT run. The one-process run with its rows reversed measures that
+    noise, and the plan is judged against it, with a note that says so."""
+    report = mf.verify(
+        vt.mlp_with_a_float32_norm, "dp=2", vt.small_batch(), loss_fn=F.cross_entropy
+    )
+    assert report.ok, report
+    assert report.max_weight_diff > tolerance(torch.float64)  # float64's would fail it
+    assert "float64 judged at 100 x its measured noise" in (report.note or "")
+
+
 def test_a_gradient_wrong_on_one_rank_is_a_different_run() -> None:
     """Negative control: rank 1's gradient one part in a million too large, its loss
     value unchanged. The losses of step 1 agree; the weights must not."""

@@ -61,6 +61,27 @@ class Float32Only(torch.nn.Module):
         return self.linear(x)
 
 
+class Float32Norm(torch.nn.Module):
+    """Gemma 2's RMSNorm as transformers writes it: input and weight cast to float32,
+    the result cast back, whatever the model's dtype."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def mlp_with_a_float32_norm() -> torch.nn.Module:
+    """small_mlp in float64 with a Gemma-2-style norm between its layers."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), Float32Norm(32), torch.nn.Tanh(), torch.nn.Linear(32, 5)
+    ).double()
+
+
 class Float32OnlyWhenSplit(torch.nn.Module):
     """A model whose kernel refuses float64 on a path only a plan takes (Qwen3-MoE's
     grouped matmul under compile=True beside dp: one process compiles it into a kernel

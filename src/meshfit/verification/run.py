@@ -41,7 +41,14 @@ from meshfit.verification.report import (  # noqa: F401
     tolerance,
     weight_differences,
 )
-from meshfit.verification.runs import _joined, in_round_order, one_process_reference, train
+from meshfit.verification.runs import (
+    NOISE_FACTOR,
+    _joined,
+    float64_noise,
+    in_round_order,
+    one_process_reference,
+    train,
+)
 from meshfit.verification.sending import _check_sendable
 from meshfit.verification.targets import (  # noqa: F401
     _check_options,
@@ -273,6 +280,8 @@ def verify_many(
     job = _Job(source, batches, seed, devices, threads)
     _own_dtype_where_float64_failed(job, planned, results, references)
     _rounds_where_a_coupled_loss_is_formed_per_round(job, planned, results, references)
+    if rtol is None:
+        _float64_judged_by_its_noise_where_it_differs(job, planned, results, references)
     reports = []
     for i, (shown, count, resolved, refused) in enumerate(planned):
         if resolved is None:
@@ -370,6 +379,52 @@ def _rounds_where_a_coupled_loss_is_formed_per_round(
             rtol=base["rtol"], loss_rtol=base["loss_rtol"], note=_joined(base["note"], note)
         )
         got["reference"] = rounds
+
+
+def _float64_judged_by_its_noise_where_it_differs(
+    job: _Job,
+    planned: list[tuple],
+    results: dict[int, dict[str, Any]],
+    references: dict[str, dict[str, Any]],
+) -> None:
+    """A float64 plan that differs beyond float64's tolerance, on a model that is not
+    float64 throughout: the one-process run again with its rows reversed measures the
+    model's own noise (Gemma 2's float32 RMSNorms: 2.3e-9 for a same run under dp=2,
+    which was called DIFFERENT), and the plan is judged at NOISE_FACTOR times it, at
+    most float32's fixed tolerance. A model that computes in float64 throughout
+    measures 1e-16 and keeps float64's tolerance. Measured once per reference, and only
+    where a plan would be called different."""
+    noise: dict[int, float] = {}
+    for i, (_shown, _count, resolved, refused) in enumerate(planned):
+        got = results.get(i)
+        if resolved is None or refused or got is None or "refused" in got:
+            continue
+        reference = got.get("reference") or references[resolved.precision]
+        if reference["dtype"] != torch.float64 or resolved.precision != "fp32":
+            continue
+        if resolved.num_microbatches > 1 and got.get("rounds"):
+            continue  # a coupled loss per round: the rows reversed form other rounds
+        if _compare("", 0, got, reference, None).ok:
+            continue
+        key = id(reference)
+        if key not in noise:
+            try:
+                noise[key] = float64_noise(reference, job.source, job.batches, job.seed)
+            except Exception:  # noqa: BLE001 - float64's tolerance stands
+                noise[key] = 0.0
+        measured = noise[key]
+        rtol = min(max(NOISE_FACTOR * measured, reference["rtol"]), tolerance(torch.float32))
+        if rtol <= reference["rtol"]:
+            continue
+        note = (
+            f"float64 judged at {NOISE_FACTOR} x its measured noise: the model computes parts "
+            f"in lower precision inside (the one-process run with the rows reversed: "
+            f"{measured:.1e} relative)"
+        )
+        got["reference"] = {
+            **reference, "rtol": rtol, "loss_rtol": max(rtol, reference["loss_rtol"]),
+            "note": _joined(reference["note"], note),
+        }  # fmt: skip
 
 
 def _compare(

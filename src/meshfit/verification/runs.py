@@ -178,6 +178,25 @@ def _judge_by_measured_noise(
     )
 
 
+def float64_noise(
+    reference: dict[str, Any], source: _Objects | _Target, batches: list[Any], seed: int
+) -> float:
+    """How far the float64 one-process run moves with its batch's rows reversed (the
+    same samples, its sums in another order): about 1e-16 for a model that computes in
+    float64 throughout; far more for one whose layers compute in float32 inside
+    (transformers' Gemma 2 RMSNorm casts its weight and input to float32: 1e-8)."""
+    again = train(
+        source.recipe(seed), None, [_reversed_rows(b) for b in batches], True,
+        dtype=reference["run_dtype"],
+    )  # fmt: skip
+    losses = [
+        abs(a - b) / abs(b) if b else abs(a - b)
+        for a, b in zip(again["losses"], reference["losses"], strict=True)
+    ]
+    weights = weight_differences(again["state"], reference["state"]).values()
+    return max([*losses, *weights, 0.0])
+
+
 def _reversed_rows(batch: Any) -> Any:
     """The batch with its samples in reverse order: every tensor whose first dimension is
     the batch's."""
