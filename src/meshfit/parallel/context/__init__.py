@@ -60,9 +60,7 @@ class SequenceSplit:
         # forward's first parameter (input_ids), so that position_ids can go beside them
         self.ids_name = _first_parameter(model) if self.hugging_face else None
         self.shifts = bool(getattr(loss_fn, "shifts_targets", False))
-        from meshfit.metrics import MetricTap
-
-        if isinstance(loss_fn, MetricTap):  # metrics: pairs over tokens only
+        if hasattr(loss_fn, "sequence_cut"):  # metrics.MetricTap: pairs over tokens only
             loss_fn.sequence_cut = True
         self.state: SequenceState | None = None
         norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
