@@ -181,7 +181,7 @@ BUILDS = {
     "gpt": meshfit_gpt,
     "hand_attention": HandAttentionLM,
     "hand_blocks": HandAttentionBlocks,
-    "gemma2": gemma2,
+    "gemma2_ids": gemma2,
     "gpt_oss": gpt_oss,
 }
 
@@ -205,7 +205,7 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
     cross_entropy(shift=True) on (inputs, labels); "model": the model's own loss on a
     collator's dict; "next": a nanoGPT-style (x, next tokens))."""
     ids, labels, mask = _tokens(batch, step)
-    if model in ("nanogpt", "gpt", "hand_attention", "hand_blocks", "gemma2"):
+    if model in ("nanogpt", "gpt", "hand_attention", "hand_blocks", "gemma2_ids"):
         data = torch.cat([ids, ids[:, :1]], dim=1)
         x, y = data[:, :-1], data[:, 1:].clone()
         if loss == "masked_mean":  # the collator's -100 where its labels have them
@@ -235,7 +235,7 @@ def loss_of(model: str, loss: str) -> Any:
         return masked_token_mean
     if loss == "shifted_here":
         return shifted_here
-    if model == "gemma2":
+    if model == "gemma2_ids":
         return mf.losses.cross_entropy()  # the targets are the next tokens already
     if model == "nanogpt":
         return lambda outputs, targets: outputs[1]  # the loss its forward computed

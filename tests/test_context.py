@@ -46,7 +46,7 @@ def assert_same(spec: dict, got: dict, ref: dict) -> None:
     assert "refused" not in got, (spec, got.get("refused"))
     losses, weights = distance(got, ref)
     loss_rtol = MODEL_LOSS_RTOL if spec.get("loss") == "model" else RTOL
-    rtol = FLOAT32_INSIDE_RTOL if spec["model"] == "gemma2" else RTOL
+    rtol = FLOAT32_INSIDE_RTOL if spec["model"] == "gemma2_ids" else RTOL
     assert losses <= max(loss_rtol, rtol) and weights <= rtol, (spec, losses, weights)
     assert got["metrics"] == pytest.approx(ref["metrics"], rel=RTOL), spec
 
@@ -88,7 +88,7 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # token ids given alone, by name, with the rank's positions beside them (before,
         # the cap was ignored, 5.9e-7 apart at the first step, and ids given alone left
         # the model making positions 0..local length: refused naming its rotary table)
-        {"model": "gemma2", "plan": "cp=2"},
+        {"model": "gemma2_ids", "plan": "cp=2"},
         # a learned sink per head in the softmax (before, refused naming its o_proj)
         {"model": "gpt_oss", "plan": "cp=2"},
     ]
