@@ -253,7 +253,8 @@ def cp_run(spec: dict) -> dict:
     load-balanced pair); "predict": engine.predict first (refused under cp); "metrics":
     mf.metrics.next_token_accuracy beside the loss ("mean": a token mean, refused under
     cp), its value per step in the result; "evaluate_first": an evaluation before the
-    first step, its loss the first of the losses ("only": no step after it)."""
+    first step, its loss the first of the losses ("only": no step after it); "retry": a
+    first step refused is tried again (and must be refused again)."""
     torch.manual_seed(1234)
     model = BUILDS[spec["model"]]().double()
     loss = spec.get("loss", "pair")
@@ -272,6 +273,9 @@ def cp_run(spec: dict) -> dict:
         if spec.get("predict"):
             engine.predict(batch_of(spec["model"], loss, 0)[0])
         losses, accuracies = [], []
+        if spec.get("retry"):
+            with contextlib.suppress(mf.MeshfitError):
+                engine.step(batch_of(spec["model"], loss, 0))
         if spec.get("evaluate_first"):
             losses.append(float(engine.evaluate(batch_of(spec["model"], loss, 5))))
             if spec["evaluate_first"] == "only":

@@ -102,13 +102,18 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # the probe runs at the first evaluation too (before, an evaluation before any
         # step was not checked: it reported another loss with no word)
         {"model": "hand_attention", "plan": "cp=2", "evaluate_first": "only"},
+        # a refused step tried again is refused again (before, the probe counted as done
+        # and the second try trained the wrong run)
+        {"model": "hand_attention", "plan": "cp=2", "retry": True},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
     for spec, got in zip(specs, results, strict=False):
         assert_same(spec, got, cp_run({**spec, "plan": None}))
-    hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated = results[len(specs) :]
+    hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated, retried = results[
+        len(specs) :
+    ]
     assert "context parallel cannot cut this model's sequences" in hand.get("refused", ""), hand
     assert "out (Linear)" in hand["refused"] and "\n" not in hand["refused"]
     assert "context parallel cannot cut this model's sequences" in undone.get("refused", "")
@@ -122,6 +127,7 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     assert "shifts the targets itself" in shifted_here["refused"]
     assert "metric 'acc' returns a mean" in mean_metric.get("refused", ""), mean_metric
     assert "out (Linear)" in evaluated.get("refused", ""), evaluated
+    assert "out (Linear)" in retried.get("refused", ""), retried
 
 
 @pytest.mark.slow

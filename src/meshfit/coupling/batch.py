@@ -49,6 +49,11 @@ class BatchCoupling:
         self._router_logits_on = bool(getattr(config, "output_router_logits", False))
         self.refuse_under_pipeline(None)
 
+    def balancing_left_out(self) -> Any:
+        """A context in which the load-balancing loss counts as zero (context parallel's
+        probe compares the rest: coupling/moe.py), or None where the model has none."""
+        return self.load_balancing.left_out() if self.load_balancing.found else None
+
     def refuse_under_pipeline(self, inputs: Any) -> None:
         """A load-balancing loss that is on (the model's config, or the batch's
         output_router_logits) cannot be formed by a pipeline stage: refused on every rank

@@ -160,12 +160,11 @@ class LocalRunner:
             return
         from meshfit.parallel.context.probe import check_sequence_split
 
-        self._sequence_checked = True
-        balancing = self.coupling.load_balancing if self.coupling is not None else None
-        left_out = balancing.left_out() if balancing is not None and balancing.found else None
+        left_out = self.coupling.balancing_left_out() if self.coupling is not None else None
         check_sequence_split(
             self.model, self.sequence, self.probe_loss(), inputs, targets, left_out
         )
+        self._sequence_checked = True  # not before: a refused step tried again is refused
 
     def _train(self, inputs: Any, targets: Any) -> LocalLoss:
         self._check_the_sequence_cut(inputs, targets)

@@ -172,10 +172,9 @@ class PipelineRunner:
         one process's 3.4684 at the first step, where cp alone refused it)."""
         from meshfit.parallel.context.probe import check_staged_sequence_split
 
-        self.sequence_checked = True
-        balancing = self.coupling.load_balancing if self.coupling is not None else None
-        left_out = balancing.left_out() if balancing is not None and balancing.found else None
+        left_out = self.coupling.balancing_left_out() if self.coupling is not None else None
         check_staged_sequence_split(self, inputs, targets, left_out)
+        self.sequence_checked = True  # not before: a refused step tried again is refused
 
     def _run(self, inputs: Any, targets: Any, train: bool) -> LocalLoss:
         """One pass of the schedule; returns this rank's share's (mean, None) or (sum,
