@@ -148,6 +148,21 @@ class ListMoELM(nn.Module):
         return self.head(x + out)
 
 
+def gpt_oss() -> nn.Module:
+    """GPT-OSS: experts with a bias per expert (2-D, one row each) beside their matrices,
+    a clamped SwiGLU; attention sinks; the router's top-k weights."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(
+        GptOssConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4, sliding_window=4,
+            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2 * LENGTH,
+            experts_implementation="eager",  # float64 (torch._grouped_mm takes none)
+        )
+    )  # fmt: skip
+
+
 BUILDS = {
     "qwen3_moe": qwen3_moe,
     "qwen2_moe": qwen2_moe,
@@ -155,6 +170,7 @@ BUILDS = {
     "qwen3_moe_quiet": lambda: qwen3_moe(router_loss=False),
     "qwen2_moe_quiet": lambda: qwen2_moe(router_loss=False),
     "mixtral": mixtral,
+    "gpt_oss": gpt_oss,
     "own": OwnMoELM,
     "own_skewed": lambda: OwnMoELM(top_k=1, skewed=True),
     "own_3_experts": lambda: OwnMoELM(experts=3),

@@ -43,6 +43,7 @@ def assert_same(spec: dict, got: dict, ref: dict) -> None:
 def test_ep2_trains_the_one_process_run_on_every_kind_of_moe() -> None:
     """ep=2 on 2 workers: transformers' Qwen3-MoE (load-balancing loss on), Qwen2-MoE (a
     shared expert beside the routed ones), Mixtral (its grouped-matmul experts, float32),
+    GPT-OSS (a bias per expert: before, its experts were not found and ep was refused),
     a mixture of experts written by hand, and the same with every token routed to one
     expert (one rank computes every pair, the other none). Each rank holds half the
     experts. Controls: a token sent to the wrong rank is caught (the first step's
@@ -50,7 +51,7 @@ def test_ep2_trains_the_one_process_run_on_every_kind_of_moe() -> None:
     over 2 ranks are refused in one line."""
     specs = [
         {"model": m, "plan": "ep=2"}
-        for m in ("qwen3_moe", "qwen2_moe", "mixtral", "own", "own_skewed")
+        for m in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "own", "own_skewed")
     ]
     controls = [
         {"model": "own", "plan": "ep=2", "misrouted": True},
@@ -162,12 +163,14 @@ def test_an_ep_checkpoint_resumes_in_one_process_and_under_fsdp_and_loads_in_tra
 def test_experts_are_found_by_their_shape_and_call_and_a_list_of_experts_is_named() -> None:
     """transformers' fused experts (Qwen3-MoE, Qwen2-MoE, Mixtral) and a hand-written
     module of the same form are found; experts kept as a ModuleList are named."""
-    from experts import ListMoELM, OwnMoELM, mixtral, qwen2_moe, qwen3_moe
+    from experts import ListMoELM, OwnMoELM, gpt_oss, mixtral, qwen2_moe, qwen3_moe
 
-    for build in (qwen3_moe, qwen2_moe, mixtral):
+    for build in (qwen3_moe, qwen2_moe, mixtral, gpt_oss):
         layers = find_expert_layers(build())
         assert [layer.name.rsplit(".", 1)[-1] for layer in layers] == ["experts", "experts"]
         assert {layer.experts for layer in layers} == {4}
+    biased = find_expert_layers(gpt_oss())[0].tensors  # a bias row per expert beside them
+    assert set(biased) == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
     own = find_expert_layers(OwnMoELM())
     assert [(layer.name, layer.tensors) for layer in own] == [
         ("blocks.0.moe.experts", ("w_in", "w_out")),

@@ -3,8 +3,9 @@ over the N ranks of an ep group, each token sent to the ranks that hold its expe
 its results sent back (all-to-all), dropless: no capacity, no token dropped, so the
 numbers are one process's.
 
-Found, not named. An experts module is one whose own parameters are all of three or
-more dimensions with one leading size E (the experts), called as
+Found, not named. An experts module is one whose own parameters all lead with one size
+E (the experts), of three or more dimensions (the experts' matrices) or two (their
+biases, as GPT-OSS's: one row per expert), at least one a matrix, called as
 `experts(hidden (tokens, width), top_k_index (tokens, k), top_k_weights (tokens, k))`:
 transformers 5's fused experts (Mixtral, Qwen2-MoE with its shared expert beside them,
 Qwen3-MoE, OLMoE, ...: `@use_experts_implementation`), and a user's own written the same
@@ -58,12 +59,15 @@ class ExpertLayer:
 
 
 def find_expert_layers(model: nn.Module) -> list[ExpertLayer]:
-    """Every module whose own parameters all lead with one size E >= 2 and have three or
-    more dimensions, and whose forward takes (hidden, top_k_index, top_k_weights)."""
+    """Every module whose own parameters all lead with one size E >= 2, each of two or
+    more dimensions and one of three or more (matrices per expert, and their biases),
+    and whose forward takes (hidden, top_k_index, top_k_weights)."""
     found = []
     for name, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))
-        if not own or any(p.ndim < 3 for p in own.values()):
+        if not own or any(p.ndim < 2 for p in own.values()):
+            continue
+        if not any(p.ndim >= 3 for p in own.values()):
             continue
         sizes = {p.shape[0] for p in own.values()}
         if len(sizes) != 1 or sizes == {1}:
