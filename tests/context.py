@@ -81,19 +81,10 @@ def gemma2() -> nn.Module:
     )  # fmt: skip
 
 
-def gpt_oss() -> nn.Module:
-    """GPT-OSS: a learned sink per head in every attention's softmax, sliding-window
-    layers between full ones, a mixture of experts."""
-    from transformers import GptOssConfig, GptOssForCausalLM
+def gpt_oss() -> nn.Module:  # attention sinks, sliding windows, experts with biases
+    from experts import gpt_oss
 
-    return GptOssForCausalLM(
-        GptOssConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=4, sliding_window=5,
-            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2 * LENGTH,
-            experts_implementation="eager",  # float64 (torch._grouped_mm takes none)
-        )
-    )  # fmt: skip
+    return gpt_oss()
 
 
 def nanogpt() -> nn.Module:

@@ -320,7 +320,7 @@ def test_meshfit_own_losses_reach_the_workers() -> None:
     import pickle
 
     loss = mf.losses.cross_entropy(ignore_index=3, shift=True)
-    copy = pickle.loads(pickle.dumps(loss))
+    copy = pickle.loads(pickle.dumps(loss))  # bytes this line made: nobody else's
     assert (copy.ignore_index, copy.shifts_targets, copy.deferred_head) == (3, True, "outputs")
     report = mf.verify(vt.small_mlp, "dp=2", vt.small_batch(), loss_fn=mf.losses.cross_entropy())
     assert report.ok, report

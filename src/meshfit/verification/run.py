@@ -44,9 +44,9 @@ from meshfit.verification.report import (  # noqa: F401
 from meshfit.verification.runs import (
     NOISE_FACTOR,
     _joined,
-    float64_noise,
     in_round_order,
     one_process_reference,
+    rows_reversed_noise,
     train,
 )
 from meshfit.verification.sending import _check_sendable
@@ -409,7 +409,7 @@ def _float64_judged_by_its_noise_where_it_differs(
         key = id(reference)
         if key not in noise:
             try:
-                noise[key] = float64_noise(reference, job.source, job.batches, job.seed)
+                noise[key] = rows_reversed_noise(reference, job.source, None, job.batches, job.seed)
             except Exception:  # noqa: BLE001 - float64's tolerance stands
                 noise[key] = 0.0
         measured = noise[key]

@@ -155,18 +155,12 @@ def _judge_by_measured_noise(
     from meshfit.verification.report import _AMPLIFICATION, _ROUNDOFF
 
     try:
-        again = train(source.recipe(seed), plan, [_reversed_rows(b) for b in batches], True)
+        noise = rows_reversed_noise(reference, source, plan, batches, seed)
     except Exception:  # noqa: BLE001 - the fixed tolerance stands, and the note says why
         reference["note"] = _joined(
             reference["note"], "float32 judged at its fixed tolerance (the rows reversed failed)"
         )
         return
-    losses = [
-        abs(a - b) / abs(b) if b else abs(a - b)
-        for a, b in zip(again["losses"], reference["losses"], strict=True)
-    ]
-    weights = weight_differences(again["state"], reference["state"]).values()
-    noise = max([*losses, *weights, 0.0])
     floor = _AMPLIFICATION * _ROUNDOFF[torch.float32]
     rtol = min(reference["rtol"], max(NOISE_FACTOR * noise, floor))
     reference["rtol"] = reference["loss_rtol"] = rtol
@@ -178,15 +172,20 @@ def _judge_by_measured_noise(
     )
 
 
-def float64_noise(
-    reference: dict[str, Any], source: _Objects | _Target, batches: list[Any], seed: int
+def rows_reversed_noise(
+    reference: dict[str, Any],
+    source: _Objects | _Target,
+    plan: Plan | None,
+    batches: list[Any],
+    seed: int,
 ) -> float:
-    """How far the float64 one-process run moves with its batch's rows reversed (the
-    same samples, its sums in another order): about 1e-16 for a model that computes in
-    float64 throughout; far more for one whose layers compute in float32 inside
-    (transformers' Gemma 2 RMSNorm casts its weight and input to float32: 1e-8)."""
+    """How far the one-process run (`reference`, under `plan`) moves with its batch's
+    rows reversed (the same samples, its sums in another order): float32's noise; in
+    float64 about 1e-16 for a model that computes in float64 throughout, far more for one
+    whose layers compute in float32 inside (transformers' Gemma 2 RMSNorm casts its
+    weight and input to float32: 1e-8)."""
     again = train(
-        source.recipe(seed), None, [_reversed_rows(b) for b in batches], True,
+        source.recipe(seed), plan, [_reversed_rows(b) for b in batches], True,
         dtype=reference["run_dtype"],
     )  # fmt: skip
     losses = [

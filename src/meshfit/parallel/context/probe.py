@@ -242,6 +242,9 @@ def _send(value: Any, to: int, group: dist.ProcessGroup) -> None:
 
 
 def _received(sender: int, group: dist.ProcessGroup, device: torch.device) -> Any:
+    # recv_object_list unpickles: the bytes come from the previous stage's rank of this
+    # run's process group, which joined through meshfit's signed rendezvous (the trust
+    # every collective of the run rests on; the state gathers use all_gather_object too)
     box: list[Any] = [None]
     dist.recv_object_list(box, src=dist.get_global_rank(group, sender), group=group)
     return map_tensors(box[0], lambda t: t.to(device))
