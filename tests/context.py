@@ -81,6 +81,48 @@ def gemma2() -> nn.Module:
     )  # fmt: skip
 
 
+def exaone4() -> nn.Module:
+    """EXAONE 4: sliding-window layers with rotary positions, a global layer without
+    them; its global layers keep the window's size as an attribute and pass None."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    return Exaone4ForCausalLM(
+        Exaone4Config(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * LENGTH,
+            sliding_window=5, sliding_window_pattern=2,
+        )
+    )  # fmt: skip
+
+
+def lfm2() -> nn.Module:  # a short convolution over tokens before its attention layer
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    return Lfm2ForCausalLM(
+        Lfm2Config(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * LENGTH,
+            full_attn_idxs=[1], conv_L_cache=3, block_ff_dim=32,
+        )
+    )  # fmt: skip
+
+
+def qwen3_next() -> nn.Module:  # gated delta-net (linear attention) layers, experts
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM(
+        Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+            max_position_embeddings=2 * LENGTH, linear_num_value_heads=2,
+            linear_num_key_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
+            linear_conv_kernel_dim=2, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=8, shared_expert_intermediate_size=8,
+            layer_types=["linear_attention", "full_attention"],
+        )
+    )  # fmt: skip
+
+
 def gpt_oss() -> nn.Module:  # attention sinks, sliding windows, experts with biases
     from experts import gpt_oss
 
@@ -174,6 +216,9 @@ BUILDS = {
     "hand_blocks": HandAttentionBlocks,
     "gemma2_ids": gemma2,
     "gpt_oss": gpt_oss,
+    "exaone4": exaone4,
+    "lfm2": lfm2,
+    "qwen3_next": qwen3_next,
 }
 
 
@@ -245,9 +290,10 @@ def cp_run(spec: dict) -> dict:
     mf.metrics.next_token_accuracy beside the loss ("mean": a token mean, refused under
     cp), its value per step in the result; "evaluate_first": an evaluation before the
     first step, its loss the first of the losses ("only": no step after it); "retry": a
-    first step refused is tried again (and must be refused again)."""
+    first step refused is tried again (and must be refused again); "float32": the model
+    in float32 instead."""
     torch.manual_seed(1234)
-    model = BUILDS[spec["model"]]().double()
+    model = BUILDS[spec["model"]]().to(torch.float32 if spec.get("float32") else torch.float64)
     loss = spec.get("loss", "pair")
     with contextlib.ExitStack() as stack:
         if spec.get("undone_on_rank1"):

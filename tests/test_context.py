@@ -60,11 +60,12 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     packed documents (position_ids restarting), Qwen3-MoE with its load-balancing loss
     (its router statistics summed over the cp ranks' tokens: before, each rank added the
     loss of its own tokens, 3.4e-2 apart at the first step; the probe refused it, naming
-    attention).
+    attention), EXAONE 4 (a global layer beside sliding ones).
     Controls: a model whose attention is
     written by hand is refused by the first step's probe, naming the module; rank 1
     holding contiguous chunks instead of its load-balanced pair is refused the same way
-    (the cut no longer keeps the loss)."""
+    (the cut no longer keeps the loss); LFM2 and Qwen3-Next, whose layers carry a state
+    along the sequence, are refused in float32 too."""
     specs = [
         *({"model": m, "plan": "cp=2"} for m in ("llama", "qwen3", "gpt2", "mistral")),
         {"model": "llama", "plan": "cp=2", "loss": "model"},
@@ -91,6 +92,9 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         {"model": "gemma2_ids", "plan": "cp=2"},
         # a learned sink per head in the softmax (before, refused naming its o_proj)
         {"model": "gpt_oss", "plan": "cp=2"},
+        # a global layer that passes no window beside a window-sized attribute (before,
+        # cp read the attribute and windowed it: refused, 4.3e-3 apart)
+        {"model": "exaone4", "plan": "cp=2"},
     ]
     controls = [
         {"model": "hand_attention", "plan": "cp=2"},
@@ -105,15 +109,21 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # a refused step tried again is refused again (before, the probe counted as done
         # and the second try trained the wrong run)
         {"model": "hand_attention", "plan": "cp=2", "retry": True},
+        # layers that carry a state along the sequence, in float32: at initial weights the
+        # cut moved the loss by 8.5e-8 (LFM2's convolution) and 1.6e-5 (Qwen3-Next's
+        # delta net), under float32's rounding, and both trained another run with no word;
+        # their layers' outputs moved by 0.6 and 0.5 (now refused, naming the layer)
+        {"model": "lfm2", "plan": "cp=2", "float32": True},
+        {"model": "qwen3_next", "plan": "cp=2", "float32": True},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
     for spec, got in zip(specs, results, strict=False):
         assert_same(spec, got, cp_run({**spec, "plan": None}))
-    hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated, retried = results[
-        len(specs) :
-    ]
+    hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated, retried, *state = (
+        results[len(specs) :]
+    )
     assert "context parallel cannot cut this model's sequences" in hand.get("refused", ""), hand
     assert "out (Linear)" in hand["refused"] and "\n" not in hand["refused"]
     assert "context parallel cannot cut this model's sequences" in undone.get("refused", "")
@@ -128,6 +138,9 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     assert "metric 'acc' returns a mean" in mean_metric.get("refused", ""), mean_metric
     assert "out (Linear)" in evaluated.get("refused", ""), evaluated
     assert "out (Linear)" in retried.get("refused", ""), retried
+    for got, layer in zip(state, ("(Lfm2ShortConv)", "(Qwen3NextGatedDeltaNet)"), strict=True):
+        assert "cannot cut this model's sequences" in got.get("refused", ""), got
+        assert layer in got["refused"] and "a state along the sequence" in got["refused"]
 
 
 @pytest.mark.slow

@@ -164,6 +164,9 @@ def _gather_plain(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 # ---- transformers' attention registry ---------------------------------------------------
 
 
+_UNSAID = object()  # an argument the caller did not pass
+
+
 def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any]:
     """A transformers attention function (the registry's signature) computing `attend`:
     q, k, v as the layer made them; the layer's mask ignored (it covers the local
@@ -177,7 +180,7 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
         attention_mask: torch.Tensor | None,
         scaling: float | None = None,
         dropout: float = 0.0,
-        sliding_window: int | None = None,
+        sliding_window: Any = _UNSAID,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         if dropout:
@@ -185,7 +188,11 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
                 f"context parallel does not run attention dropout ({type(module).__name__}: "
                 f"p={dropout}); set the model's attention dropout to 0, or train without cp"
             )
-        window = sliding_window or getattr(module, "sliding_window", None)
+        # the window the layer passes, None included (Exaone 4's global layers pass None
+        # and keep the sliding layers' size as their attribute: read, it windowed them);
+        # else the layer's own (Qwen2-MoE sets it on its sliding layers and passes none)
+        if sliding_window is _UNSAID:
+            sliding_window = getattr(module, "sliding_window", None)
         out = attend(
             query,
             key,
@@ -194,7 +201,7 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
             scale=scaling,
             tokens=kwargs.get(TOKENS_KEY),
             documents=kwargs.get(DOCUMENTS_KEY),
-            window=window,
+            window=sliding_window,
             padding=kwargs.get(PADDING_KEY),
             softcap=kwargs.get("softcap"),
             sinks=kwargs.get("s_aux"),

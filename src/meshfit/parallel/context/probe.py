@@ -6,9 +6,11 @@ some other way) would otherwise train another run with no word.
 On a window of the first row of this rank's share (no gradients, dropout held still,
 buffers and the random state restored: coupling/probe.py's `held_still`), the loss of the
 window, computed by this rank alone, is compared with the loss the cp ranks compute
-together on their chunks of it. When they differ beyond rounding, the first module (in
-the order the forward runs them) whose output for this rank's tokens differs is named,
-and the plan is refused.
+together on their chunks of it, and each module's output for this rank's tokens with the
+same tokens' output of the whole window. When the loss differs beyond rounding, or a
+module's output beyond its dtype's share (_DEPARTS: at initial weights a layer the cut
+breaks can move the loss by less than float32 rounds), the first module (in the order
+the forward runs them) whose output differs is named, and the plan is refused.
 
 The window is 64 x cp tokens at most (the row's start, else its end where the start
 holds no target: left padding): what is checked is how the model reads the sequence
@@ -44,6 +46,19 @@ from meshfit.trees import map_tensors, tensors_in
 # faults the probe is for show at 1e-5 and above (measured: attention written by hand
 # 2.0e-3, padding read 1.9e-3, a mean over masked tokens 2.6e-3, ALiBi from the mask 8e-6)
 _ROUNDING = {torch.float64: 1e-8, torch.float32: 1e-4}
+# How far the cut may move a module's output for this rank's tokens (the norm of the
+# difference over the norm's), by the output's dtype. The loss alone misses what a model
+# at its initial weights barely passes on: a convolution over tokens or a state-space or
+# linear-attention scan that crosses the cut moved its layer's output by 0.13-0.60 while
+# the loss moved 3e-8 to 8e-5 in float32, under _ROUNDING (LFM2, Jamba, Falcon-H1, Bamba,
+# Qwen3-Next: each trained another run with no word). Measured on 25 transformers
+# families that cut right (cp=2, their initial weights): 1.6e-7 at most in float32, 0 in
+# bfloat16; 8 layers of width 256 on 256 tokens 1.1e-6 (Llama), 2.6e-3 under
+# autocast to bfloat16 (Gemma 2), where every module is judged by _DEPARTS_HALF; the
+# layers the cut breaks, at that size under autocast: 0.15-0.58.
+_DEPARTS = {torch.float64: 1e-4, torch.float32: 1e-3}
+_DEPARTS_HALF = 5e-2  # bfloat16, float16
+_NAMED = 1e-6  # a departure named where the loss is what moved
 WINDOW_PER_RANK = 64  # tokens of the probe's window per cp rank
 
 
@@ -60,20 +75,23 @@ def check_sequence_split(
     `left_out`, a context both runs go in (a load-balancing loss as zero: meshfit's own,
     coupling/moe.py)."""
     found: list[_Found] = []
+    departures: list[_Departure] = []
     with held_still(model), left_out or contextlib.nullcontext():
         for row in _windows(sequence, inputs, targets):
-            recorded: dict[str, list[torch.Tensor]] = {}
-            seen: dict[str, list[torch.Tensor]] = {}
-            with _outputs_recorded(model, recorded):
+            recorded = _outputs_recorded(model)
+            seen = _outputs_recorded(model)
+            with recorded:
                 whole = run_loss(*row)
             local_in, local_targets = sequence.local(*row)
-            with _outputs_recorded(model, seen), sequence.running():
+            with seen, sequence.running():
                 part = run_loss(local_in, local_targets)
             difference = _difference(whole, part, sequence.group)
+            departures.append(_departure(recorded, seen, sequence))
             if _has_targets(whole):
-                where = _named(model, _first_departing(recorded, seen, sequence))
-                found.append(_Found(difference, whole[0].dtype, where, _masked_mean(whole, row)))
-    _verdict(found[0] if found else _Found())
+                found.append(_Found(difference, whole[0].dtype, None, _masked_mean(whole, row)))
+    verdict = found[0] if found else _Found()
+    verdict.moved(model, _earliest(departures))  # every window's modules tell
+    _verdict(verdict)
 
 
 def check_staged_sequence_split(
@@ -85,20 +103,19 @@ def check_staged_sequence_split(
     stage names the first of its modules whose output for its tokens departs."""
     sequence, model = runner.sequence, runner.model
     found: list[_Found] = []
-    departures: list[str] = []
+    departures: list[_Departure] = []
     with held_still(model), left_out or contextlib.nullcontext():
         for row in _windows(sequence, inputs, targets):
             local = sequence.local(*row)
-            losses, where = _through_the_stages(runner, row, local)
-            if where is not None:
-                departures.append(_named(model, where))
+            losses, departure = _through_the_stages(runner, row, local)
+            departures.append(departure)
             if losses is not None:  # the last stage
                 whole, part = losses
                 difference = _difference(whole, part, sequence.group)
                 if _has_targets(whole):
                     found.append(_Found(difference, whole[0].dtype, None, _masked_mean(whole, row)))
     verdict = found[0] if found else _Found()
-    verdict.where = departures[0] if departures else None
+    verdict.moved(model, _earliest(departures))
     _verdict(verdict)
 
 
@@ -126,6 +143,32 @@ class _Found:
     dtype: torch.dtype | None = None  # the loss's
     where: str | None = None  # the first module whose output departs, "name (Kind)"
     masked_mean: bool = False  # loss_fn returned a mean, and some targets are ignored
+    departed: float = 0.0  # a module's departure as a share of its dtype's _DEPARTS
+    departure: float = 0.0  # that departure, relative
+    # `where`'s place: its pipeline stage, then among that stage's modules (the earliest
+    # departing module is the one named)
+    order: tuple[int, int] = (-1, -1)
+
+    def moved(self, model: nn.Module, departure: _Departure) -> None:
+        """Take in how the cut moved the modules' outputs."""
+        self.where = _named(model, departure.where)
+        self.departed, self.departure = departure.share, departure.size
+        if departure.where is not None:
+            names = (name for name, _ in model.named_modules())
+            place = next(i for i, name in enumerate(names) if name == departure.where)
+            self.order = (departure.stage, place)
+
+
+@dataclasses.dataclass
+class _Departure:
+    """How the cut moved the modules' outputs for this rank's tokens: the first module
+    (in call order) past its dtype's _DEPARTS, else the first past _NAMED; the largest
+    departure as a share of its threshold, and its size."""
+
+    where: str | None = None
+    share: float = 0.0
+    size: float = 0.0
+    stage: int = 0  # the pipeline stage `where` is in
 
 
 def _verdict(found: _Found) -> None:
@@ -135,19 +178,27 @@ def _verdict(found: _Found) -> None:
     rank's mean weighs its own count) is named with its fix."""
     rounding = _ROUNDING.get(found.dtype, 1e-2) if found.dtype is not None else 1.0
     verdict = torch.tensor(
-        [found.difference / rounding, found.difference, float(found.masked_mean)],
+        [
+            found.difference / rounding, found.difference, float(found.masked_mean),
+            found.departed, found.departure,
+        ],
         dtype=torch.float64,
-    )
+    )  # fmt: skip
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    if float(verdict[0]) <= 1.0:
+    if float(verdict[0]) <= 1.0 and float(verdict[3]) <= 1.0:
         return
     names: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, found.where)
-    where = next((n for n in names if n is not None), None)
+    dist.all_gather_object(names, (found.departed > 1.0, found.order, found.where))
+    # the earliest module in the model that departs past its share (under pp a later
+    # stage's modules depart too: their input did), else the first rank's named one
+    departed = [(order, where) for faulty, order, where in names if faulty and where]
+    where = min(departed)[1] if departed else next((n[2] for n in names if n[2]), None)
     changed = (
         f"on a window of the batch's first sequence the cut changes the loss by "
         f"{float(verdict[1]):.1e} (relative)"
     )
+    if float(verdict[3]) > 1.0:
+        changed += f" and a module's output for a rank's tokens by {float(verdict[4]):.1e}"
     if where is None and float(verdict[2]):
         raise MeshfitError(
             f"context parallel cannot cut this loss: {changed} while every module's output "
@@ -168,16 +219,23 @@ def _verdict(found: _Found) -> None:
         f"context parallel cannot cut this model's sequences: {changed}; the first module "
         f"whose output departs is {where}. Its attention must run through "
         f"F.scaled_dot_product_attention (causal) or transformers' attention functions, "
-        f"and its positions come from position_ids or torch.arange(sequence length); "
-        f"train this model without cp"
+        f"and its positions come from position_ids or torch.arange(sequence length); a "
+        f"layer that carries a state along the sequence (a convolution over tokens, a "
+        f"state-space or linear-attention scan) cannot be cut; train this model without cp"
     )
 
 
 def _named(model: nn.Module, where: str | None) -> str | None:
-    """A module's name as the user knows it (without DDP's wrapper) and its class."""
+    """A module's name as the user knows it (without DDP's wrapper) and its class, with
+    the layer it sits in (a Linear of a state-space mixer says little alone)."""
     if where is None:
         return None
-    return f"{where.removeprefix('module.')} ({type(model.get_submodule(where)).__name__})"
+    named = f"{where.removeprefix('module.')} ({type(model.get_submodule(where)).__name__})"
+    parent = where.rpartition(".")[0]
+    if parent and parent != "module":
+        kind = type(model.get_submodule(parent)).__name__
+        named += f" in {parent.removeprefix('module.')} ({kind})"
+    return named
 
 
 def _masked_mean(whole: tuple[torch.Tensor, torch.Tensor | None], row: tuple[Any, Any]) -> bool:
@@ -195,26 +253,27 @@ def _masked_mean(whole: tuple[torch.Tensor, torch.Tensor | None], row: tuple[Any
 
 def _through_the_stages(
     runner: Any, row: tuple[Any, Any], local: tuple[Any, Any]
-) -> tuple[tuple | None, str | None]:
+) -> tuple[tuple | None, _Departure]:
     """One window through this rank's stages, whole (`row`) and cut (`local`), in stage
-    order: (the whole and cut losses on the last stage, else None; the first module of
-    this rank's stages whose output departs)."""
+    order: (the whole and cut losses on the last stage, else None; how the cut moved the
+    outputs of this rank's stages' modules)."""
     sequence, group = runner.sequence, runner.group
     stages = {s.stage_index: s for s in runner.stages}
     anyone = runner.stages[0]
     owner, count = anyone.stage_index_to_group_rank, anyone.num_stages
     me, device = dist.get_rank(group), anyone.device
-    whole = cut = losses = where = None
+    whole = cut = losses = None
+    moved: list[_Departure] = []
     for index in sorted(stages):
         if index > 0 and owner[index - 1] != me:
             whole, cut = _received(owner[index - 1], group, device)
         module = stages[index].submod
         first = index == 0
-        recorded: dict[str, list[torch.Tensor]] = {}
-        seen: dict[str, list[torch.Tensor]] = {}
-        with _outputs_recorded(model := runner.model, recorded):
+        recorded = _outputs_recorded(model := runner.model)
+        seen = _outputs_recorded(model)
+        with recorded:
             whole = module(*_stage_args(first, row[0], whole), model_inputs=row[0])
-        with _outputs_recorded(model, seen), sequence.running():
+        with seen, sequence.running():
             cut = module(*_stage_args(first, local[0], cut), model_inputs=local[0])
             if index == count - 1:
                 loss_fn = runner.stage_loss.loss_fn
@@ -222,10 +281,19 @@ def _through_the_stages(
                 part = split_loss(loss_fn(form.restore(cut), local[1]))
         if index == count - 1:
             losses = (split_loss(loss_fn(form.restore(whole), row[1])), part)
-        where = where or _first_departing(recorded, seen, sequence)
+        moved.append(dataclasses.replace(_departure(recorded, seen, sequence), stage=index))
         if index < count - 1 and owner[index + 1] != me:
             _send((whole, cut), owner[index + 1], group)
-    return losses, where
+    return losses, _earliest(moved)
+
+
+def _earliest(moved: list[_Departure]) -> _Departure:
+    """The departures of several forwards (stages in order, windows) as one: the first
+    module past its share, else the first named; the largest share and its size."""
+    worst = max(moved, key=lambda d: d.share, default=_Departure())
+    faulty = next((d for d in moved if d.share > 1), None)
+    named = faulty or next((d for d in moved if d.where is not None), _Departure())
+    return _Departure(named.where, worst.share, worst.size, named.stage)
 
 
 def _stage_args(first: bool, inputs: Any, received: Any) -> tuple:
@@ -291,10 +359,14 @@ def _difference(
 
 
 class _outputs_recorded:
-    """Each module's first floating output of the forward, in call order."""
+    """Each module's first floating output of the forward, in call order (`outputs`), and
+    whether any ran under autocast (`lowered`: its float32 outputs then carry bfloat16's
+    rounding: a right cut moved Gemma 2's by 2.6e-3 under precision=bf16, measured)."""
 
-    def __init__(self, model: nn.Module, into: dict[str, list[torch.Tensor]]) -> None:
-        self.model, self.into = model, into
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        self.lowered = False
         self.names = {id(m): n for n, m in model.named_modules()}
         self.handles: list[Any] = []
 
@@ -303,7 +375,8 @@ class _outputs_recorded:
             found = [t for t in tensors_in(output) if t.is_floating_point() and t.ndim >= 2]
             if found:
                 name = self.names.get(id(module), "")
-                self.into.setdefault(name, []).append(found[0].detach())
+                self.outputs.setdefault(name, []).append(found[0].detach())
+                self.lowered = self.lowered or torch.is_autocast_enabled(found[0].device.type)
 
         self.handles = [m.register_forward_hook(hook) for m in self.model.modules()]
 
@@ -312,24 +385,25 @@ class _outputs_recorded:
             handle.remove()
 
 
-def _first_departing(
-    whole: dict[str, list[torch.Tensor]], cut: dict[str, list[torch.Tensor]], sequence: Any
-) -> str | None:
-    """The first module (in call order of the whole forward) whose output on this rank's
-    tokens differs between the whole sequence and the cut one."""
+def _departure(whole: _outputs_recorded, cut: _outputs_recorded, sequence: Any) -> _Departure:
+    """How far each module's output on this rank's tokens differs between the whole
+    sequence and the cut one (modules in call order of the whole forward)."""
+    found = _Departure()
+    lowered = whole.lowered or cut.lowered
     positions = sequence.state.positions if sequence.state is not None else None
     if positions is None:
-        return None
+        return found
     length = sequence.state.length
     # padding's outputs are not compared: a padding query before a row's first real token
     # has no key to read, and cp has it read itself (attention.py) where transformers'
     # masks do otherwise; no real token reads what it computes
     real = sequence.state.real
     kept = None if real is None else real[0].to(positions.device)[positions].nonzero()[:, 0]
-    for name, outputs in whole.items():
-        if not name or name not in cut:
+    named = faulty = None
+    for name, outputs in whole.outputs.items():
+        if not name or name not in cut.outputs:
             continue
-        for full, part in zip(outputs, cut[name], strict=False):
+        for full, part in zip(outputs, cut.outputs[name], strict=False):
             if full.shape[1] != length or part.shape[1] != positions.shape[0]:
                 continue
             mine = full.index_select(1, positions.to(full.device))
@@ -341,6 +415,12 @@ def _first_departing(
                     part.index_select(1, kept.to(part.device)),
                 )
             scale = mine.double().norm().clamp_min(1e-30)
-            if float((mine.double() - part.double()).norm() / scale) > 1e-6:
-                return name
-    return None
+            size = float((mine.double() - part.double()).norm() / scale)
+            share = size / (_DEPARTS_HALF if lowered else _DEPARTS.get(full.dtype, _DEPARTS_HALF))
+            named = named or (name if size > _NAMED else None)
+            if share > 1 and faulty is None:
+                faulty = name
+            if share > found.share:
+                found.share, found.size = share, size
+    found.where = faulty or named
+    return found
