@@ -81,16 +81,28 @@ def gemma2() -> nn.Module:
     )  # fmt: skip
 
 
-def exaone4() -> nn.Module:
+def exaone4(layers: int = 2) -> nn.Module:
     """EXAONE 4: sliding-window layers with rotary positions, a global layer without
     them; its global layers keep the window's size as an attribute and pass None."""
     from transformers import Exaone4Config, Exaone4ForCausalLM
 
     return Exaone4ForCausalLM(
         Exaone4Config(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * LENGTH,
             sliding_window=5, sliding_window_pattern=2,
+        )
+    )  # fmt: skip
+
+
+def olmo3() -> nn.Module:  # three sliding-window layers, then a global one
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    return Olmo3ForCausalLM(
+        Olmo3Config(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * LENGTH,
+            sliding_window=5,
         )
     )  # fmt: skip
 
@@ -217,6 +229,8 @@ BUILDS = {
     "gemma2_ids": gemma2,
     "gpt_oss": gpt_oss,
     "exaone4": exaone4,
+    "exaone4_6": lambda: exaone4(layers=6),
+    "olmo3": olmo3,
     "lfm2": lfm2,
     "qwen3_next": qwen3_next,
 }
@@ -291,7 +305,7 @@ def cp_run(spec: dict) -> dict:
     cp), its value per step in the result; "evaluate_first": an evaluation before the
     first step, its loss the first of the losses ("only": no step after it); "retry": a
     first step refused is tried again (and must be refused again); "float32": the model
-    in float32 instead."""
+    in float32 instead; "options": more keywords for mf.parallelize."""
     torch.manual_seed(1234)
     model = BUILDS[spec["model"]]().to(torch.float32 if spec.get("float32") else torch.float64)
     loss = spec.get("loss", "pair")
@@ -305,7 +319,7 @@ def cp_run(spec: dict) -> dict:
         }[spec.get("metrics")]
         engine = mf.parallelize(
             model, spec.get("plan"), loss_fn=loss_of(spec["model"], loss), optimizer=zoo_optimizer,
-            metrics=metrics,
+            metrics=metrics, **spec.get("options", {}),
         )  # fmt: skip
         if spec.get("predict"):
             engine.predict(batch_of(spec["model"], loss, 0)[0])

@@ -120,6 +120,35 @@ def test_gradient_accumulation_weighs_every_token_alike() -> None:
 
 
 @pytest.mark.slow
+def test_layers_whose_masks_the_loop_picks_by_count_keep_them_under_pp() -> None:
+    """EXAONE 4 (6 layers, sliding-window and global alternating; Gemma 2 and 3,
+    GPT-OSS, OLMo 3 and Qwen2's sliding windows are written the same way) picks each
+    layer's mask by the loop's count (`causal_mask_mapping[config.layer_types[i]]`),
+    and a pipeline stage's loop counts its own blocks from 0. The balanced cut (block 3)
+    gave the second stage's layers the other kind's masks and trained another run with
+    no word (checked on the old code); the cut now starts where the pattern repeats
+    (block 2 or 4) and trains the one-process run. pp_split=[3] is refused naming the
+    starts that keep the masks, and OLMo 3 (3 sliding layers, then a global one; 4 in
+    all) has none and is refused."""
+    from context import cp_run, many_cp_runs
+
+    specs = [{"model": "exaone4_6", "plan": "pp=2"}]
+    controls = [
+        {"model": "exaone4_6", "plan": "pp=2", "options": {"pp_split": [3]}},
+        {"model": "olmo3", "plan": "pp=2"},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, split3, olmo = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
+    assert "refused" not in got, got
+    assert_same_run(got, cp_run({**specs[0], "plan": None}), tolerance("float64"))
+    assert "pp_split=[3] starts a stage at block 3" in split3.get("refused", ""), split3
+    assert "start stages at blocks from [2, 4]" in split3["refused"]
+    assert "cannot cut this model into 2 stages" in olmo.get("refused", ""), olmo
+    assert "block 3 gets another keyword 'attention_mask' than block 0" in olmo["refused"]
+
+
+@pytest.mark.slow
 def test_language_models_match_one_process_under_dp_x_pp(tmp_path) -> None:
     specs = [{"model": m, "plan": "dp=2,pp=2"} for m in MODELS if m != "t5"]
     # the tied embedding on sharded stages, and over four stages (the first and the

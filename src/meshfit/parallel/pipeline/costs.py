@@ -8,7 +8,9 @@ batch's shape, never of the machine's load: a cut on measured time moved with ti
 noise, and with it the random numbers each stage's dropout draws, so the same script
 and seed trained another run on a busy machine. A block without FLOPs
 counts its parameters, as the planner's cut does. `balanced_starts` picks the
-contiguous cut that makes the costliest stage as cheap as possible.
+contiguous cut that makes the costliest stage as cheap as possible, among the starts
+where a stage's own loop gives its blocks their own arguments (`starts_keeping_arguments`:
+the same example forward records what each block is given).
 """
 
 from __future__ import annotations
@@ -40,12 +42,21 @@ class StageCosts:
     # Which blocks hold parameters: every stage needs one (an optimizer needs something to
     # step). Empty means all do.
     trainable: list[bool] = field(default_factory=list)
+    # What the forward's loop gives each block besides the hidden state, as tokens: the
+    # same token for the same object (a mask, a rotary table), else the value (see
+    # starts_keeping_arguments). Empty when unknown (no example forward).
+    arguments: list[dict[tuple[str, Any], Any]] = field(default_factory=list)
+    differing: str = ""  # the first block whose arguments differ from block 0's, said
 
 
-def balanced_starts(costs: StageCosts, num_stages: int) -> list[int]:
+def balanced_starts(
+    costs: StageCosts, num_stages: int, allowed: list[bool] | None = None
+) -> list[int]:
     """Index of the first block of every stage, chosen so the costliest stage is as
-    cheap as possible (exact: dynamic programming over contiguous splits)."""
+    cheap as possible (exact: dynamic programming over contiguous splits), among the
+    starts `allowed` (starts_keeping_arguments; default: any)."""
     n = len(costs.blocks)
+    allowed = allowed or [True] * n
     prefix = [0.0]
     for c in costs.blocks:
         prefix.append(prefix[-1] + c)
@@ -69,10 +80,21 @@ def balanced_starts(costs: StageCosts, num_stages: int) -> list[int]:
     for s in range(1, num_stages):
         for i in range(s + 1, n + 1):
             for j in range(s, i):
+                if not allowed[j]:
+                    continue
                 c = stage_cost(s, j, i)
                 value = (max(best[s - 1][j][0], c), best[s - 1][j][1] + c * c)
                 if value < best[s][i]:
                     best[s][i], choice[s][i] = value, j
+    if best[num_stages - 1][n][0] == float("inf") and not all(allowed):
+        raise MeshfitError(
+            f"pipeline parallel cannot cut this model into {num_stages} stages: its forward "
+            f"gives each block arguments by the block's place in its loop (a mask or rotary "
+            f"table per layer type: {costs.differing}), and a stage's loop counts its own "
+            f"blocks from 0, so a stage may start only where the blocks' arguments repeat "
+            f"the first blocks' ({_listed(allowed)}), which leaves no {num_stages} stages "
+            f"with parameters; use fewer stages, or train without pp"
+        )
     if best[num_stages - 1][n][0] == float("inf"):
         raise MeshfitError(
             f"cannot give each of {num_stages} pipeline stages a block with parameters: only "
@@ -116,6 +138,13 @@ def _measures_with_rank0(model: nn.Module) -> bool:
     return dist.get_rank() == 0
 
 
+def _listed(allowed: list[bool]) -> str:
+    starts = [i for i, ok in enumerate(allowed) if ok and i > 0]
+    if not starts:
+        return "no block after the first does"
+    return "blocks " + ", ".join(map(str, starts[:12])) + (", ..." if len(starts) > 12 else "")
+
+
 def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> StageCosts:
     """Each block's forward FLOPs on `example_inputs` (a block with none: its parameter
     count), the FLOPs before and after the blocks, and the bytes autograd saves in each
@@ -150,6 +179,19 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
         for key, block in zip(stack.keys, stack.blocks, strict=True)
     ]
     handles.append(stack.blocks[-1].register_forward_hook(lambda *_: switch("tail")))
+    arguments: dict[str, dict] = {}
+    objects: list[Any] = []  # held, so no id is reused during the forward
+
+    def given(key: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            arguments.setdefault(key, _tokens(args, kwargs, objects))
+
+        return hook
+
+    handles += [
+        block.register_forward_pre_hook(given(key), with_kwargs=True)
+        for key, block in zip(stack.keys, stack.blocks, strict=True)
+    ]
     try:
         with (
             counter,
@@ -171,7 +213,55 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
         tail=flops.get("tail", 0.0),
         activation_bytes=[saved[k] for k in stack.keys],
         trainable=_trainable(stack),
+        arguments=[arguments.get(k, {}) for k in stack.keys],
     )
+
+
+def _tokens(args: tuple, kwargs: dict, objects: list[Any]) -> dict[tuple[str, Any], Any]:
+    """A block call's inputs besides the hidden state as comparable tokens: a tensor (or
+    any object that is not a plain value) by its place in `objects`, the objects met so
+    far in this forward; a tuple or list by its items' tokens; plain values as they are."""
+
+    def token(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (tuple, list)):
+            return tuple(token(v) for v in value)
+        for i, seen in enumerate(objects):
+            if seen is value:
+                return ("object", i)
+        objects.append(value)
+        return ("object", len(objects) - 1)
+
+    sides = [(("arg", i), a) for i, a in enumerate(args[1:], start=1)]
+    return {where: token(v) for where, v in sides + [(("kw", k), v) for k, v in kwargs.items()]}
+
+
+def starts_keeping_arguments(costs: StageCosts, carried: dict[str, list] | None) -> list[bool]:
+    """For each block index, whether a stage may start there.
+
+    A stage runs the model's own forward over its blocks only (stage.py), so its loop
+    counts them from 0: a forward that picks each block's arguments by that count
+    (transformers' `causal_mask_mapping[config.layer_types[i]]`: Gemma 2 and 3, GPT-OSS,
+    EXAONE 4, Qwen2 with sliding windows, ...) gives a stage's blocks the arguments of
+    the model's first blocks. That is the same run where they are the same: a stage may
+    start at s when block s + i gets what block i gets, for every i (a pattern of period
+    2 allows the even starts). Side inputs an earlier block computes (T5's position
+    bias, `carried`) cross the cut with the hidden state instead and are not compared.
+    All True when the arguments are unknown."""
+    n = len(costs.blocks)
+    if not costs.arguments:
+        return [True] * n
+    threaded = {where for wheres in (carried or {}).values() for where in wheres}
+    given = [{w: t for w, t in a.items() if w not in threaded} for a in costs.arguments]
+    for i in range(1, n):  # said in a refusal: the first block whose arguments differ
+        if given[i] != given[0]:
+            where = next(w for w in {**given[0], **given[i]} if given[0].get(w) != given[i].get(w))
+            kind, at = where
+            named = f"positional argument {at + 1}" if kind == "arg" else f"keyword {at!r}"
+            costs.differing = f"block {i} gets another {named} than block 0"
+            break
+    return [all(given[s + i] == given[i] for i in range(n - s)) for s in range(n)]
 
 
 def _trainable(stack: BlockStack) -> list[bool]:

@@ -37,6 +37,7 @@ from meshfit.parallel.pipeline.costs import (
     balanced_starts,
     count_costs,
     parameter_costs,
+    starts_keeping_arguments,
 )
 from meshfit.parallel.pipeline.tied import TiedWeights, check_placements, find_tied, tie_stages
 from meshfit.plan import VIRTUAL_STAGES
@@ -221,12 +222,14 @@ def split_model(
             head, tail = _by_execution(head, tail, moved, names)
             head_state, tail_state = _state_by_execution(head_state, tail_state, moved)
             tied = find_tied(head, tail, names)
+    # where a stage's loop, counting its blocks from 0, gives them their own arguments
+    allowed = starts_keeping_arguments(counted, carried) if counted is not None else None
     if split is not None:
-        starts = _check_split(split, n, num_stages)
+        starts = _check_split(split, n, num_stages, allowed)
         costs = parameter_costs(stack, head, tail)
     else:
         costs = counted if counted is not None else parameter_costs(stack, head, tail)
-        starts = balanced_starts(costs, num_stages)
+        starts = balanced_starts(costs, num_stages, allowed)
     bounds = [*starts, n]
     stage_keys = [stack.keys[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     mine = list(range(rank, num_stages, pp))  # looped assignment: rank r holds r, r+pp, ...
@@ -355,7 +358,9 @@ def _unique(items: list[T]) -> list[T]:
     return out
 
 
-def _check_split(split: list[int], n: int, num_stages: int) -> list[int]:
+def _check_split(
+    split: list[int], n: int, num_stages: int, allowed: list[bool] | None = None
+) -> list[int]:
     starts = [0, *split]
     if (
         len(split) != num_stages - 1
@@ -367,5 +372,14 @@ def _check_split(split: list[int], n: int, num_stages: int) -> list[int]:
             f"pp_split={split!r} must list the {num_stages - 1} block indices where stages "
             f"2..{num_stages} begin, increasing, each between 1 and {n - 1} (the model has "
             f"{n} blocks)"
+        )
+    wrong = [s for s in split if allowed is not None and not allowed[s]]
+    if wrong:
+        kept = [i for i, ok in enumerate(allowed) if ok and i > 0]
+        raise MeshfitError(
+            f"pp_split={split!r} starts a stage at block {wrong[0]}, where the model's forward "
+            f"would give that stage's blocks other arguments than their own: it picks each "
+            f"block's by its place in the loop (a mask or rotary table per layer type), and "
+            f"a stage's loop counts from 0; start stages at blocks from {kept[:12]}"
         )
     return starts
