@@ -305,9 +305,11 @@ def cp_run(spec: dict) -> dict:
     cp), its value per step in the result; "evaluate_first": an evaluation before the
     first step, its loss the first of the losses ("only": no step after it); "retry": a
     first step refused is tried again (and must be refused again); "float32": the model
-    in float32 instead; "options": more keywords for mf.parallelize."""
+    in float32 instead; "options": more keywords for mf.parallelize; "meta": the model
+    built on meta (its values from options' weights=)."""
     torch.manual_seed(1234)
-    model = BUILDS[spec["model"]]().to(torch.float32 if spec.get("float32") else torch.float64)
+    with torch.device("meta") if spec.get("meta") else contextlib.nullcontext():
+        model = BUILDS[spec["model"]]().to(torch.float32 if spec.get("float32") else torch.float64)
     loss = spec.get("loss", "pair")
     with contextlib.ExitStack() as stack:
         if spec.get("undone_on_rank1"):

@@ -120,7 +120,7 @@ def test_gradient_accumulation_weighs_every_token_alike() -> None:
 
 
 @pytest.mark.slow
-def test_layers_whose_masks_the_loop_picks_by_count_keep_them_under_pp() -> None:
+def test_layers_whose_masks_the_loop_picks_by_count_keep_them_under_pp(tmp_path) -> None:
     """EXAONE 4 (6 layers, sliding-window and global alternating; Gemma 2 and 3,
     GPT-OSS, OLMo 3 and Qwen2's sliding windows are written the same way) picks each
     layer's mask by the loop's count (`causal_mask_mapping[config.layer_types[i]]`),
@@ -129,19 +129,30 @@ def test_layers_whose_masks_the_loop_picks_by_count_keep_them_under_pp() -> None
     no word (checked on the old code); the cut now starts where the pattern repeats
     (block 2 or 4) and trains the one-process run. pp_split=[3] is refused naming the
     starts that keep the masks, and OLMo 3 (3 sliding layers, then a global one; 4 in
-    all) has none and is refused."""
-    from context import cp_run, many_cp_runs
+    all) has none and is refused. Built on meta with weights= too, where the cut's
+    example forward cannot run (transformers' masks read values): the blocks' arguments
+    are read from the prologue alone."""
+    from context import BUILDS, cp_run, many_cp_runs
 
-    specs = [{"model": "exaone4_6", "plan": "pp=2"}]
+    torch.manual_seed(1234)  # cp_run's weights, saved for the model built on meta
+    model = BUILDS["exaone4_6"]().double()
+    mf.parallelize(model, None, loss_fn="model").save_model(str(tmp_path / "w"))
+    meta = {"model": "exaone4_6", "plan": "pp=2", "meta": True}
+    specs = [
+        {"model": "exaone4_6", "plan": "pp=2"},
+        {**meta, "options": {"weights": str(tmp_path / "w")}},
+    ]
     controls = [
         {"model": "exaone4_6", "plan": "pp=2", "options": {"pp_split": [3]}},
         {"model": "olmo3", "plan": "pp=2"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got, split3, olmo = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
-    assert "refused" not in got, got
-    assert_same_run(got, cp_run({**specs[0], "plan": None}), tolerance("float64"))
+        got, on_meta, split3, olmo = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
+    alone = cp_run({**specs[0], "plan": None})
+    for run in (got, on_meta):
+        assert "refused" not in run, run
+        assert_same_run(run, alone, tolerance("float64"))
     assert "pp_split=[3] starts a stage at block 3" in split3.get("refused", ""), split3
     assert "start stages at blocks from [2, 4]" in split3["refused"]
     assert "cannot cut this model into 2 stages" in olmo.get("refused", ""), olmo

@@ -262,6 +262,7 @@ def _pipeline_cut(b: Build) -> None:
         split=b.options.pp_split,
         example_inputs=example,
         ends_group=topology.pipeline_ends_group,
+        valued_inputs=map_tensors(b.options.example_inputs, lambda t: t.to(topology.device)),
     )
     if b.plan.uses_fsdp:
         _refuse_enclosing_owners(model, split)

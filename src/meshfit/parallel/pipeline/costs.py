@@ -27,6 +27,7 @@ from meshfit.errors import MeshfitError
 from meshfit.parallel.batchnorm import local_statistics
 from meshfit.parallel.blocks import BlockStack
 from meshfit.parallel.flop_counts import flop_counter
+from meshfit.parallel.pipeline.arguments import allowed_starts, tokens
 from meshfit.trees import call_model
 
 
@@ -43,8 +44,8 @@ class StageCosts:
     # step). Empty means all do.
     trainable: list[bool] = field(default_factory=list)
     # What the forward's loop gives each block besides the hidden state, as tokens: the
-    # same token for the same object (a mask, a rotary table), else the value (see
-    # starts_keeping_arguments). Empty when unknown (no example forward).
+    # same token for the same object (a mask, a rotary table), else the value
+    # (arguments.py). Empty when unknown (no example forward).
     arguments: list[dict[tuple[str, Any], Any]] = field(default_factory=list)
     differing: str = ""  # the first block whose arguments differ from block 0's, said
 
@@ -184,7 +185,7 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
 
     def given(key: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            arguments.setdefault(key, _tokens(args, kwargs, objects))
+            arguments.setdefault(key, tokens(args, kwargs, objects))
 
         return hook
 
@@ -217,51 +218,11 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
     )
 
 
-def _tokens(args: tuple, kwargs: dict, objects: list[Any]) -> dict[tuple[str, Any], Any]:
-    """A block call's inputs besides the hidden state as comparable tokens: a tensor (or
-    any object that is not a plain value) by its place in `objects`, the objects met so
-    far in this forward; a tuple or list by its items' tokens; plain values as they are."""
-
-    def token(value: Any) -> Any:
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        if isinstance(value, (tuple, list)):
-            return tuple(token(v) for v in value)
-        for i, seen in enumerate(objects):
-            if seen is value:
-                return ("object", i)
-        objects.append(value)
-        return ("object", len(objects) - 1)
-
-    sides = [(("arg", i), a) for i, a in enumerate(args[1:], start=1)]
-    return {where: token(v) for where, v in sides + [(("kw", k), v) for k, v in kwargs.items()]}
-
-
 def starts_keeping_arguments(costs: StageCosts, carried: dict[str, list] | None) -> list[bool]:
-    """For each block index, whether a stage may start there.
-
-    A stage runs the model's own forward over its blocks only (stage.py), so its loop
-    counts them from 0: a forward that picks each block's arguments by that count
-    (transformers' `causal_mask_mapping[config.layer_types[i]]`: Gemma 2 and 3, GPT-OSS,
-    EXAONE 4, Qwen2 with sliding windows, ...) gives a stage's blocks the arguments of
-    the model's first blocks. That is the same run where they are the same: a stage may
-    start at s when block s + i gets what block i gets, for every i (a pattern of period
-    2 allows the even starts). Side inputs an earlier block computes (T5's position
-    bias, `carried`) cross the cut with the hidden state instead and are not compared.
-    All True when the arguments are unknown."""
-    n = len(costs.blocks)
-    if not costs.arguments:
-        return [True] * n
-    threaded = {where for wheres in (carried or {}).values() for where in wheres}
-    given = [{w: t for w, t in a.items() if w not in threaded} for a in costs.arguments]
-    for i in range(1, n):  # said in a refusal: the first block whose arguments differ
-        if given[i] != given[0]:
-            where = next(w for w in {**given[0], **given[i]} if given[0].get(w) != given[i].get(w))
-            kind, at = where
-            named = f"positional argument {at + 1}" if kind == "arg" else f"keyword {at!r}"
-            costs.differing = f"block {i} gets another {named} than block 0"
-            break
-    return [all(given[s + i] == given[i] for i in range(n - s)) for s in range(n)]
+    """For each block index, whether a stage may start there (arguments.py); the first
+    block whose arguments differ is kept in `costs.differing` for a refusal."""
+    allowed, costs.differing = allowed_starts(costs.arguments, len(costs.blocks), carried)
+    return allowed
 
 
 def _trainable(stack: BlockStack) -> list[bool]:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack, find_blocks
+from meshfit.parallel.pipeline.arguments import arguments_on_meta
 from meshfit.parallel.pipeline.checks import (
     _check_the_split,
     _modules_outside,
@@ -164,6 +165,7 @@ def split_model(
     split: list[int] | None = None,
     example_inputs: Any = None,
     ends_group: Callable[[], dist.ProcessGroup | None] | None = None,
+    valued_inputs: Any = None,
 ) -> PipelineSplit:
     """Choose the cut points over `mesh` (a 1-D pp mesh) and prune `model` in place to
     this rank's stages (blocks kept under their original names; head/tail parameters
@@ -171,7 +173,10 @@ def split_model(
     across the blocks is kept by the first and the last stage, see `tied`).
     `ends_group` makes the group of each pipeline's first and last rank, where a tied
     weight's two copies live (Topology.pipeline_ends_group; default: the pp group,
-    which is that group for pp=2)."""
+    which is that group for pp=2). `valued_inputs`: the example with its values, where
+    `example_inputs` is on meta beside a model on meta (arguments_on_meta reads them)."""
+    if valued_inputs is None:
+        valued_inputs = example_inputs
     pp = mesh.size()
     rank = mesh.get_local_rank()
     virtual = VIRTUAL_STAGES[schedule]
@@ -212,8 +217,11 @@ def split_model(
                     raise
                 # A model on meta whose forward reads values (a mask's .item()) cannot
                 # run there: its stages are balanced by parameter count (the start-up
-                # line says so), and each stage checks its first forward itself.
-                shared[0] = (parameter_costs(stack, head, tail), None, {})
+                # line says so), and each stage checks its first forward itself; what
+                # its blocks are given is read from its prologue alone (arguments.py)
+                by_count = parameter_costs(stack, head, tail)
+                by_count.arguments = arguments_on_meta(model, stack, valued_inputs)
+                shared[0] = (by_count, None, {})
         dist.broadcast_object_list(shared, src=0)
         if isinstance(shared[0], str):
             raise MeshfitError(shared[0])
