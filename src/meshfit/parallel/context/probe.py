@@ -191,6 +191,8 @@ def _verdict(found: _Found) -> None:
     if float(verdict[0]) <= 1.0 and float(verdict[3]) <= 1.0:
         return
     names: list[Any] = [None] * dist.get_world_size()
+    # all_gather_object unpickles: the bytes come from the ranks of this run's process
+    # group, joined through meshfit's signed rendezvous (as _received's, below)
     dist.all_gather_object(names, (found.departed > 1.0, found.order, found.where))
     # the earliest module in the model that departs past its share (under pp a later
     # stage's modules depart too: their input did), else the first rank's named one

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from meshfit.parallel.blocks import BlockStack
+from meshfit.parallel.pipeline.checks import _described, _side_inputs
 from meshfit.trees import call_model, tensors_in
 
 Arguments = dict[tuple[str, Any], Any]  # {("arg", i) | ("kw", name): token}
@@ -49,8 +50,7 @@ def tokens(args: tuple, kwargs: dict, objects: list[Any]) -> Arguments:
         objects.append(value)
         return ("object", len(objects) - 1)
 
-    sides = [(("arg", i), a) for i, a in enumerate(args[1:], start=1)]
-    return {where: token(v) for where, v in sides + [(("kw", k), v) for k, v in kwargs.items()]}
+    return {where: token(v) for where, v in _side_inputs(args, kwargs)}
 
 
 def allowed_starts(
@@ -68,9 +68,7 @@ def allowed_starts(
     for i in range(1, n):
         if given[i] != given[0]:
             where = next(w for w in {**given[0], **given[i]} if given[0].get(w) != given[i].get(w))
-            kind, at = where
-            named = f"positional argument {at + 1}" if kind == "arg" else f"keyword {at!r}"
-            differing = f"block {i} gets another {named} than block 0"
+            differing = f"block {i} gets another {_described(where)} than block 0"
             break
     return [all(given[s + i] == given[i] for i in range(n - s)) for s in range(n)], differing
 

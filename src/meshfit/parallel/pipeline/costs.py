@@ -165,8 +165,15 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
         flops["_at"] = now
         current[0] = to
 
+    arguments: dict[str, dict] = {}
+    objects: list[Any] = []  # held, so no id is reused during the forward
+
     def before(key: str) -> Callable:
-        return lambda module, args: switch(key)
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            switch(key)
+            arguments.setdefault(key, tokens(args, kwargs, objects))  # what it is given
+
+        return hook
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if current[0] in saved:
@@ -176,23 +183,10 @@ def count_costs(model: nn.Module, stack: BlockStack, example_inputs: Any) -> Sta
     # What the forward runs between two blocks runs on the earlier one's stage
     # (stage.py): it counts with that block, until the next block starts.
     handles = [
-        block.register_forward_pre_hook(before(key))
+        block.register_forward_pre_hook(before(key), with_kwargs=True)
         for key, block in zip(stack.keys, stack.blocks, strict=True)
     ]
     handles.append(stack.blocks[-1].register_forward_hook(lambda *_: switch("tail")))
-    arguments: dict[str, dict] = {}
-    objects: list[Any] = []  # held, so no id is reused during the forward
-
-    def given(key: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            arguments.setdefault(key, tokens(args, kwargs, objects))
-
-        return hook
-
-    handles += [
-        block.register_forward_pre_hook(given(key), with_kwargs=True)
-        for key, block in zip(stack.keys, stack.blocks, strict=True)
-    ]
     try:
         with (
             counter,
