@@ -636,6 +636,54 @@ def test_the_search_proposes_no_pipeline_stage_without_parameters():
     assert all(e.plan.pp == 1 for e in result.ranked)
 
 
+def test_the_planner_cuts_where_the_blocks_keep_their_arguments_as_the_cut_does():
+    """EXAONE 4 (sliding-window and global layers alternating) and OLMo 3 (3 sliding
+    layers, then a global one) pick each layer's mask by the loop's count, so a stage
+    may start only where the pattern repeats (pipeline/arguments.py). The planner
+    costed EXAONE 4's stages cut at block 3 and ranked pp=2 for OLMo 3, which meshfit
+    refuses: it now cuts where meshfit's cut does, on the model built on the CPU and on
+    meta, and drops the plans the cut would refuse, with its reason (both checked to
+    fail on the old code)."""
+    import warnings
+
+    from context import BUILDS, batch_of
+
+    from meshfit.parallel.blocks import find_blocks
+    from meshfit.parallel.pipeline import balanced_starts, count_costs
+    from meshfit.parallel.pipeline.costs import starts_keeping_arguments
+    from meshfit.planner.memory import stage_layout
+
+    warnings.simplefilter("ignore")  # the configs' own remarks on a tiny vocabulary
+    model = BUILDS["exaone4_6"]()
+    batch = batch_of("exaone4_6", "model", 0)
+    counted = count_costs(model, find_blocks(model), batch)
+    cut = balanced_starts(counted, 2, starts_keeping_arguments(counted, None))
+    assert cut in ([0, 2], [0, 4])  # block 3 gives the second stage the other masks
+    with torch.device("meta"):
+        on_meta = BUILDS["exaone4_6"]()
+    # (on meta without the padding mask: transformers reads its values, and the planner
+    # plans a model on meta only where its forward runs there)
+    unpadded = {k: batch[k] for k in ("input_ids", "labels")}
+    for built, inputs in ((model, batch), (on_meta, unpadded)):
+        profile = profile_model(built, inputs, loss_fn="model")
+        assert profile.stage_starts == [True, False, True, False, True, False]
+        layout = stage_layout(profile, Plan.parse("pp=2"))
+        assert [blocks[0] for blocks, _, _ in layout] == cut
+    result = search_profile(profile, 2, batch_size=8, hardware=fast_net_slow_chips())
+    interleaved = [d for d in result.dropped if d.plan.schedule == "interleaved-1f1b"]
+    assert any("only at blocks [0, 2, 4]" in d.reason for d in interleaved)
+    assert not [e for e in result.ranked if e.plan.schedule == "interleaved-1f1b"]
+
+    olmo = profile_model(BUILDS["olmo3"](), batch_of("olmo3", "model", 0), loss_fn="model")
+    result = search_profile(olmo, 2, batch_size=8, hardware=fast_net_slow_chips())
+    assert result.ranked and all(e.plan.pp == 1 for e in result.ranked)
+    reasons = [d.reason for d in result.dropped if d.plan.pp == 2]
+    assert reasons and all("may start only at blocks [0]" in r for r in reasons), reasons
+    assert "block 3 gets another keyword 'attention_mask' than block 0" in reasons[0]
+    with pytest.raises(MeshfitError, match="cannot cut this model into 2 stages"):
+        estimate(olmo, "pp=2", batch_size=8, world_size=2)
+
+
 # ---- context parallel ------------------------------------------------------------
 
 

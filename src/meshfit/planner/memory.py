@@ -183,7 +183,9 @@ def _cached_starts(
 ) -> list[int]:
     """meshfit cuts after tensor parallel has split the blocks (their FLOPs are counted
     on the split model) and before expert parallel places the experts (beside ep, whole
-    on every tp rank), so the cut balances the split blocks' FLOPs."""
+    on every tp rank), so the cut balances the split blocks' FLOPs, among the blocks
+    where a stage may start (profile.stage_starts: refused as the cut refuses, where
+    none leave `stages` stages)."""
     from meshfit.parallel.pipeline.costs import StageCosts, balanced_starts
 
     cache = profile.__dict__.setdefault("_starts", {})
@@ -195,8 +197,9 @@ def _cached_starts(
             head=_block_flops(profile.head, tp),
             tail=_block_flops(profile.tail, tp),
             trainable=[b.params > 0 for b in profile.blocks],
+            differing=profile.stage_starts_differing,
         )
-        cache[key] = balanced_starts(costs, stages)
+        cache[key] = balanced_starts(costs, stages, profile.stage_starts)
     return cache[key]
 
 

@@ -121,6 +121,10 @@ class ModelProfile:
     # autocast or not (None: not traced), or why the trace failed
     compiled_autocast: bool | None = None
     compiled_error: str | None = None
+    # where a pipeline stage may start: the blocks given what the first blocks are
+    # (pipeline/arguments.py), and the first block that differs, said; None: anywhere
+    stage_starts: list[bool] | None = None
+    stage_starts_differing: str = ""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -167,7 +171,7 @@ def profile_model(
             f"{type(model).__name__} has no stack of repeated blocks to split or cut"
         )
         return profile
-    profile.pp_error = _pipeline_refusal(model, stack, example_inputs)
+    profile.pp_error = _pipeline_refusal(model, stack, example_inputs, profile)
     if profile.pp_error is None:
         from meshfit.coupling.moe import refused_under_pipeline
 
@@ -186,23 +190,38 @@ def _blocks_or_none(model: nn.Module) -> Any:
         return None
 
 
-def _pipeline_refusal(model: nn.Module, stack: Any, example_inputs: Any) -> str | None:
+def _pipeline_refusal(
+    model: nn.Module, stack: Any, example_inputs: Any, profile: ModelProfile
+) -> str | None:
     """Why meshfit's pipeline cut would refuse the model (its pre-flight checks, on one
     forward: a block that reads more than the previous block's output, a module outside
-    the blocks run between them), or None."""
+    the blocks run between them), or None; and where a stage may start, into `profile`
+    (the blocks' arguments, read on the same forward as the cut reads them)."""
+    from meshfit.parallel.pipeline.arguments import (
+        allowed_starts,
+        arguments_on_meta,
+        recorded_arguments,
+    )
     from meshfit.parallel.pipeline.cut import _checked, _head_tail_parameters
 
     head, tail = _head_tail_parameters(model, stack)
     inputs = _first_samples(example_inputs, 1)
+    n = len(stack.blocks)
     for on_meta in (True, False):
         if not on_meta and _device_of(model).type == "meta":
-            return None  # no real forward to check on: the profile ran on meta
+            # no real forward to check on (the profile ran on meta): the blocks'
+            # arguments from the prologue alone, as the cut reads them for such a model
+            given = arguments_on_meta(model, stack, inputs)
+            profile.stage_starts, profile.stage_starts_differing = allowed_starts(given, n, None)
+            return None
         state = _meta_state(model) if on_meta else _clones(model)
         device = torch.device("meta") if on_meta else _device_of(model)
         moved = map_tensors(inputs, lambda t, d=device: t.to(d))
         try:  # with autograd on: a side input that needs a gradient is one of the refusals
-            with _checked(model, stack, head, tail):
+            with recorded_arguments(stack) as given, _checked(model, stack, head, tail) as found:
                 _call_functional(model, state, moved)
+            starts = allowed_starts(given, n, found.carried)
+            profile.stage_starts, profile.stage_starts_differing = starts
             return None
         except MeshfitError as error:
             return str(error).split(";")[0]

@@ -133,6 +133,10 @@ class ModelLimits:
     batchnorm: bool = False  # one micro-batch only (meshfit refuses more)
     sequence: int = 1  # tokens per sample (1: no token sequence to cut)
     experts: int = 0  # experts per MoE layer (0: nothing for expert parallel to place)
+    # blocks where a pipeline stage may start (profile.stage_starts), and why not the
+    # others; None: any
+    stage_starts: list[int] | None = None
+    stage_starts_differing: str = ""
 
     @classmethod
     def of(cls, profile: ModelProfile) -> ModelLimits:
@@ -146,6 +150,10 @@ class ModelLimits:
             batchnorm=profile.has_batchnorm,
             sequence=profile.tokens_per_sample,
             experts=profile.experts,
+            stage_starts=None
+            if profile.stage_starts is None or all(profile.stage_starts)
+            else [i for i, ok in enumerate(profile.stage_starts) if ok],
+            stage_starts_differing=profile.stage_starts_differing,
         )
 
 
@@ -177,7 +185,7 @@ def candidate_plans(
                             dropped.append(Dropped(base, reason))
                             continue
                         for plan in _variants(base, offload and not limits.fsdp_error, limits):
-                            why = _refusal_of_variant(plan, batch_size, limits.stage_blocks)
+                            why = _refusal_of_variant(plan, batch_size, limits)
                             if why:
                                 dropped.append(Dropped(plan, why))
                             else:
@@ -215,6 +223,8 @@ def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:
     blocks = min(limits.num_blocks, limits.stage_blocks)
     if plan.pp > 1 and plan.pp > blocks:
         return f"refused: pp={plan.pp} exceeds the model's {blocks} blocks with parameters"
+    if plan.pp > 1 and _too_few_starts(plan.pp, limits):
+        return _too_few_starts(plan.pp, limits)
     if limits.fsdp_error and plan.uses_fsdp:
         return f"refused: {limits.fsdp_error}"
     if plan.cp > 1 and limits.batchnorm:
@@ -264,7 +274,7 @@ def _variants(base: Plan, offload: bool, limits: ModelLimits):
                     )
 
 
-def _refusal_of_variant(plan: Plan, batch_size: int, stage_blocks: int) -> str:
+def _refusal_of_variant(plan: Plan, batch_size: int, limits: ModelLimits) -> str:
     from meshfit.plan import VIRTUAL_STAGES
 
     unit = plan.data_parallel_size * plan.num_microbatches
@@ -274,10 +284,25 @@ def _refusal_of_variant(plan: Plan, batch_size: int, stage_blocks: int) -> str:
         plan.validate()
     except MeshfitError as error:
         return f"refused: {str(error).split(';')[0]}"
-    if plan.pp > 1 and plan.pp * VIRTUAL_STAGES[plan.schedule] > stage_blocks:
-        stages = plan.pp * VIRTUAL_STAGES[plan.schedule]
+    stages = plan.pp * VIRTUAL_STAGES[plan.schedule]
+    if plan.pp > 1 and stages > limits.stage_blocks:
         return f"refused: {plan.schedule} needs {stages} blocks with parameters"
+    if plan.pp > 1:
+        return _too_few_starts(stages, limits)
     return ""
+
+
+def _too_few_starts(stages: int, limits: ModelLimits) -> str:
+    """Why `stages` pipeline stages cannot start where the model's blocks keep their
+    arguments (pipeline/arguments.py), or ""."""
+    starts = limits.stage_starts
+    if starts is None or stages <= len(starts):
+        return ""
+    return (
+        f"refused: a pipeline stage may start only at blocks {starts} (the forward gives "
+        f"each block arguments by its place in the loop: {limits.stage_starts_differing}), "
+        f"too few for {stages} stages"
+    )
 
 
 def search_profile(

@@ -92,6 +92,33 @@ class _Recorder(nn.Module):
         return args[0] if args else None
 
 
+@contextlib.contextmanager
+def recorded_arguments(stack: BlockStack) -> Iterator[list[Arguments]]:
+    """Each block's arguments in the forward run inside the context, in block order
+    ({} for a block that did not run), filled in when the context ends: the planner's
+    profile reads where a stage may start as the cut does (costs.count_costs)."""
+    found: dict[int, Arguments] = {}
+    objects: list[Any] = []  # held, so no id is reused during the forward
+
+    def recorder(i: int) -> Any:
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            found.setdefault(i, tokens(args, kwargs, objects))
+
+        return record
+
+    handles = [
+        block.register_forward_pre_hook(recorder(i), with_kwargs=True)
+        for i, block in enumerate(stack.blocks)
+    ]
+    recorded: list[Arguments] = []
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+        recorded.extend(found.get(i, {}) for i in range(len(stack.blocks)))
+
+
 def arguments_on_meta(model: nn.Module, stack: BlockStack, example_inputs: Any) -> list[Arguments]:
     """Each block's arguments for a model on meta (see the module doc); [] when that
     forward fails too (then nothing is known and any start is taken)."""
