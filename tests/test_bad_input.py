@@ -477,6 +477,32 @@ def test_plans_for_other_process_counts_are_one_line_on_every_worker() -> None:
         assert "but 2 were started" in message or "multiple of" in message, message
 
 
+@pytest.mark.slow  # one launch of 2 workers, three runs of a tiny ESM
+def test_a_parameter_the_loss_never_uses_is_named_under_dp_before_any_update() -> None:
+    """transformers' ESM for masked LM holds a contact head its loss never uses. Under dp
+    (DDP) the first step warned that it got no gradient, and the second stopped inside
+    torch ("Expected to have finished reduction in the prior iteration"): the first
+    step's gradients of the parameters in its buckets were never reduced. It is now one
+    line at the first step, before any update, naming the parameters and the fixes; both
+    fixes train the one-process run."""
+    from workers import esm_runs
+
+    specs = [{"plan": "dp=2"}, {"plan": "fsdp=2"}, {"plan": "dp=2", "frozen": True}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        refused, sharded, frozen = mf.launch(esm_runs, nproc=2, args=(specs,))
+        alone, alone_frozen = esm_runs([{"plan": None}, {"plan": None, "frozen": True}])
+    message = refused["refused"]
+    assert "2 of 42 trainable parameters got no gradient" in message, message
+    assert "(esm.contact_head.regression.weight, esm.contact_head.regression.bias)" in message
+    assert "requires_grad_(False)" in message and "fsdp=N" in message
+    assert "\n" not in message and refused["moved"] == []
+    for got, want in ((sharded, alone), (frozen, alone_frozen)):
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-12)
+        for name, value in want["weights"].items():
+            assert torch.allclose(got["weights"][name], value, rtol=1e-10, atol=1e-12), name
+
+
 def test_a_peer_lost_in_the_first_step_is_not_reported_as_the_batch() -> None:
     """Seen under a memory cap: a peer killed by the out-of-memory killer made the first
     step's FSDP all-gather (inside the model's forward) raise gloo's RuntimeError, and

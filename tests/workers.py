@@ -1205,6 +1205,49 @@ def plan_errors(plans: list[str]) -> list[str | None]:
     return errors
 
 
+def esm_masked_lm():
+    """transformers' ESM for masked LM, whose contact head its MLM loss never uses."""
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    torch.manual_seed(1234)
+    config = EsmConfig(
+        vocab_size=33, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, pad_token_id=1,
+        mask_token_id=32, token_dropout=False, position_embedding_type="rotary",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return EsmForMaskedLM(config).double()
+
+
+def esm_runs(specs: list[dict]) -> list[dict]:
+    """Each spec's plan (and `frozen`: the contact head frozen) over 2 steps of ESM with
+    its own loss (every label set: a mean over them is the global mean); the losses and
+    the weights after, or the refusal and whether any weight moved."""
+    results = []
+    for spec in specs:
+        model = esm_masked_lm()
+        if spec.get("frozen"):
+            model.esm.contact_head.requires_grad_(False)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine = mf.parallelize(
+            model, spec["plan"], loss_fn="model", optimizer=optimizer_factory("sgd")
+        )
+        g = torch.Generator().manual_seed(7)
+        try:
+            losses = []
+            for _ in range(2):
+                ids = torch.randint(4, 32, (4, 12), generator=g)
+                batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+                losses.append(float(engine.step(batch)))
+        except mf.MeshfitError as refusal:
+            after = engine.full_state_dict()
+            moved = [n for n, t in before.items() if not torch.equal(after[n], t)]
+            results.append({"refused": str(refusal), "moved": moved})
+            continue
+        results.append({"losses": losses, "weights": engine.full_state_dict()})
+    return results
+
+
 # ---- Keras 3 models on the torch backend (issue 11) ------------------------------------
 def keras_model(kind: str):
     """A Keras 3 model (torch backend), built as Keras users build them."""

@@ -186,7 +186,10 @@ def check_gradients_reached_the_optimizer(
     missing = [p for p in params if p.grad is None]
     if not params or not missing:
         return
-    names = {id(p): n for n, p in model.named_parameters()}
+    from torch.nn.parallel import DistributedDataParallel
+
+    named = model.module if isinstance(model, DistributedDataParallel) else model  # "module."
+    names = {id(p): n for n, p in named.named_parameters()}
     if len(missing) == len(params):
         optimizer.zero_grad(set_to_none=True)
         raise MeshfitError(
@@ -198,11 +201,25 @@ def check_gradients_reached_the_optimizer(
             f"that keeps the parameters in place (dp), or a model whose layers read "
             f"their weights from the module"
         )
+    listed = ", ".join(names.get(id(p), "?") for p in missing[:5])
+    listed += ", ..." if len(missing) > 5 else ""
+    if _under_ddp(model):
+        # DDP reduces a bucket once every parameter in it has a gradient: the buckets
+        # holding these never reduced (their neighbours' gradients stayed this rank's),
+        # and torch stops the next step with "Expected to have finished reduction in the
+        # prior iteration". Said here, before the first update: no weight has moved.
+        optimizer.zero_grad(set_to_none=True)
+        raise MeshfitError(
+            f"{len(missing)} of {len(params)} trainable parameters got no gradient in the "
+            f"first training step ({listed}), and under plan {plan} data parallel runs on "
+            f"DDP, which needs a gradient for every trainable parameter at every step: "
+            f"freeze the ones the loss never uses (requires_grad_(False)), or shard the "
+            f"parameters instead (fsdp=N: FSDP2 reduces the gradients there are)"
+        )
     if rank == 0:
-        listed = ", ".join(names.get(id(p), "?") for p in missing[:5])
         warnings.warn(
             f"{len(missing)} of {len(params)} trainable parameters got no gradient in "
-            f"the first training step ({listed}{', ...' if len(missing) > 5 else ''}): "
+            f"the first training step ({listed}): "
             f"unused by this loss, or computed around the plan's parameters. If they get "
             f"one in a single process, the plan lost them: check with mf.verify",
             stacklevel=5,
@@ -224,3 +241,9 @@ def warn_on_ignored_targets(targets: Any, topology: Any) -> None:
             "loss_fn=mf.losses.cross_entropy(ignore_index=-100)",
             stacklevel=5,
         )
+
+
+def _under_ddp(model: torch.nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return any(isinstance(m, DistributedDataParallel) for m in model.modules())
