@@ -17,6 +17,8 @@ import meshfit as mf
 
 VOCAB = 32
 LENGTH = 16
+ENCODERS = ("bert", "modernbert")  # masked-LM batches: a collator's masked tokens
+MASK = 3  # their mask token's id
 
 
 def llama() -> nn.Module:
@@ -216,7 +218,34 @@ def qwen3_moe() -> nn.Module:  # a mixture of experts, its load-balancing loss o
     return qwen3_moe()
 
 
+def bert() -> nn.Module:  # an encoder: every token reads every other (is_causal = False)
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=2 * LENGTH,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+    )  # fmt: skip
+
+
+def modernbert() -> nn.Module:  # an encoder with a window either side on its local layers
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    return ModernBertForMaskedLM(
+        ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=2 * LENGTH,
+            global_attn_every_n_layers=2, local_attention=6,  # layer 1 reads 3 either side
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=2, cls_token_id=1,
+        )
+    )  # fmt: skip
+
+
 BUILDS = {
+    "bert": bert,
+    "modernbert": modernbert,
     "llama": llama,
     "qwen3_moe": qwen3_moe,
     "qwen3": qwen3,
@@ -255,6 +284,11 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
     cross_entropy(shift=True) on (inputs, labels); "model": the model's own loss on a
     collator's dict; "next": a nanoGPT-style (x, next tokens))."""
     ids, labels, mask = _tokens(batch, step)
+    if model in ENCODERS:  # DataCollatorForLanguageModeling's: 30% masked, labels there
+        chosen = torch.rand(ids.shape, generator=torch.Generator().manual_seed(step)) < 0.3
+        chosen &= mask.bool()
+        labels = ids.masked_fill(~chosen, -100)
+        ids = ids.masked_fill(chosen, MASK)
     if model in ("nanogpt", "gpt", "hand_attention", "hand_blocks", "gemma2_ids"):
         data = torch.cat([ids, ids[:, :1]], dim=1)
         x, y = data[:, :-1], data[:, 1:].clone()
@@ -285,8 +319,8 @@ def loss_of(model: str, loss: str) -> Any:
         return masked_token_mean
     if loss == "shifted_here":
         return shifted_here
-    if model == "gemma2_ids":
-        return mf.losses.cross_entropy()  # the targets are the next tokens already
+    if model == "gemma2_ids" or model in ENCODERS:
+        return mf.losses.cross_entropy()  # the next tokens already, or the masked ones
     if model == "nanogpt":
         return lambda outputs, targets: outputs[1]  # the loss its forward computed
     if model in ("gpt", "hand_attention", "hand_blocks"):

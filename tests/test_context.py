@@ -60,7 +60,10 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     packed documents (position_ids restarting), Qwen3-MoE with its load-balancing loss
     (its router statistics summed over the cp ranks' tokens: before, each rank added the
     loss of its own tokens, 3.4e-2 apart at the first step; the probe refused it, naming
-    attention), EXAONE 4 (a global layer beside sliding ones).
+    attention), EXAONE 4 (a global layer beside sliding ones), and encoders: BERT and
+    ModernBERT (every token reads every other; ModernBERT's local layers a window either
+    side) on a masked-LM collator's batches (before, cp's attention was causal whatever
+    the layer: refused naming their attention).
     Controls: a model whose attention is
     written by hand is refused by the first step's probe, naming the module; rank 1
     holding contiguous chunks instead of its load-balanced pair is refused the same way
@@ -95,6 +98,9 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # a global layer that passes no window beside a window-sized attribute (before,
         # cp read the attribute and windowed it: refused, 4.3e-3 apart)
         {"model": "exaone4", "plan": "cp=2"},
+        # encoders: transformers' is_causal = False read from the layer, windows either side
+        *({"model": m, "plan": "cp=2"} for m in ("bert", "modernbert")),
+        {"model": "modernbert", "plan": "cp=2", "left_padded": "all"},
     ]
     controls = [
         {"model": "hand_attention", "plan": "cp=2"},

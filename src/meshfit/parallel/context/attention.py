@@ -3,7 +3,8 @@
 Each rank computes attention for its own queries against the keys and values of the
 whole sequence: they are gathered from the cp group (torch's all-gather; the gradient
 of each key and value is summed over the ranks whose queries read it and returned to its
-rank), with the mask built from every token's place in the sequence: causal by position,
+rank), with the mask built from every token's place in the sequence: causal by position
+(an encoder's layer, transformers' is_causal = False, reads every position instead),
 within its document for packed rows, within the sliding window where the layer has one,
 never a padding key where the batch's attention_mask pads rows.
 Llama 3 chose this all-gather of K/V over ring attention for grouped-query attention,
@@ -74,10 +75,12 @@ def attend(
     softmax_fp32: bool = False,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Attention of this rank's queries `q` (batch, heads, local, dim) over the whole
     sequence's keys and values (`k`, `v`: batch, kv heads, local, dim, gathered here),
-    causal by token position; `softcap`: the scores capped as transformers' eager
+    causal by token position unless `causal` is False (an encoder's layer: every key,
+    within the window either side where it has one); `softcap`: the scores capped as transformers' eager
     attention caps them (Gemma 2: softcap x tanh(score / softcap)), before the mask;
     `sinks` (heads,): a score per head that takes its share of the softmax and reads
     nothing, as transformers' GPT-OSS eager attention computes it (the softmax in the
@@ -85,7 +88,7 @@ def attend(
     dim)."""
     keys = gather_with_grad(k, 2, state.group)
     values = gather_with_grad(v, 2, state.group)
-    mask = _mask(state, q, tokens, documents, window, padding)
+    mask = _mask(state, q, tokens, documents, window, padding, causal)
     grouped = keys.shape[1] != q.shape[1]  # grouped-query attention: a k/v head per group
     if softmax_fp32 or softcap or sinks is not None:  # transformers' eager attention
         if grouped:
@@ -118,17 +121,20 @@ def _mask(
     documents: torch.Tensor | None,
     window: int | None,
     padding: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """The additive mask (rows, 1, local queries, all keys) of q's dtype: 0 where a query
-    may read a key (causal by token position, within its document, within the window, a
-    real token where the batch's attention_mask pads rows), -inf elsewhere. Built once
+    may read a key (causal by token position unless not `causal`, within its document,
+    within the window (either side, when not causal: transformers' bidirectional window,
+    |q - k| < window), a real token where the batch's attention_mask pads rows), -inf
+    elsewhere. Built once
     per micro-batch and window, shared by the layers; one row for every row unless
     documents or padding differ by row. A query with no key left (left padding before a
     row's first real token) reads itself: its output is padding's, never read by a real
     token, and a row of -inf alone would be NaN. A float mask, because
     SDPA on CPU turns a boolean one into a float copy per call and keeps that copy for
     backward (measured: +134 MB per layer at 4,096 x 8,192 tokens)."""
-    key = (window, q.dtype, q.device)
+    key = (window, causal, q.dtype, q.device)
     for made_for, by_tokens, by_documents, by_padding, mask in state.masks:
         same = by_tokens is tokens and by_documents is documents and by_padding is padding
         if made_for == key and same:  # `is`: the same micro-batch's tensors
@@ -139,11 +145,14 @@ def _mask(
     q_tokens = q_tokens.to(q.device)
     k_tokens = _gather_plain(q_tokens, state.group)
     allowed = k_tokens[:, None, :] <= q_tokens[:, :, None]
+    if not causal:
+        allowed = torch.ones_like(allowed)
     if documents is not None:
         docs = documents.to(q.device)
         allowed = allowed & (_gather_plain(docs, state.group)[:, None, :] == docs[:, :, None])
     if window:
-        allowed = allowed & (q_tokens[:, :, None] - k_tokens[:, None, :] < window)
+        apart = q_tokens[:, :, None] - k_tokens[:, None, :]
+        allowed = allowed & ((apart if causal else apart.abs()) < window)
     if padding is not None:  # transformers' padding mask, over the whole sequence's keys
         allowed = allowed & _gather_plain(padding.to(q.device), state.group).bool()[:, None, :]
         lonely = ~allowed.any(-1, keepdim=True)
@@ -193,6 +202,11 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
         # else the layer's own (Qwen2-MoE sets it on its sliding layers and passes none)
         if sliding_window is _UNSAID:
             sliding_window = getattr(module, "sliding_window", None)
+        # causal unless the call or the layer says not (transformers' sdpa reads them so:
+        # an encoder's layers, BERT's and ModernBERT's, set is_causal = False)
+        causal = kwargs.get("is_causal")
+        if causal is None:
+            causal = getattr(module, "is_causal", True)
         out = attend(
             query,
             key,
@@ -206,6 +220,7 @@ def hf_attention(state: SequenceState, implementation: str) -> Callable[..., Any
             softcap=kwargs.get("softcap"),
             sinks=kwargs.get("s_aux"),
             softmax_fp32=implementation == "eager",
+            causal=bool(causal),
         )
         return out.transpose(1, 2).contiguous(), None
 

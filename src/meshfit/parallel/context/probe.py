@@ -223,7 +223,8 @@ def _verdict(found: _Found) -> None:
     raise MeshfitError(
         f"context parallel cannot cut this model's sequences: {changed}; the first module "
         f"whose output departs is {where}. Its attention must run through "
-        f"F.scaled_dot_product_attention (causal) or transformers' attention functions, "
+        f"transformers' attention functions (causal, or an encoder's) or "
+        f"F.scaled_dot_product_attention with is_causal=True, "
         f"and its positions come from position_ids or torch.arange(sequence length); a "
         f"layer that carries a state along the sequence (a convolution over tokens, a "
         f"state-space or linear-attention scan) cannot be cut; train this model without cp"
