@@ -319,8 +319,10 @@ def loss_of(model: str, loss: str) -> Any:
         return masked_token_mean
     if loss == "shifted_here":
         return shifted_here
-    if model == "gemma2_ids" or model in ENCODERS:
-        return mf.losses.cross_entropy()  # the next tokens already, or the masked ones
+    if model in ENCODERS:  # the masked tokens' labels, not shifted
+        return "model" if loss == "model" else mf.losses.cross_entropy()
+    if model == "gemma2_ids":
+        return mf.losses.cross_entropy()  # the targets are the next tokens already
     if model == "nanogpt":
         return lambda outputs, targets: outputs[1]  # the loss its forward computed
     if model in ("gpt", "hand_attention", "hand_blocks"):

@@ -485,13 +485,15 @@ def test_a_parameter_the_loss_never_uses_is_named_under_dp_before_any_update() -
     step's gradients of the parameters in its buckets were never reduced. It is now one
     line at the first step, before any update, naming the parameters and the fixes; both
     fixes train the one-process run."""
-    from workers import esm_runs
+    from workers import masked_lm_runs
 
     specs = [{"plan": "dp=2"}, {"plan": "fsdp=2"}, {"plan": "dp=2", "frozen": True}]
+    specs = [{"model": "esm", **spec} for spec in specs]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        refused, sharded, frozen = mf.launch(esm_runs, nproc=2, args=(specs,))
-        alone, alone_frozen = esm_runs([{"plan": None}, {"plan": None, "frozen": True}])
+        refused, sharded, frozen = mf.launch(masked_lm_runs, nproc=2, args=(specs,))
+        one = [{"model": "esm", "plan": None}, {"model": "esm", "plan": None, "frozen": True}]
+        alone, alone_frozen = masked_lm_runs(one)
     message = refused["refused"]
     assert "2 of 42 trainable parameters got no gradient" in message, message
     assert "(esm.contact_head.regression.weight, esm.contact_head.regression.bias)" in message

@@ -100,6 +100,8 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         {"model": "exaone4", "plan": "cp=2"},
         # encoders: transformers' is_causal = False read from the layer, windows either side
         *({"model": m, "plan": "cp=2"} for m in ("bert", "modernbert")),
+        # BERT's own loss, a mean over the rank's masked tokens, times their count
+        {"model": "bert", "plan": "cp=2", "loss": "model"},
         {"model": "modernbert", "plan": "cp=2", "left_padded": "all"},
     ]
     controls = [

@@ -1205,40 +1205,69 @@ def plan_errors(plans: list[str]) -> list[str | None]:
     return errors
 
 
-def esm_masked_lm():
-    """transformers' ESM for masked LM, whose contact head its MLM loss never uses."""
-    from transformers import EsmConfig, EsmForMaskedLM
+def masked_lm(kind: str):
+    """A transformers masked-LM model in float64: "esm" (ESM, whose contact head its MLM
+    loss never uses), "bert", or "bert_z" (BERT whose forward adds a z-loss over every
+    token's logits to its own loss, as a user's subclass might: not a mean over the
+    labels)."""
+    from transformers import BertConfig, BertForMaskedLM, EsmConfig, EsmForMaskedLM
+
+    class BertZForMaskedLM(BertForMaskedLM):
+        def forward(self, **kwargs):
+            out = super().forward(**kwargs)
+            out.loss = out.loss + 0.5 * out.logits.logsumexp(-1).pow(2).mean()
+            return out
 
     torch.manual_seed(1234)
-    config = EsmConfig(
+    if kind == "esm":
+        config = EsmConfig(
+            vocab_size=33, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, pad_token_id=1,
+            mask_token_id=32, token_dropout=False, position_embedding_type="rotary",
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        return EsmForMaskedLM(config).double()
+    config = BertConfig(
         vocab_size=33, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, pad_token_id=1,
-        mask_token_id=32, token_dropout=False, position_embedding_type="rotary",
+        num_attention_heads=4, max_position_embeddings=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
-    return EsmForMaskedLM(config).double()
+    return {"bert": BertForMaskedLM, "bert_z": BertZForMaskedLM}[kind](config).double()
 
 
-def esm_runs(specs: list[dict]) -> list[dict]:
-    """Each spec's plan (and `frozen`: the contact head frozen) over 2 steps of ESM with
-    its own loss (every label set: a mean over them is the global mean); the losses and
-    the weights after, or the refusal and whether any weight moved."""
+def masked_lm_batch(kind: str, step: int) -> dict:
+    """4 rows of 12 tokens: for ESM every label set; for BERT a collator's: 30% of the
+    first two rows' tokens masked (id 32) and labelled, -100 elsewhere (the last two rows
+    none: a dp=2 rank with no label at all)."""
+    g = torch.Generator().manual_seed(7 + step)
+    ids = torch.randint(4, 32, (4, 12), generator=g)
+    if kind == "esm":
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    chosen = torch.rand(ids.shape, generator=g) < 0.3
+    chosen[2:] = False
+    chosen[0, 0] = True
+    return {
+        "input_ids": ids.masked_fill(chosen, 32),
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids.masked_fill(~chosen, -100),
+    }
+
+
+def masked_lm_runs(specs: list[dict]) -> list[dict]:
+    """Each spec's "model" (masked_lm) under its "plan" (and "frozen": ESM's contact head
+    frozen) over 2 SGD steps with its own loss (loss_fn="model"); the losses and the
+    weights after, or the refusal and the names of the weights that moved."""
     results = []
     for spec in specs:
-        model = esm_masked_lm()
+        model = masked_lm(spec["model"])
         if spec.get("frozen"):
             model.esm.contact_head.requires_grad_(False)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         engine = mf.parallelize(
             model, spec["plan"], loss_fn="model", optimizer=optimizer_factory("sgd")
         )
-        g = torch.Generator().manual_seed(7)
         try:
-            losses = []
-            for _ in range(2):
-                ids = torch.randint(4, 32, (4, 12), generator=g)
-                batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-                losses.append(float(engine.step(batch)))
+            losses = [float(engine.step(masked_lm_batch(spec["model"], s))) for s in range(2)]
         except mf.MeshfitError as refusal:
             after = engine.full_state_dict()
             moved = [n for n, t in before.items() if not torch.equal(after[n], t)]

@@ -127,14 +127,21 @@ class ModelOwnLoss:
     by one for a causal LM as the model shifts them), and trains on the global sum over
     the global count: the same arithmetic as passing the global count, and the same run
     as one process under any plan. This holds for Hugging Face's causal-LM and
-    masked-LM losses (the token losses that take the count); any other model loss (T5's
-    own, a classification head's) is a mean and is trained as a loss_fn returning a mean
-    is."""
+    masked-LM losses (the token losses that take the count). A masked-LM loss the model
+    averages itself (BERT's, RoBERTa's, DistilBERT's, ESM's `CrossEntropyLoss()`: a mean
+    over the labels that are not -100) is multiplied back by the rank's count into the
+    sum it averaged (a rank with none: 0), and trained as such a pair: before, it was a
+    mean of the ranks' means, another run under dp (warned) and refused under cp. The
+    first step's coupling probe checks the pair adds up over the samples as one
+    process's loss does (coupling/probe.py), so a model loss that is not that mean is
+    not trained as one. Any other model loss (T5's own, a classification head's) is a
+    mean and is trained as a loss_fn returning a mean is."""
 
     def __init__(self, model: Any) -> None:
         kind = _token_loss_kind(model)
         self.shifted = kind == "causal"
         self.sums = kind is not None and takes_num_items(model)
+        self.scaled = kind == "masked" and not self.sums  # a mean over the counted labels
 
     @property
     def deferred_head(self) -> str | None:
@@ -173,6 +180,11 @@ class ModelOwnLoss:
                 f"{type(outputs).__name__} output has none; put the labels in the batch "
                 f"(batch['labels']) or pass a loss_fn"
             )
+        if self.scaled:
+            count = self.count(labels)
+            # a rank whose labels are all -100 has a NaN mean: its sum is 0 (the gradient
+            # through `where` is 0 there, and PyTorch's cross-entropy gives no NaN for it)
+            return torch.where(count > 0, loss * count, torch.zeros_like(loss)), count
         if not self.sums:
             return loss
         return loss, self.count(labels)

@@ -180,6 +180,13 @@ class BatchCoupling:
             if verdict.where
             else "; every module's output is per sample, so the loss function mixes them"
         )
+        if not verdict.where and getattr(self.model_loss, "scaled", False):
+            where += (
+                " (loss_fn='model' takes the model's own masked-LM loss for a mean over its "
+                "labels that are not -100 and adds up each rank's mean times its count, and "
+                "this loss is not such a mean: pass a loss_fn over its logits, e.g. "
+                "mf.losses.cross_entropy())"
+            )
         together, apart = distinct(verdict.together, verdict.apart)
         return (
             f"the loss couples the samples of a batch and meshfit cannot make it global: on "
