@@ -17,7 +17,7 @@ import meshfit as mf
 
 VOCAB = 32
 LENGTH = 16
-ENCODERS = ("bert", "modernbert")  # masked-LM batches: a collator's masked tokens
+ENCODERS = ("bert", "modernbert", "modernbert_4", "roformer")  # masked-LM batches
 MASK = 3  # their mask token's id
 
 
@@ -230,12 +230,12 @@ def bert() -> nn.Module:  # an encoder: every token reads every other (is_causal
     )  # fmt: skip
 
 
-def modernbert() -> nn.Module:  # an encoder with a window either side on its local layers
+def modernbert(layers: int = 2) -> nn.Module:  # a window either side on its local layers
     from transformers import ModernBertConfig, ModernBertForMaskedLM
 
     return ModernBertForMaskedLM(
         ModernBertConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
             num_attention_heads=4, max_position_embeddings=2 * LENGTH,
             global_attn_every_n_layers=2, local_attention=6,  # layer 1 reads 3 either side
             pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=2, cls_token_id=1,
@@ -243,9 +243,23 @@ def modernbert() -> nn.Module:  # an encoder with a window either side on its lo
     )  # fmt: skip
 
 
+def roformer() -> nn.Module:  # rotary positions from a frozen sinusoidal table
+    from transformers import RoFormerConfig, RoFormerForMaskedLM
+
+    return RoFormerForMaskedLM(
+        RoFormerConfig(
+            vocab_size=VOCAB, hidden_size=16, embedding_size=16, intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2 * LENGTH,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+    )  # fmt: skip
+
+
 BUILDS = {
     "bert": bert,
     "modernbert": modernbert,
+    "modernbert_4": lambda: modernbert(layers=4),
+    "roformer": roformer,
     "llama": llama,
     "qwen3_moe": qwen3_moe,
     "qwen3": qwen3,

@@ -131,7 +131,10 @@ def test_layers_whose_masks_the_loop_picks_by_count_keep_them_under_pp(tmp_path)
     starts that keep the masks, and OLMo 3 (3 sliding layers, then a global one; 4 in
     all) has none and is refused. Built on meta with weights= too, where the cut's
     example forward cannot run (transformers' masks read values): the blocks' arguments
-    are read from the prologue alone."""
+    are read from the prologue alone. ModernBERT (4 layers, global and local) reads
+    each layer's attention_type off the layer in its loop; RoFormer's layers are given
+    rotary tables made from a frozen sinusoidal table outside them (refused: a placeholder
+    on the second stage)."""
     from context import BUILDS, cp_run, many_cp_runs
 
     torch.manual_seed(1234)  # cp_run's weights, saved for the model built on meta
@@ -142,17 +145,30 @@ def test_layers_whose_masks_the_loop_picks_by_count_keep_them_under_pp(tmp_path)
         {"model": "exaone4_6", "plan": "pp=2"},
         {**meta, "options": {"weights": str(tmp_path / "w")}},
     ]
+    # ModernBERT's loop reads each layer's attention_type off the layer: the first stage
+    # reads it off the stand-in for the second stage's first layer (before, an
+    # AttributeError told as the batch's fault)
+    specs.append({"model": "modernbert_4", "plan": "pp=2"})
     controls = [
         {"model": "exaone4_6", "plan": "pp=2", "options": {"pp_split": [3]}},
         {"model": "olmo3", "plan": "pp=2"},
+        # RoFormer's layers get rotary tables its encoder makes from a frozen sinusoidal
+        # table, a placeholder on the second stage (before: 5.7e-8 apart at the first
+        # step in float64, and growing, with no word)
+        {"model": "roformer", "plan": "pp=2"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got, on_meta, split3, olmo = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
+        results = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
+    got, on_meta, modernbert, split3, olmo, roformer = results
     alone = cp_run({**specs[0], "plan": None})
     for run in (got, on_meta):
         assert "refused" not in run, run
         assert_same_run(run, alone, tolerance("float64"))
+    assert "refused" not in modernbert, modernbert
+    assert_same_run(modernbert, cp_run({**specs[2], "plan": None}), tolerance("float64"))
+    assert "depends on weights outside the block" in roformer.get("refused", ""), roformer
+    assert "roformer.encoder.layer.0" in roformer["refused"]
     assert "pp_split=[3] starts a stage at block 3" in split3.get("refused", ""), split3
     assert "start stages at blocks from [2, 4]" in split3["refused"]
     assert "cannot cut this model into 2 stages" in olmo.get("refused", ""), olmo

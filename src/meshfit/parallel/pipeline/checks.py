@@ -261,8 +261,9 @@ def _side_input_check(
                 )
             raise MeshfitError(
                 f"pipeline parallel cannot split this model: block {name!r} takes "
-                f"{_described(where)} besides the hidden state, and it depends on trained "
-                f"weights outside the block (e.g. a skip connection from the embeddings); "
+                f"{_described(where)} besides the hidden state, and it depends on weights "
+                f"outside the block (e.g. a skip connection from the embeddings, a table of "
+                f"positions); "
                 f"a pipeline stage receives the hidden state and what the block before "
                 f"returned, not this. Compute that input inside each block, or train with "
                 f"dp/fsdp/tp instead of pp"
@@ -288,3 +289,22 @@ def _modules_outside(
 
 def _encloses(module: nn.Module, container: nn.Module) -> bool:
     return any(c is container for c in module.modules())
+
+
+def plain_attributes(module: nn.Module) -> dict[str, Any]:
+    """A module's public attributes that are plain values (numbers, text, None, and
+    tuples of them): what a forward's loop may read off a block (`attention_type`)."""
+    plain = (bool, int, float, str, type(None))
+
+    def is_plain(value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return all(isinstance(v, plain) for v in value)
+        return isinstance(value, plain)
+
+    return {
+        k: v
+        for k, v in vars(module).items()
+        if not k.startswith("_")
+        and k not in ("training", "name", "carried", "check")
+        and is_plain(v)
+    }

@@ -30,6 +30,7 @@ from meshfit.parallel.pipeline.checks import (
     _modules_outside,
     _side_effects_undone,
     _Threaded,
+    plain_attributes,
     settle_sides,
 )
 from meshfit.parallel.pipeline.costs import (
@@ -106,6 +107,9 @@ class PipelineSplit:
     # (T5's position bias)}: they cross a cut before that block with the hidden state.
     # None: no forward looked (no example_inputs); a stage refuses any it meets.
     carried: dict[str, list] | None = None
+    # {block key: its plain attributes} for the blocks that start a stage: the previous
+    # stage's forward reads them off the stand-in in that block's place (stage.py)
+    block_attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def foreign_state(self) -> frozenset[str]:
@@ -255,6 +259,10 @@ def split_model(
         head_state=head_state,
         tail_state=tail_state,
         carried=carried,
+        block_attributes={
+            keys[0]: plain_attributes(stack.blocks[stack.keys.index(keys[0])])
+            for keys in stage_keys[1:]
+        },
     )
 
     owned = {k for s in mine for k in stage_keys[s]}
@@ -321,18 +329,30 @@ def _state_by_execution(
 @contextlib.contextmanager
 def _checked(model: nn.Module, stack: BlockStack, head: list[tuple], tail: list[tuple]):
     """The whole model's forward with the checks of a stage's first forward, over all
-    the blocks (see stage._check_the_split)."""
+    the blocks (see stage._check_the_split). Frozen parameters outside the blocks
+    require a gradient while it runs, so a block's input computed from one is seen as
+    the check sees one computed from a trained weight: on a later stage that weight is a
+    placeholder (RoFormer's sinusoidal table, frozen: its second stage's layers were
+    rotated by a table of zeros' output, 5.7e-8 apart at the first step in float64 and
+    growing, with no word)."""
 
     blocks = dict(zip(stack.keys, stack.blocks, strict=True))
     outside = _modules_outside(model, stack, head, tail)
     found = CheckFound()
     runs: dict[str, set[str]] = {}
+    frozen = _unique(
+        [p for _, _, p in (*head, *tail) if not p.requires_grad and p.is_floating_point()]
+    )
     handles = _check_the_split(
         blocks, stack, outside, model=model, threaded=_Threaded(), found=found.carried, runs=runs
     )
     try:
+        for param in frozen:
+            param.requires_grad_(True)
         yield found
     finally:
+        for param in frozen:
+            param.requires_grad_(False)
         for handle in handles:
             handle.remove()
     found.moved = settle_sides(outside, runs)

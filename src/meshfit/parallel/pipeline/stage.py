@@ -74,8 +74,10 @@ class StageModule(nn.Module):
         units: list[nn.Module] | None = None,
         next_key: str | None = None,
         carried: dict[str, list[Where]] | None = None,
+        next_attributes: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self._next_attributes = next_attributes or {}  # the next block's, for its stand-in
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_stack", stack)
         self.keys = keys
@@ -137,7 +139,8 @@ class StageModule(nn.Module):
                 if checking
                 else None
             )
-            blocks[self.next_key] = _NextStageInput(name, self.carried_out, check)
+            attributes = self._next_attributes
+            blocks[self.next_key] = _NextStageInput(name, self.carried_out, check, attributes)
         # The checks read requires_grad, so they need autograd on, also in an evaluation.
         untracked = checking and not torch.is_grad_enabled()
         container._modules = blocks  # the forward's loop sees only this stage's blocks
@@ -259,10 +262,21 @@ class _NextStageInput(nn.Module):
     """Stands where the next stage's first block is in the narrowed container: the
     forward's loop calls it with that block's input, which is what this stage sends.
     Leaving after the stage's last block instead would lose what the loop does between
-    two blocks (measured: a loop applying tanh after each block trained another run)."""
+    two blocks (measured: a loop applying tanh after each block trained another run).
+    It carries that block's plain attributes (`attributes`), which a loop may read
+    before calling it: ModernBERT picks each layer's mask by `layer.attention_type`
+    (before, an AttributeError on the first stage, told as the batch's fault)."""
 
-    def __init__(self, name: str, carried: list[Where], check: Callable | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        carried: list[Where],
+        check: Callable | None,
+        attributes: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
+        for attribute, value in (attributes or {}).items():
+            setattr(self, attribute, value)
         self.name, self.carried, self.check = name, carried, check
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -301,4 +315,7 @@ def build_stage_module(
         outside=_modules_outside(model, split.stack, split.head, split.tail),
         next_key=None if stage == split.num_stages - 1 else split.stage_keys[stage + 1][0],
         carried=split.carried,
+        next_attributes=None
+        if stage == split.num_stages - 1
+        else split.block_attributes.get(split.stage_keys[stage + 1][0]),
     )
