@@ -214,11 +214,12 @@ def _pipeline_refusal(
             given = arguments_on_meta(model, stack, inputs)
             profile.stage_starts, profile.stage_starts_differing = allowed_starts(given, n, None)
             return None
-        state = _meta_state(model) if on_meta else _clones(model)
         device = torch.device("meta") if on_meta else _device_of(model)
         moved = map_tensors(inputs, lambda t, d=device: t.to(d))
         try:  # with autograd on: a side input that needs a gradient is one of the refusals
             with recorded_arguments(stack) as given, _checked(model, stack, head, tail) as found:
+                # the stand-ins made inside: they take the check's requires_grad
+                state = _meta_state(model) if on_meta else _clones(model)
                 _call_functional(model, state, moved)
             starts = allowed_starts(given, n, found.carried)
             profile.stage_starts, profile.stage_starts_differing = starts

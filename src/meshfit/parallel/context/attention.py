@@ -80,8 +80,8 @@ def attend(
     """Attention of this rank's queries `q` (batch, heads, local, dim) over the whole
     sequence's keys and values (`k`, `v`: batch, kv heads, local, dim, gathered here),
     causal by token position unless `causal` is False (an encoder's layer: every key,
-    within the window either side where it has one); `softcap`: the scores capped as transformers' eager
-    attention caps them (Gemma 2: softcap x tanh(score / softcap)), before the mask;
+    within the window either side where it has one); `softcap`: the scores capped as
+    transformers' eager attention caps them (Gemma 2: softcap x tanh(score / softcap)), before the mask;
     `sinks` (heads,): a score per head that takes its share of the softmax and reads
     nothing, as transformers' GPT-OSS eager attention computes it (the softmax in the
     scores' dtype, after subtracting each row's largest). Returns (batch, heads, local,
@@ -127,8 +127,7 @@ def _mask(
     may read a key (causal by token position unless not `causal`, within its document,
     within the window (either side, when not causal: transformers' bidirectional window,
     |q - k| < window), a real token where the batch's attention_mask pads rows), -inf
-    elsewhere. Built once
-    per micro-batch and window, shared by the layers; one row for every row unless
+    elsewhere. Built once per micro-batch and window, shared by the layers; one row for every row unless
     documents or padding differ by row. A query with no key left (left padding before a
     row's first real token) reads itself: its output is padding's, never read by a real
     token, and a row of -inf alone would be NaN. A float mask, because
