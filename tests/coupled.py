@@ -44,9 +44,14 @@ def vectors(batch: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def summed_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """A sum over the batch divided by a fixed number: not a mean of the samples'
-    losses (split over ranks, each rank's share weighs half as much)."""
+    """A sum over the batch divided by a fixed number: no mean of the samples' losses
+    but a sum of them (meshfit adds up the parts' sums: losses.SampleSum)."""
     return F.cross_entropy(outputs, targets, reduction="sum") / 4
+
+
+def worst_sample_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The batch's largest sample loss: neither a mean nor a sum of its samples'."""
+    return F.cross_entropy(outputs, targets, reduction="none").max()
 
 
 def in_batch_negatives(outputs: tuple, _targets: Any) -> torch.Tensor:
@@ -134,3 +139,104 @@ def _controls(spec: dict, stack: contextlib.ExitStack) -> None:
         stack.enter_context(
             mock.patch.object(batch.BatchCoupling, "check_first_batch", lambda *a, **k: None)
         )
+
+
+# ---- losses that sum over the samples (losses.SampleSum) -----------------------------
+
+
+def wav2vec2_ctc() -> nn.Module:
+    """transformers' Wav2Vec2ForCTC, small, from its config: its CTC loss sums over the
+    samples (ctc_loss_reduction="sum", the config's default). Dropout, LayerDrop and
+    SpecAugment off: the exact match needs no randomness in the model."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    torch.manual_seed(11)
+    config = Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, vocab_size=12, pad_token_id=0,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0,
+    )  # fmt: skip
+    return Wav2Vec2ForCTC(config)
+
+
+def wav2vec2_batch(batch: int = 8, seed: int = 0) -> dict:
+    """As transformers' CTC collator yields a batch: raw audio right-padded with its
+    attention mask, the transcripts' ids padded with -100."""
+    g = torch.Generator().manual_seed(seed)
+    frames = 400
+    audio = torch.zeros(batch, frames)
+    mask = torch.zeros(batch, frames, dtype=torch.long)
+    labels = torch.full((batch, 6), -100)
+    for i in range(batch):
+        n = int(torch.randint(frames // 2, frames + 1, (), generator=g))
+        audio[i, :n], mask[i, :n] = torch.randn(n, generator=g), 1
+        k = int(torch.randint(2, 7, (), generator=g))
+        labels[i, :k] = torch.randint(1, 12, (k,), generator=g)
+    return {"input_values": audio, "attention_mask": mask, "labels": labels}
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class ResidualMLP(nn.Module):
+    """Blocks with their residual inside (as nanoGPT's Block), or, with
+    `residual_in_loop`, added by the forward's loop (`x = x + block(x)`)."""
+
+    def __init__(self, residual_in_loop: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.residual_in_loop = residual_in_loop
+        self.embed = nn.Linear(8, 16)
+        if residual_in_loop:
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)
+            )
+        else:
+            self.blocks = nn.ModuleList(ResidualBlock(16) for _ in range(4))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x) if self.residual_in_loop else block(x)
+        return self.head(x)
+
+
+def sum_loss_run(spec: dict) -> dict:
+    """3 SGD steps of spec["model"] under spec["plan"] (None: one process): its losses
+    and final weights, or {"refused": message}."""
+    torch.manual_seed(0)
+    if spec["model"] == "wav2vec2":
+        model, loss_fn = wav2vec2_ctc().double(), "model"
+
+        def batch(step: int) -> Any:
+            made = wav2vec2_batch(8, step)
+            return {k: v.double() if v.is_floating_point() else v for k, v in made.items()}
+    else:
+        model = ResidualMLP(residual_in_loop=spec["model"] == "loop_residual").double()
+        loss_fn = summed_loss
+
+        def batch(step: int) -> Any:
+            return vectors(seed=step)
+
+    engine = mf.parallelize(model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer)
+    if spec.get("undecided"):  # the control: the sum left as a mean, as before
+        engine.sample_sum.undecided = False
+    try:
+        losses = [float(engine.step(batch(step))) for step in range(3)]
+    except mf.MeshfitError as refusal:
+        return {"refused": str(refusal)}
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def many_sum_loss_runs(specs: list[dict]) -> list[dict]:
+    torch.set_num_threads(1)
+    return [sum_loss_run(spec) for spec in specs]

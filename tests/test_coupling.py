@@ -24,6 +24,7 @@ from coupled import (  # noqa: E402
     round_order,
     summed_loss,
     vectors,
+    worst_sample_loss,
 )
 from helpers import tolerance  # noqa: E402
 from zoo import FAMILIES  # noqa: E402
@@ -114,10 +115,50 @@ def test_a_module_that_mixes_samples_is_refused_naming_it() -> None:
         assert torch.equal(value, before[name]), name
 
 
-def test_a_loss_that_is_no_mean_of_its_samples_is_refused() -> None:
-    engine = mf.parallelize(plain_mlp(), "microbatches=2", loss_fn=summed_loss)
+def test_a_loss_that_is_neither_a_mean_nor_a_sum_of_its_samples_is_refused() -> None:
+    engine = mf.parallelize(plain_mlp(), "microbatches=2", loss_fn=worst_sample_loss)
     with pytest.raises(mf.MeshfitError, match="the loss function mixes them"):
         engine.step(vectors())
+
+
+def test_a_loss_that_sums_its_samples_trains_the_one_process_run() -> None:
+    """reduction="sum" (here divided by a constant) is no coupling: the parts' sums add
+    up to the batch's. Before, two micro-batches refused it as a coupled loss (and a
+    pipeline divided it by its micro-batch count with no word: the worker test below)."""
+
+    def run(plan: str | None) -> dict:
+        engine = mf.parallelize(plain_mlp(), plan, loss_fn=summed_loss)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            losses = [float(engine.step(vectors(seed=s))) for s in range(3)]
+        return {"losses": losses, "state": engine.full_state_dict(), "said": out.getvalue()}
+
+    one, parts = run(None), run("microbatches=2")
+    assert_same_run(parts, one)
+    assert "the loss is a sum over the samples" in parts["said"], parts["said"]
+
+
+def test_the_first_mixing_module_is_found_where_a_later_write_changes_an_output() -> None:
+    """The probe's search for the module where samples start to mix compared outputs it
+    kept as views until the comparison; wav2vec2's encoder zeroes the padded frames of
+    the feature projection's output in place afterwards, and the search blamed that
+    Linear (a sum loss over per-sample modules was refused "the first module whose
+    output for a sample depends on the others is wav2vec2.feature_projection.projection
+    (Linear)"). Now every module of it is per sample: none is named."""
+    from coupled import wav2vec2_batch, wav2vec2_ctc
+
+    from meshfit.coupling.probe import _first_mixing_module
+
+    model = wav2vec2_ctc().double()
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in wav2vec2_batch(4).items()}
+
+    def run_loss(inputs: dict, _targets: object) -> tuple:
+        return model(**inputs).loss, None
+
+    def scope(**_kwargs: object) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(type("Scope", (), {"met": set()})())
+
+    assert _first_mixing_module(model, run_loss, scope, batch, None, 4, None) is None
 
 
 def test_batchnorm_dropout_and_masked_means_are_not_couplings() -> None:
@@ -227,3 +268,38 @@ def test_a_refusal_shows_the_two_losses_apart() -> None:
     assert distinct(2.5, 1.25) == ("2.5", "1.25")
     assert distinct(1.0000001, 1.0000002) == ("1.0000001", "1.0000002")
     assert distinct(3.0, 3.0) == ("3", "3")
+
+
+@pytest.mark.slow
+def test_losses_that_sum_their_samples_train_the_one_process_run_under_every_plan() -> None:
+    """A loss_fn with reduction="sum" and wav2vec2's own CTC loss (a sum: its config's
+    default) under dp, fsdp and pp (1-sample micro-batches too): the one-process run.
+    Before, pp divided them by its micro-batch count with no word (wav2vec2: 106.4
+    where one process has 425.7); the control keeps that behaviour and must differ. A
+    forward whose loop adds each block's input to its output is refused under pp (a
+    stage receives only what the block before it returned: it trained 4% apart)."""
+    from coupled import many_sum_loss_runs, sum_loss_run
+
+    specs = [
+        {"model": "mlp", "plan": "dp=2"},
+        {"model": "mlp", "plan": "fsdp=2"},
+        {"model": "mlp", "plan": "pp=2"},
+        {"model": "mlp", "plan": "pp=2,microbatches=8"},
+        {"model": "wav2vec2", "plan": "dp=2"},
+        {"model": "wav2vec2", "plan": "pp=2"},
+        {"model": "mlp", "plan": "pp=2", "undecided": True},
+        {"model": "loop_residual", "plan": "pp=2"},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_sum_loss_runs, nproc=2, args=(specs,))
+        mlp, wav2vec2 = sum_loss_run({"model": "mlp"}), sum_loss_run({"model": "wav2vec2"})
+    *trained, control, looped = results
+    for spec, got in zip(specs, trained, strict=False):
+        # wav2vec2's CTC loss is computed in float32 inside the float64 model
+        ref, rtol = (wav2vec2, FLOAT32) if spec["model"] == "wav2vec2" else (mlp, None)
+        assert "refused" not in got, (spec, got["refused"])
+        assert_same_run(got, ref, rtol)
+    assert distance(control, mlp) > 0.5, control["losses"]
+    refusal = looped.get("refused", "")
+    assert "block 1 of 'blocks' an input made from block 0's input" in refusal, looped

@@ -54,6 +54,13 @@ REFUSED = {
         ("sentence_pairs", p): "'encoder.embeddings.word_embeddings' runs before and after"
         for p in ("pp=2", "dp=2,pp=2")
     },
+    # the blocks found are the convolutions inside the bottleneck, whose input the
+    # bottleneck adds back after them (a residual around the blocks)
+    **{
+        ("resnet_bottleneck", p): "'resnet.embedder.embedder.normalization' runs before the blocks"
+        for p in ("pp=2", "dp=2,pp=2")
+    },
+    ("resnet_bottleneck", "tp=2"): "tensor parallel finds nothing to split",
     # the load-balancing loss reads every layer's router statistics
     **{
         (m, p): "a pipeline stage holds only its own layers"

@@ -870,3 +870,20 @@ def test_expert_parallel_keeps_1_over_ep_of_the_experts_and_pays_their_all_to_al
     assert any(e.plan.tp > 1 for e in roomier.ranked if e.plan.ep > 1)  # ep beside tp
     dense = search_profile(hand_profile(), 4, batch_size=8, hardware=fast_net_slow_chips())
     assert {e.plan.ep for e in dense.ranked} == {1}
+
+
+def test_the_pp_check_refuses_a_residual_around_the_blocks_or_the_loop() -> None:
+    """The cut's check forward, as the planner runs it (one process): a forward whose
+    loop adds each block's input to its output, and transformers' ResNet bottleneck
+    (the blocks found are its inner convolutions; it adds their input back after them),
+    are refused under pp: a stage receives only what the block before it returned, and
+    both trained another run with no word (4% and 7% apart under pp=2). The same MLP
+    with the residual inside its blocks is not refused."""
+    from coupled import ResidualMLP, vectors
+    from zoo import hf_resnet_bottleneck
+
+    looped = profile_model(ResidualMLP(residual_in_loop=True), vectors()[0])
+    assert "block 1 of 'blocks' an input made from block 0's input" in looped.pp_error
+    resnet = profile_model(hf_resnet_bottleneck(), {"pixel_values": torch.randn(2, 3, 16, 16)})
+    assert "'resnet.embedder.embedder.normalization' runs before the blocks" in resnet.pp_error
+    assert profile_model(ResidualMLP(), vectors()[0]).pp_error is None

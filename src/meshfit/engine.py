@@ -25,7 +25,7 @@ from torch import nn
 from meshfit.coupling.batch import BatchCoupling
 from meshfit.errors import MeshfitError
 from meshfit.launch import watchdog
-from meshfit.losses import ModelOwnLoss, global_token_mean, normalise_by_count
+from meshfit.losses import ModelOwnLoss, SampleSum, global_token_mean, normalise_by_count
 from meshfit.metrics import MetricTap, reduce_metrics
 from meshfit.options import EngineOptions, OptimizerFactory, SchedulerFactory
 from meshfit.parallel.compose import FormOptions, apply_plan
@@ -93,7 +93,18 @@ class Engine:
         self.model_loss = ModelOwnLoss(model) if options.loss_fn == "model" else None
         # a transformers model that keeps a cache unless told (use_cache in its config)
         self._keeps_cache = bool(getattr(getattr(model, "config", None), "use_cache", False))
-        loss_fn = self.model_loss or options.loss_fn
+        # a loss that sums over the samples is trained as a sum (losses.SampleSum): known
+        # from the model, the coupling probe, or under pp the loss function on its own
+        user_loss = options.loss_fn if self.model_loss is None else None
+        self.sample_sum = SampleSum(
+            self.model_loss or options.loss_fn,
+            decide_from_halves=self.plan.pp > 1
+            and topology.batch_parts > 1
+            and user_loss is not None,
+        )
+        splits = topology.batch_parts > 1 or topology.grad_average_size > 1
+        self.sample_sum.on = bool(self.model_loss and self.model_loss.sums_samples and splits)
+        loss_fn = self.sample_sum
         # Metrics are computed beside the loss, where the loss is (metrics.py).
         self.metric_tap = MetricTap(loss_fn, options.metrics) if options.metrics else None
         loss_fn = self.metric_tap or loss_fn
@@ -240,7 +251,9 @@ class Engine:
         if not self.parallel_model.training:  # train() walks every module: only on change
             self.parallel_model.train()
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        check_microbatches(batch_size(inputs, "inputs"), self.plan, self.dp_size)
+        rows = batch_size(inputs, "inputs")
+        check_microbatches(rows, self.plan, self.dp_size)
+        self.sample_sum.global_rows = rows * self.topology.grad_average_size
         self._check_coupling(inputs, targets)
         self.coupling.count_step(inputs, targets, self.plan.num_microbatches)
         try:
@@ -288,6 +301,8 @@ class Engine:
         with explain_first_failure(True, what, inputs, targets, self._model_dtype):
             self.coupling.check_first_batch(self.user_model, loss_of, inputs, targets, low)
         self._coupling_checked = True
+        if self.coupling.verdict is not None and self.coupling.verdict.summed:
+            self.sample_sum.on = True
         note = self.coupling.note()
         if note and self.rank == 0:
             print(f"meshfit: {note}", flush=True)
@@ -324,6 +339,8 @@ class Engine:
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         # an evaluation before any step: a coupled loss must be global here too (before,
         # in-batch negatives under dp=2 evaluated to 1.997 where one process has 2.669)
+        rows = batch_size(inputs, "inputs")
+        self.sample_sum.global_rows = rows * self.topology.grad_average_size
         self._check_coupling(inputs, targets, "evaluation")
         self.coupling.count_step(inputs, targets, self.runner.eval_microbatches)
         try:

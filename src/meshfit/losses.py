@@ -142,6 +142,12 @@ class ModelOwnLoss:
         self.shifted = kind == "causal"
         self.sums = kind is not None and takes_num_items(model)
         self.scaled = kind == "masked" and not self.sums  # a mean over the counted labels
+        # a CTC head's loss summed over the samples (wav2vec2, HuBERT, WavLM, ...:
+        # ctc_loss_reduction="sum", their configs' default): trained as a sum (SampleSum)
+        config = getattr(model, "config", None)
+        self.sums_samples = type(model).__name__.endswith("ForCTC") and (
+            getattr(config, "ctc_loss_reduction", None) == "sum"
+        )
 
     @property
     def deferred_head(self) -> str | None:
@@ -188,6 +194,82 @@ class ModelOwnLoss:
         if not self.sums:
             return loss
         return loss, self.count(labels)
+
+
+class SampleSum:
+    """The loss_fn the runners call: the user's (or the model's own), passed through,
+    until the loss is known to be a sum over the samples rather than a mean (a loss_fn
+    with reduction="sum", a CTC head's default loss): from then on each call returns it
+    as the pair (loss x G, rows), G the global batch's rows (`global_rows`, set by the
+    engine each step), so that the global sum over the global count is the sum over the
+    global batch, as one process computes it. Before, such a loss was divided by the
+    micro-batch count under pp with no word (a CTC model under pp=2: 106.4 where one
+    process has 425.7) and refused as coupled under dp.
+
+    It is known from the model (ModelOwnLoss.sums_samples, set by the engine), from the
+    coupling probe (its halves add up to the whole: coupling/probe.py), or, under pp
+    where the probe does not run, from the loss function alone on the last stage's first
+    micro-batch (`decide_from_halves`)."""
+
+    def __init__(self, loss_fn: Any, decide_from_halves: bool = False) -> None:
+        self.loss_fn = loss_fn
+        self.on = False
+        self.global_rows = 1
+        self.undecided = decide_from_halves
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped loss's own attributes
+        return getattr(self.__dict__["loss_fn"], name)
+
+    def __call__(self, outputs: Any, targets: Any) -> Any:
+        value = self.loss_fn(outputs, targets)
+        if self.undecided:
+            self.undecided = False
+            self.on = _adds_up_over_samples(self.loss_fn, outputs, targets, value)
+        if not self.on:
+            return value
+        loss, count = split_loss(value)
+        if count is not None:  # already a pair
+            return value
+        rows = _rows_of(targets) or _rows_of(outputs)
+        return loss * self.global_rows, torch.tensor(float(rows), device=loss.device)
+
+
+def _rows_of(tree: Any) -> int:
+    from meshfit.trees import tensors_in
+
+    found = [t for t in tensors_in(tree) if t.ndim >= 1]
+    return found[0].shape[0] if found else 0
+
+
+def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) -> bool:
+    """Whether `loss_fn` sums over the samples: on the samples given twice over its value
+    doubles (a mean stays). The loss function alone, on outputs already computed (what a
+    pipeline's last stage can ask, on a micro-batch of a single sample too)."""
+    from meshfit.coupling.probe import ROUNDING
+    from meshfit.trees import map_tensors
+
+    rows = _rows_of(targets)
+    if rows < 1 or not isinstance(value, torch.Tensor) or value.ndim != 0:
+        return False
+
+    def twice(tree: Any) -> Any:
+        return map_tensors(
+            tree, lambda t: torch.cat([t, t]) if t.ndim >= 1 and t.shape[0] == rows else t
+        )
+
+    try:
+        with torch.no_grad():
+            doubled = loss_fn(twice(outputs), twice(targets))
+    except Exception:  # noqa: BLE001 - a loss that cannot take them stays a mean
+        return False
+    if not isinstance(doubled, torch.Tensor) or doubled.ndim != 0:
+        return False
+    once, twice_over = float(value.detach().double()), float(doubled.double())
+    limit = ROUNDING.get(value.dtype, 2e-2)
+    scale = max(abs(once), 1e-12)
+    summed = abs(twice_over - 2 * once) / scale <= limit
+    averaged = abs(twice_over - once) / scale <= limit
+    return summed and not averaged
 
 
 def _token_loss_kind(model: Any) -> str | None:

@@ -152,6 +152,12 @@ class BatchCoupling:
     def note(self) -> str | None:
         """A start-up line on what was made global (None: nothing coupled)."""
         verdict = self.verdict
+        if verdict is not None and verdict.summed:
+            return (
+                "the loss is a sum over the samples (reduction='sum': its parts add up to "
+                "it); meshfit adds up the ranks' and micro-batches' sums, as one process "
+                "sums the whole batch"
+            )
         if verdict is None or not verdict.met:
             return None
         plan = self.topology.plan

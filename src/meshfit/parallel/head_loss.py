@@ -450,6 +450,8 @@ def chunked_loss_for(model: nn.Module, loss_fn: Any, option: bool | int, rank: i
 
 
 def _name(loss_fn: Any) -> str:
+    while type(loss_fn).__name__ == "SampleSum":  # the engine's wrapper (losses.py)
+        loss_fn = loss_fn.loss_fn
     if type(loss_fn).__name__ == "ModelOwnLoss":
         return "loss_fn='model' on this model (not Hugging Face's token loss)"
     return f"loss_fn={getattr(loss_fn, '__qualname__', type(loss_fn).__name__)}"

@@ -117,7 +117,7 @@ def _check_the_split(
             hook = lambda m, a, name=name: runs.setdefault(name, set()).add(phase[0])  # noqa: E731
         handles.append(module.register_forward_pre_hook(hook))
     if model is not None:
-        handles += _refuse_prologue_read_after(model, blocks, outside, phase)
+        handles += _refuse_prologue_read_after(model, blocks, outside, phase, stack.name)
     return handles
 
 
@@ -126,6 +126,7 @@ def _refuse_prologue_read_after(
     blocks: dict[str, nn.Module],
     outside: list[tuple[str, nn.Module, str]],
     phase: list[str],
+    container: str,
 ) -> list[Any]:
     """Hooks for the whole model's check forward: a module outside the blocks that runs
     before them lives on the first stage, and on later stages it runs on stand-in weights
@@ -134,9 +135,16 @@ def _refuse_prologue_read_after(
     them (CLIP's vision tower, run before the text tower's blocks, its embeddings read by
     the loss), the last stage would compute with the stand-ins: measured NaN losses.
     Refused: the output's autograd graph, walked from the model's output, reaches such a
-    module's output without passing through the blocks' hidden state."""
+    module's output without passing through the blocks. The walk stops at the last
+    block's input and output, which every cut computes (or receives) on the last stage;
+    not at the first block's input: read again after the blocks (a residual around all
+    of them: transformers' ResNet bottleneck, whose inner convolutions were the blocks,
+    added its input back after them) it is the first stage's, and that model trained
+    7% apart from one process under pp=2 with no word."""
     made: dict[Any, str] = {}  # grad_fn of a prologue module's output -> its name
-    stops: set[Any] = set()  # grad_fn of the hidden state entering a block
+    stops: set[Any] = set()  # grad_fn of the last block's input and outputs
+    seen_at_blocks: list[torch.Tensor] = []  # what entered or left a block (by identity)
+    last = list(blocks.values())[-1]
 
     def prologue_output(name: str) -> Callable:
         def hook(module, args, output):
@@ -148,12 +156,54 @@ def _refuse_prologue_read_after(
 
         return hook
 
+    entered: dict[Any, int] = {}  # grad_fn of a block's input -> the block's index
+    returned: set[Any] = set()  # grad_fn of what the block before returned
+    index = {id(block): i for i, block in enumerate(blocks.values())}
+
     def block_input(module, args):
-        if args and isinstance(args[0], torch.Tensor) and args[0].grad_fn is not None:
-            stops.add(args[0].grad_fn)
+        if args and isinstance(args[0], torch.Tensor):
+            seen_at_blocks.append(args[0])
+            if args[0].grad_fn is not None:
+                _refuse_fed_around(args[0].grad_fn, index[id(module)])
+                entered.setdefault(args[0].grad_fn, index[id(module)])
+                if module is last:
+                    stops.add(args[0].grad_fn)
+
+    def _refuse_fed_around(node: Any, i: int) -> None:
+        """Block i's input must come from what block i - 1 returned alone: a stage
+        receives that, while the forward's loop computes the rest on stand-ins (a loop
+        `x = x + block(x)` added the stage's own stand-in for the previous block's input:
+        a residual MLP under pp=2 trained 4% apart from one process with no word)."""
+        seen, todo = set(), [node]
+        while i > 0 and todo:
+            node = todo.pop()
+            if node is None or node in seen or node in returned:
+                continue
+            seen.add(node)
+            if node in entered or node in made:
+                source = f"block {entered[node]}'s input" if node in entered else repr(made[node])
+                raise MeshfitError(
+                    f"pipeline parallel cannot split this model: the forward's loop gives "
+                    f"block {i} of {container!r} an input made from {source} besides what "
+                    f"block {i - 1} returned (e.g. `x = x + block(x)` in the loop), and a "
+                    f"stage receives only what the block before it returned; keep the "
+                    f"residual inside the block's own forward, or train with dp/fsdp/tp "
+                    f"instead of pp"
+                )
+            todo += [next_node for next_node, _ in node.next_functions]
+
+    def block_output(module, args, output):
+        seen_at_blocks.extend(tensors_in(output))
+        returned.clear()
+        returned.update(t.grad_fn for t in tensors_in(output) if t.grad_fn is not None)
+        if module is last:
+            stops.update(returned)
 
     def walk(module, args, output):
-        seen, todo = set(), [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+        # an output that is a block's input or output as it is (output_hidden_states=True,
+        # output_attentions=True) is not read by what comes after the blocks
+        starts = [t for t in tensors_in(output) if not any(t is b for b in seen_at_blocks)]
+        seen, todo = set(), [t.grad_fn for t in starts if t.grad_fn is not None]
         while todo:
             node = todo.pop()
             if node is None or node in seen or node in stops:
@@ -164,15 +214,21 @@ def _refuse_prologue_read_after(
                 raise MeshfitError(
                     f"pipeline parallel cannot split this model: {name!r} runs before the "
                     f"blocks, so its weights live on the first stage, but the model reads its "
-                    f"output after them (on the last stage) other than through the blocks; "
-                    f"train with dp/fsdp/tp instead of pp"
+                    f"output after them (on the last stage) other than through the blocks "
+                    f"(meshfit's blocks: the modules of {container!r}; name another container "
+                    f"of repeated blocks with blocks='...', or train with dp/fsdp/tp instead "
+                    f"of pp)"
                 )
             todo += [next_node for next_node, _ in node.next_functions]
         made.clear()
         stops.clear()
+        seen_at_blocks.clear()
+        entered.clear()
+        returned.clear()
 
     handles = [module.register_forward_hook(prologue_output(n)) for n, module, _ in outside]
     handles += [block.register_forward_pre_hook(block_input) for block in blocks.values()]
+    handles += [block.register_forward_hook(block_output) for block in blocks.values()]
     handles.append(model.register_forward_hook(walk))
     return handles
 
