@@ -216,6 +216,7 @@ def sum_loss_run(spec: dict) -> dict:
     torch.manual_seed(0)
     if spec["model"] == "wav2vec2":
         model, loss_fn = wav2vec2_ctc().double(), "model"
+        model.config.layerdrop = spec.get("layerdrop", 0.0)  # LayerDrop: layers skipped at random
 
         def batch(step: int) -> Any:
             made = wav2vec2_batch(8, step)

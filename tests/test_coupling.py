@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import warnings
 
 import pytest
@@ -277,7 +278,9 @@ def test_losses_that_sum_their_samples_train_the_one_process_run_under_every_pla
     Before, pp divided them by its micro-batch count with no word (wav2vec2: 106.4
     where one process has 425.7); the control keeps that behaviour and must differ. A
     forward whose loop adds each block's input to its output is refused under pp (a
-    stage receives only what the block before it returned: it trained 4% apart)."""
+    stage receives only what the block before it returned: it trained 4% apart).
+    wav2vec2 with LayerDrop trains under dp (before: the probe took its random skips
+    for a coupling, and DDP needs to find the layers each rank skipped)."""
     from coupled import many_sum_loss_runs, sum_loss_run
 
     specs = [
@@ -289,12 +292,13 @@ def test_losses_that_sum_their_samples_train_the_one_process_run_under_every_pla
         {"model": "wav2vec2", "plan": "pp=2"},
         {"model": "mlp", "plan": "pp=2", "undecided": True},
         {"model": "loop_residual", "plan": "pp=2"},
+        {"model": "wav2vec2", "plan": "dp=2", "layerdrop": 0.5},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_sum_loss_runs, nproc=2, args=(specs,))
         mlp, wav2vec2 = sum_loss_run({"model": "mlp"}), sum_loss_run({"model": "wav2vec2"})
-    *trained, control, looped = results
+    *trained, control, looped, layerdrop = results
     for spec, got in zip(specs, trained, strict=False):
         # wav2vec2's CTC loss is computed in float32 inside the float64 model
         ref, rtol = (wav2vec2, FLOAT32) if spec["model"] == "wav2vec2" else (mlp, None)
@@ -303,3 +307,6 @@ def test_losses_that_sum_their_samples_train_the_one_process_run_under_every_pla
     assert distance(control, mlp) > 0.5, control["losses"]
     refusal = looped.get("refused", "")
     assert "block 1 of 'blocks' an input made from block 0's input" in refusal, looped
+    # LayerDrop: each rank skips other layers at random (no one-process run to match);
+    # DDP finds the unused parameters from the start, and the probe's passes draw alike
+    assert "refused" not in layerdrop and all(map(math.isfinite, layerdrop["losses"])), layerdrop

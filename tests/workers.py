@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import io
 import os
 import signal
 import sys
@@ -1219,12 +1220,13 @@ def masked_lm(kind: str):
             return out
 
     torch.manual_seed(1234)
-    if kind == "esm":
+    if kind.startswith("esm"):  # "esm_dropout": its config's hidden dropout, 0.1
+        dropout = 0.1 if kind == "esm_dropout" else 0.0
         config = EsmConfig(
             vocab_size=33, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=64, pad_token_id=1,
             mask_token_id=32, token_dropout=False, position_embedding_type="rotary",
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
         return EsmForMaskedLM(config).double()
     config = BertConfig(
@@ -1241,7 +1243,7 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     none: a dp=2 rank with no label at all)."""
     g = torch.Generator().manual_seed(7 + step)
     ids = torch.randint(4, 32, (4, 12), generator=g)
-    if kind == "esm":
+    if kind.startswith("esm"):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     chosen = torch.rand(ids.shape, generator=g) < 0.3
     chosen[2:] = False
@@ -1266,14 +1268,17 @@ def masked_lm_runs(specs: list[dict]) -> list[dict]:
         engine = mf.parallelize(
             model, spec["plan"], loss_fn="model", optimizer=optimizer_factory("sgd")
         )
+        said = io.StringIO()  # what meshfit printed (rank 0)
         try:
-            losses = [float(engine.step(masked_lm_batch(spec["model"], s))) for s in range(2)]
+            with contextlib.redirect_stdout(said):
+                losses = [float(engine.step(masked_lm_batch(spec["model"], s))) for s in range(2)]
         except mf.MeshfitError as refusal:
             after = engine.full_state_dict()
             moved = [n for n, t in before.items() if not torch.equal(after[n], t)]
             results.append({"refused": str(refusal), "moved": moved})
             continue
-        results.append({"losses": losses, "weights": engine.full_state_dict()})
+        weights = engine.full_state_dict()
+        results.append({"losses": losses, "weights": weights, "said": said.getvalue()})
     return results
 
 

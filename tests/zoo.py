@@ -194,6 +194,18 @@ def _vit_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
     return {"pixel_values": images}, labels
 
 
+def hf_segformer() -> nn.Module:  # efficient attention: keys from a reduced sequence
+    from transformers import SegformerConfig, SegformerForImageClassification
+
+    config = SegformerConfig(
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_encoder_blocks=2,
+        sr_ratios=[2, 1], num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
+        mlp_ratios=[2, 2], num_labels=5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, drop_path_rate=0.0, classifier_dropout_prob=0.0,
+    )  # fmt: skip
+    return SegformerForImageClassification(config)
+
+
 def hf_qwen2_moe() -> nn.Module:  # experts as nn.Linear per expert, and a shared expert
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -621,6 +633,8 @@ OTHERS: dict[str, Family] = {
     "unet": Family(diffusers_unet, _unet_batch, lambda: _noise_loss),
     # transformers' ResNet: the engine's build on its first batch (test_model_zoo)
     "hf_resnet": Family(hf_resnet, _pixel_batch, lambda: _logits_loss),
+    # SegFormer: its tp split as derived fails inside DTensor (test_model_zoo)
+    "segformer": Family(hf_segformer, _pixel_batch, lambda: _logits_loss),
 }
 
 

@@ -29,6 +29,7 @@ from meshfit.losses import ModelOwnLoss, SampleSum, global_token_mean, normalise
 from meshfit.metrics import MetricTap, reduce_metrics
 from meshfit.options import EngineOptions, OptimizerFactory, SchedulerFactory
 from meshfit.parallel.compose import FormOptions, apply_plan
+from meshfit.parallel.ddp import StepUndo, find_unused_from_now_on, on_any_rank, replicas_in
 from meshfit.runtime.batch_errors import (
     check_gradients_reached_the_optimizer,
     explain_first_failure,
@@ -256,10 +257,11 @@ class Engine:
         self.sample_sum.global_rows = rows * self.topology.grad_average_size
         self._check_coupling(inputs, targets)
         self.coupling.count_step(inputs, targets, self.plan.num_microbatches)
+        first = not self._batch_checked
+        replicas = self._replicas() if first else []
+        undo = StepUndo.taken(self._stepped_modules()) if replicas else None
         try:
-            with explain_first_failure(
-                not self._batch_checked, "training step", inputs, targets, self._model_dtype
-            ):
+            with explain_first_failure(first, "training step", inputs, targets, self._model_dtype):
                 loss, count = self.runner.train(inputs, targets)
         except BaseException:
             # Gradients of micro-batches that ran before the failure: the next step
@@ -276,9 +278,16 @@ class Engine:
             self._batch_checked = True
             if count is None:
                 warn_on_ignored_targets(targets, self.topology)
-            check_gradients_reached_the_optimizer(
-                self.optimizer, self.parallel_model, self.plan, self.model_class, self.rank
+            unused = check_gradients_reached_the_optimizer(
+                self.optimizer,
+                self.parallel_model,
+                self.plan,
+                self.model_class,
+                self.rank,
+                under_ddp=bool(replicas),
             )
+            if replicas and on_any_rank(bool(unused), self.device):
+                loss, count = self._again_finding_unused(replicas, unused, undo, inputs, targets)
         if count is None:
             loss = self.topology.batch_mean(loss)
         else:
@@ -286,6 +295,47 @@ class Engine:
             loss = normalise_by_count(loss, count, self.topology, self.parallel_model, divisor)
         self._optimizer_step()
         return loss
+
+    def _replicas(self) -> list[nn.Module]:
+        """This rank's DDP wrappers (the whole model's, or each pipeline stage's)."""
+        return replicas_in(self._stepped_modules())
+
+    def _stepped_modules(self) -> list[nn.Module]:
+        stages = [s.submod for s in getattr(self.runner, "stages", [])]
+        return [self.parallel_model, *stages]
+
+    def _again_finding_unused(
+        self, replicas: list[Any], unused: list[str], undo: StepUndo, inputs: Any, targets: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """Parameters got no gradient in the first step under DDP (a head the loss never
+        uses: DINOv2's mask_token, ESM's contact head): DDP's buckets holding them never
+        reduced, and torch stopped the next step ("Expected to have finished reduction
+        in the prior iteration") after an update from unreduced gradients. Before any
+        update, DDP is rebuilt to find unused parameters at every step (as Hugging Face's
+        Trainer builds it by default) and the step runs again from the same random state
+        and buffers: the one-process run."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for ddp in replicas:
+            find_unused_from_now_on(ddp)
+        undo.restore()
+        if self.metric_tap is not None:
+            self.metric_tap.calls.clear()
+        if self.rank == 0:
+            listed = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
+            print(
+                f"meshfit: {len(unused) or 'some'} trainable parameter(s) got no gradient in the "
+                f"first step{f' ({listed})' if unused else ''}: data parallel (DDP) now looks "
+                f"for unused parameters at every step (find_unused_parameters=True, one pass "
+                f"over the autograd graph a step) and ran the step again; freeze them "
+                f"(requires_grad_(False)) to skip that pass",
+                flush=True,
+            )
+        result = self.runner.train(inputs, targets)
+        if self.metric_tap is not None:  # the step's metrics are this run's
+            self.last_metrics = reduce_metrics(
+                self.metric_tap, self.plan.num_microbatches, self.runner, self.topology
+            )
+        return result
 
     def _check_coupling(self, inputs: Any, targets: Any, what: str = "training step") -> None:
         """The coupling probe on this rank's first samples (coupling/probe.py): a loss

@@ -242,9 +242,11 @@ def _rows_of(tree: Any) -> int:
 
 
 def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) -> bool:
-    """Whether `loss_fn` sums over the samples: on the samples given twice over its value
-    doubles (a mean stays). The loss function alone, on outputs already computed (what a
-    pipeline's last stage can ask, on a micro-batch of a single sample too)."""
+    """Whether `loss_fn` sums over the samples: its values on the two halves of the
+    samples add up to `value` (a mean: their row-weighted mean is `value`); a single
+    sample is given twice over, where a sum doubles. The loss function alone, on
+    outputs already computed (what a pipeline's last stage can ask); the halves cost
+    less memory than the call before them."""
     from meshfit.coupling.probe import ROUNDING
     from meshfit.trees import map_tensors
 
@@ -252,24 +254,40 @@ def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) 
     if rows < 1 or not isinstance(value, torch.Tensor) or value.ndim != 0:
         return False
 
+    def rows_of(tree: Any, a: int, b: int) -> Any:
+        return map_tensors(tree, lambda t: t[a:b] if t.ndim >= 1 and t.shape[0] == rows else t)
+
     def twice(tree: Any) -> Any:
         return map_tensors(
             tree, lambda t: torch.cat([t, t]) if t.ndim >= 1 and t.shape[0] == rows else t
         )
 
+    half = rows // 2
     try:
         with torch.no_grad():
-            doubled = loss_fn(twice(outputs), twice(targets))
-    except Exception:  # noqa: BLE001 - a loss that cannot take them stays a mean
+            if rows == 1:
+                parts = [loss_fn(twice(outputs), twice(targets))]
+            else:
+                parts = [
+                    loss_fn(rows_of(outputs, a, b), rows_of(targets, a, b))
+                    for a, b in ((0, half), (half, rows))
+                ]
+    except Exception:  # noqa: BLE001 - a loss that cannot take parts stays a mean
         return False
-    if not isinstance(doubled, torch.Tensor) or doubled.ndim != 0:
+    if not all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in parts):
         return False
-    once, twice_over = float(value.detach().double()), float(doubled.double())
+    whole = float(value.detach().double())
     limit = ROUNDING.get(value.dtype, 2e-2)
-    scale = max(abs(once), 1e-12)
-    summed = abs(twice_over - 2 * once) / scale <= limit
-    averaged = abs(twice_over - once) / scale <= limit
-    return summed and not averaged
+    scale = max(abs(whole), 1e-12)
+
+    def close(x: float, y: float) -> bool:
+        return abs(x - y) / scale <= limit
+
+    if rows == 1:
+        doubled = float(parts[0].double())
+        return close(doubled, 2 * whole) and not close(doubled, whole)
+    a, b = (float(v.double()) for v in parts)
+    return close(a + b, whole) and not close((half * a + (rows - half) * b) / rows, whole)
 
 
 def _token_loss_kind(model: Any) -> str | None:

@@ -289,8 +289,11 @@ def _data_parallel(b: Build) -> None:
     if not b.parts:  # no pipeline: the whole model is the one part
         model = b.model
         b.parts = [ModelPart(units=_blocks_or_none(model), make_module=lambda: model)]
+    from meshfit.parallel.ddp import skips_layers_at_random
+
     placed = set(b.experts.parameters) if b.experts is not None else set()
-    b.modules = apply_data_parallel(b.parts, b.topology, b.precision, b.values, placed)
+    skips = skips_layers_at_random(b.model)
+    b.modules = apply_data_parallel(b.parts, b.topology, b.precision, b.values, placed, skips)
     if b.split is not None and b.plan.uses_fsdp and not b.plan.defers_stage_reduction:
         from meshfit.parallel.fsdp import reduced_per_block
 
@@ -395,6 +398,7 @@ def apply_data_parallel(
     precision: Precision,
     values: ModelValues | None = None,
     placed: set[nn.Parameter] = frozenset(),
+    find_unused: bool = False,
 ) -> list[nn.Module]:
     """Shard (FSDP2) or replicate (DDP) each part over the data-parallel ranks; the one
     path for whole models and pipeline stages alike. Returns the parts' modules. A meta
@@ -431,6 +435,7 @@ def apply_data_parallel(
                     device,
                     pipeline_stage=part.pipeline_stage,
                     ignored=placed,
+                    find_unused=find_unused,
                 )
         modules.append(module)
     if values is not None and sharded:

@@ -175,17 +175,24 @@ def describe(tree: Any, depth: int = 0) -> str:
 
 
 def check_gradients_reached_the_optimizer(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, plan: Any, model_class: str, rank: int
-) -> None:
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    plan: Any,
+    model_class: str,
+    rank: int,
+    under_ddp: bool = False,
+) -> list[str]:
     """After the first backward, before the first update: the parameters the optimizer
     steps must be the ones the model computed with. A model whose layers keep their own
     references to their weights (Keras layers do) computes with the originals after
     FSDP2 or DTensor replaced them, and its optimizer would step parameters no loss
-    reaches: measured, a Keras model under fsdp=2 trained another run with no error."""
+    reaches: measured, a Keras model under fsdp=2 trained another run with no error.
+    Returns the names of the parameters that got no gradient `under_ddp` (the engine
+    turns DDP's search for unused parameters on and runs the step again); else warns."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     missing = [p for p in params if p.grad is None]
     if not params or not missing:
-        return
+        return []
     from torch.nn.parallel import DistributedDataParallel
 
     named = model.module if isinstance(model, DistributedDataParallel) else model  # "module."
@@ -201,21 +208,10 @@ def check_gradients_reached_the_optimizer(
             f"that keeps the parameters in place (dp), or a model whose layers read "
             f"their weights from the module"
         )
+    if under_ddp:
+        return [names.get(id(p), "?") for p in missing]
     listed = ", ".join(names.get(id(p), "?") for p in missing[:5])
     listed += ", ..." if len(missing) > 5 else ""
-    if _under_ddp(model):
-        # DDP reduces a bucket once every parameter in it has a gradient: the buckets
-        # holding these never reduced (their neighbours' gradients stayed this rank's),
-        # and torch stops the next step with "Expected to have finished reduction in the
-        # prior iteration". Said here, before the first update: no weight has moved.
-        optimizer.zero_grad(set_to_none=True)
-        raise MeshfitError(
-            f"{len(missing)} of {len(params)} trainable parameters got no gradient in the "
-            f"first training step ({listed}), and under plan {plan} data parallel runs on "
-            f"DDP, which needs a gradient for every trainable parameter at every step: "
-            f"freeze the ones the loss never uses (requires_grad_(False)), or shard the "
-            f"parameters instead (fsdp=N: FSDP2 reduces the gradients there are)"
-        )
     if rank == 0:
         warnings.warn(
             f"{len(missing)} of {len(params)} trainable parameters got no gradient in "
@@ -224,6 +220,7 @@ def check_gradients_reached_the_optimizer(
             f"one in a single process, the plan lost them: check with mf.verify",
             stacklevel=5,
         )
+    return []
 
 
 def warn_on_ignored_targets(targets: Any, topology: Any) -> None:
@@ -241,9 +238,3 @@ def warn_on_ignored_targets(targets: Any, topology: Any) -> None:
             "loss_fn=mf.losses.cross_entropy(ignore_index=-100)",
             stacklevel=5,
         )
-
-
-def _under_ddp(model: torch.nn.Module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return any(isinstance(m, DistributedDataParallel) for m in model.modules())
