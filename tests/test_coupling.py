@@ -139,6 +139,44 @@ def test_a_loss_that_sums_its_samples_trains_the_one_process_run() -> None:
     assert "the loss is a sum over the samples" in parts["said"], parts["said"]
 
 
+def test_a_mean_over_samples_with_ignored_targets_is_not_warned_of() -> None:
+    """wav2vec2's CTC loss with ctc_loss_reduction="mean" (as Hugging Face's speech
+    recipes set it) averages each transcript's loss over the samples: exact however the
+    batch is split, though its labels hold -100 padding. Two micro-batches warned that a
+    mean over -100 targets "weighs the real tokens of each part by that part's count";
+    the probe now sees the plain mean hold with uneven counts and says nothing. A mean
+    over the tokens (the control) is still warned of."""
+    from coupled import wav2vec2_batch, wav2vec2_ctc
+
+    def run(plan: str | None, loss: object = "model") -> tuple[list[float], list[str]]:
+        model = wav2vec2_ctc().double()
+        model.config.ctc_loss_reduction = "mean"
+        engine = mf.parallelize(model, plan, loss_fn=loss)
+        batches = [_doubled(wav2vec2_batch(8, s)) for s in range(2)]
+        if loss != "model":  # (inputs, targets): the labels as the targets
+            batches = [
+                ({k: v for k, v in b.items() if k != "labels"}, b["labels"]) for b in batches
+            ]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = [float(engine.step(batch)) for batch in batches]
+        return losses, [str(w.message) for w in caught if "-100" in str(w.message)]
+
+    (one, _), (parts, said) = run(None), run("microbatches=2")
+    assert parts == pytest.approx(one, rel=1e-6) and not said, (parts, one, said)
+
+    def token_mean(outputs: object, labels: torch.Tensor) -> torch.Tensor:
+        logits = outputs.logits[:, : labels.shape[1]]
+        return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)
+
+    _, control = run("microbatches=2", token_mean)
+    assert control, "a mean over the tokens must still be warned of"
+
+
+def _doubled(batch: dict) -> dict:
+    return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+
+
 def test_the_first_mixing_module_is_found_where_a_later_write_changes_an_output() -> None:
     """The probe's search for the module where samples start to mix compared outputs it
     kept as views until the comparison; wav2vec2's encoder zeroes the padded frames of

@@ -276,7 +276,8 @@ class Engine:
             )
         if not self._batch_checked:
             self._batch_checked = True
-            if count is None:
+            verdict = self.coupling.verdict
+            if count is None and not (verdict is not None and verdict.per_sample):
                 warn_on_ignored_targets(targets, self.topology)
             unused = check_gradients_reached_the_optimizer(
                 self.optimizer,

@@ -66,6 +66,9 @@ class Verdict:
     coupled: bool
     products: bool = False
     summed: bool = False  # a sum over the samples: the halves add up to the whole
+    # a plain mean of the samples although their targets hold unequal numbers of -100
+    # entries (CTC's mean over each transcript): no token weighting to warn of
+    per_sample: bool = False
     met: frozenset[str] = frozenset()
     where: str | None = None
 
@@ -193,7 +196,10 @@ def _compare(
         together, parts = (torch.zeros(()), None), []
     difference, value_together, value_apart = _difference(together, parts, y, half)
     summed = _sum_difference(together, parts)
-    verdict = torch.tensor([difference, float(failed[0]), summed], dtype=torch.float64)
+    plain, uneven = _plain_mean_difference(together, parts, y, half)
+    verdict = torch.tensor(
+        [difference, float(failed[0]), summed, plain, uneven], dtype=torch.float64
+    )
     if world is not None:  # agreed: every rank takes the same path
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=world)
     if verdict[1] > 0:
@@ -210,7 +216,24 @@ def _compare(
         coupled=bool(verdict[0] > limit) and not adds_up,
         met=frozenset(met),
         summed=adds_up,
+        per_sample=bool(verdict[3] <= limit) and bool(verdict[4] > 0),
     )
+
+
+def _plain_mean_difference(
+    together: LossPair, parts: list[LossPair], targets: Any, half: int
+) -> tuple[float, float]:
+    """(how far the halves' plain mean is from the loss together, 1.0 when the halves
+    hold unequal numbers of real (not -100) targets else 0.0): a mean loss that matches
+    the plain mean with uneven counts weighs samples, not tokens."""
+    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
+    if not parts or together[1] is not None or not found:
+        return 1.0, 0.0
+    real = found[0] != -100
+    uneven = float(bool(real[:half].sum() != real[half:].sum()))
+    whole = float(together[0].double())
+    apart = float(parts[0][0].double() + parts[1][0].double()) / 2
+    return abs(apart - whole) / max(abs(whole), 1e-12), uneven
 
 
 def _sum_difference(together: LossPair, parts: list[LossPair]) -> float:
