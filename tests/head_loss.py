@@ -8,7 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from context import LENGTH, VOCAB, batch_of
+from context import (
+    LENGTH,
+    VOCAB,
+    batch_of,
+    bert,  # a masked LM: its head has a bias, its loss is not shifted
+)
 from context import gpt2 as gpt2_tied  # GPT-2 ties its head to the token embedding
 from context import llama as llama_untied
 from experts import batch_of as moe_batch_of
@@ -16,18 +21,6 @@ from experts import qwen3_moe  # a mixture of experts: its load-balancing loss o
 from zoo import zoo_optimizer
 
 import meshfit as mf
-
-
-def bert() -> torch.nn.Module:  # a masked LM: its head has a bias, its loss is not shifted
-    from transformers import BertConfig, BertForMaskedLM
-
-    return BertForMaskedLM(
-        BertConfig(
-            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=32, max_position_embeddings=2 * LENGTH,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )
-    )  # fmt: skip
 
 
 def eurobert() -> torch.nn.Module:  # a masked LM whose loss is transformers' shared one

@@ -878,7 +878,8 @@ def test_the_pp_check_refuses_a_residual_around_the_blocks_or_the_loop() -> None
     (the blocks found are its inner convolutions; it adds their input back after them),
     are refused under pp: a stage receives only what the block before it returned, and
     both trained another run with no word (4% and 7% apart under pp=2). The same MLP
-    with the residual inside its blocks is not refused."""
+    with the residual inside its blocks is not refused. So is a model that reads the
+    earlier blocks' outputs after the last one."""
     from coupled import ResidualMLP, vectors
     from zoo import hf_resnet_bottleneck
 
@@ -887,3 +888,15 @@ def test_the_pp_check_refuses_a_residual_around_the_blocks_or_the_loop() -> None
     resnet = profile_model(hf_resnet_bottleneck(), {"pixel_values": torch.randn(2, 3, 16, 16)})
     assert "'resnet.embedder.embedder.normalization' runs before the blocks" in resnet.pp_error
     assert profile_model(ResidualMLP(), vectors()[0]).pp_error is None
+    # wav2vec2's audio classifier with use_weighted_layer_sum reads every layer's hidden
+    # state after the layers (the first, the prologue's): before, its pp=2 run failed at
+    # the first step, reported as the batch's fault ("give batches the model takes")
+    from coupled import wav2vec2_batch, wav2vec2_ctc
+    from transformers import Wav2Vec2ForSequenceClassification
+
+    config = wav2vec2_ctc().config
+    config.update({"use_weighted_layer_sum": True, "num_hidden_layers": 4, "num_labels": 3})
+    classifier = Wav2Vec2ForSequenceClassification(config)
+    audio = {k: v for k, v in wav2vec2_batch(2).items() if k != "labels"}
+    weighted = profile_model(classifier, audio).pp_error
+    assert "'wav2vec2.encoder.layer_norm' runs before the blocks" in weighted, weighted
