@@ -1,5 +1,5 @@
 """The model zoo matrix: every family of `zoo.py` (transformers, among them Qwen2-MoE,
-Mamba, Whisper, ConvNeXt and Falcon; peft LoRA, Keras 3, nanoGPT, timm (ViT, ConvNeXt),
+Mamba, Whisper, ConvNeXt, Falcon, DINOv2 and a bottleneck ResNet; peft LoRA, Keras 3, nanoGPT, timm (ViT, ConvNeXt),
 torchvision-style vision code, meshfit's own; and losses that couple the samples of a
 batch: CLIP, SigLIP, sentence pairs with in-batch negatives, Qwen3-MoE and Mixtral with
 their load-balancing loss) under dp, fsdp, tp, pp and a 2-D plan, against one process.

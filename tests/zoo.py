@@ -194,6 +194,17 @@ def _vit_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
     return {"pixel_values": images}, labels
 
 
+def hf_dinov2() -> nn.Module:  # its mask_token: used for masked pretraining, not here
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    config = Dinov2Config(
+        image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=4, mlp_ratio=2, num_labels=5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+    )  # fmt: skip
+    return Dinov2ForImageClassification(config)
+
+
 def hf_segformer() -> nn.Module:  # efficient attention: keys from a reduced sequence
     from transformers import SegformerConfig, SegformerForImageClassification
 
@@ -610,6 +621,8 @@ FAMILIES: dict[str, Family] = {
     "mamba": Family(hf_mamba, _lm_batch, _causal, dtype="float32"),
     "whisper": Family(hf_whisper, _whisper_batch, _masked),
     "convnext": Family(hf_convnext, _vit_batch, lambda: _logits_loss),
+    # a parameter its loss never uses (mask_token): DDP rebuilt to find it at the first step
+    "dinov2": Family(hf_dinov2, _pixel_batch, lambda: _logits_loss),
     # the blocks meshfit finds are the 3 convolutions inside its one bottleneck, whose
     # input is added back after them: pp refused (before, 7% apart from one process)
     "resnet_bottleneck": Family(hf_resnet_bottleneck, _pixel_batch, lambda: _logits_loss),

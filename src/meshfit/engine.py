@@ -29,7 +29,7 @@ from meshfit.losses import ModelOwnLoss, SampleSum, global_token_mean, normalise
 from meshfit.metrics import MetricTap, reduce_metrics
 from meshfit.options import EngineOptions, OptimizerFactory, SchedulerFactory
 from meshfit.parallel.compose import FormOptions, apply_plan
-from meshfit.parallel.ddp import StepUndo, find_unused_from_now_on, on_any_rank, replicas_in
+from meshfit.parallel.ddp import StepUndo, find_unused_where_missing, on_any_rank, replicas_in
 from meshfit.runtime.batch_errors import (
     check_gradients_reached_the_optimizer,
     explain_first_failure,
@@ -315,20 +315,23 @@ class Engine:
         update, DDP is rebuilt to find unused parameters at every step (as Hugging Face's
         Trainer builds it by default) and the step runs again from the same random state
         and buffers: the one-process run."""
+        find_unused_where_missing(replicas)  # before the gradients go: it reads them
         self.optimizer.zero_grad(set_to_none=True)
-        for ddp in replicas:
-            find_unused_from_now_on(ddp)
         undo.restore()
         if self.metric_tap is not None:
             self.metric_tap.calls.clear()
         if self.rank == 0:
             listed = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
+            which = (
+                f"{len(unused)} trainable parameter(s) ({listed})"
+                if unused
+                else "trainable parameters of another pipeline stage"
+            )
             print(
-                f"meshfit: {len(unused) or 'some'} trainable parameter(s) got no gradient in the "
-                f"first step{f' ({listed})' if unused else ''}: data parallel (DDP) now looks "
-                f"for unused parameters at every step (find_unused_parameters=True, one pass "
-                f"over the autograd graph a step) and ran the step again; freeze them "
-                f"(requires_grad_(False)) to skip that pass",
+                f"meshfit: {which} got no gradient in the first step: data parallel (DDP) now "
+                f"looks for unused parameters at every step where they are "
+                f"(find_unused_parameters=True, one pass over the autograd graph a step) and "
+                f"ran the step again; freeze them (requires_grad_(False)) to skip that pass",
                 flush=True,
             )
         result = self.runner.train(inputs, targets)

@@ -84,6 +84,23 @@ def replicas_in(modules: list[nn.Module]) -> list[DistributedDataParallel]:
     return found
 
 
+def find_unused_where_missing(replicas: list[DistributedDataParallel]) -> None:
+    """After a first backward: each DDP wrapper one of whose replicas has a trainable
+    parameter with no gradient is rebuilt to find unused parameters (agreed over its
+    replicas' group, in the same order on each); the others (another pipeline stage's)
+    stay as they are, without the extra pass."""
+    for ddp in replicas:
+        here = any(p.requires_grad and p.grad is None for p in ddp.module.parameters())
+        flag = torch.tensor([1.0 if here else 0.0], device=_device_of(ddp))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        if flag.item() > 0:
+            find_unused_from_now_on(ddp)
+
+
+def _device_of(ddp: DistributedDataParallel) -> torch.device:
+    return next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
+
+
 def find_unused_from_now_on(ddp: DistributedDataParallel) -> None:
     """Rebuild `ddp` in place with find_unused_parameters=True (its reducer is fixed at
     construction): a parameter with no gradient then counts as ready, where without it
@@ -121,7 +138,12 @@ class StepUndo:
         buffers = []
         for root in modules:
             for b in root.buffers():
-                if id(b) not in seen:
+                # a pipeline stage's placeholder (one element broadcast to the shape:
+                # pipeline/cut.py) cannot be written, so nothing changes it
+                broadcast = any(
+                    st == 0 and n > 1 for st, n in zip(b.stride(), b.shape, strict=True)
+                )
+                if id(b) not in seen and not broadcast:
                     seen.add(id(b))
                     buffers.append((b, b.detach().clone()))
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
