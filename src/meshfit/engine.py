@@ -96,12 +96,11 @@ class Engine:
         self._keeps_cache = bool(getattr(getattr(model, "config", None), "use_cache", False))
         # a loss that sums over the samples is trained as a sum (losses.SampleSum): known
         # from the model, the coupling probe, or under pp the loss function on its own
-        user_loss = options.loss_fn if self.model_loss is None else None
         self.sample_sum = SampleSum(
             self.model_loss or options.loss_fn,
             decide_from_halves=self.plan.pp > 1
             and topology.batch_parts > 1
-            and user_loss is not None,
+            and self.model_loss is None,  # a user's loss_fn, which can take parts
         )
         splits = topology.batch_parts > 1 or topology.grad_average_size > 1
         self.sample_sum.on = bool(self.model_loss and self.model_loss.sums_samples and splits)
@@ -315,7 +314,7 @@ class Engine:
         update, DDP is rebuilt to find unused parameters at every step (as Hugging Face's
         Trainer builds it by default) and the step runs again from the same random state
         and buffers: the one-process run."""
-        find_unused_where_missing(replicas)  # before the gradients go: it reads them
+        find_unused_where_missing(replicas, self.device)  # before the gradients go: it reads them
         self.optimizer.zero_grad(set_to_none=True)
         undo.restore()
         if self.metric_tap is not None:

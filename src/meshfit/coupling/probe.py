@@ -195,8 +195,7 @@ def _compare(
         failed[0] = 1
         together, parts = (torch.zeros(()), None), []
     difference, value_together, value_apart = _difference(together, parts, y, half)
-    summed = _sum_difference(together, parts)
-    plain, uneven = _plain_mean_difference(together, parts, y, half)
+    summed, plain, uneven = _as_a_mean(together, parts, y, half, value_together, value_apart)
     verdict = torch.tensor(
         [difference, float(failed[0]), summed, plain, uneven], dtype=torch.float64
     )
@@ -220,30 +219,27 @@ def _compare(
     )
 
 
-def _plain_mean_difference(
-    together: LossPair, parts: list[LossPair], targets: Any, half: int
-) -> tuple[float, float]:
-    """(how far the halves' plain mean is from the loss together, 1.0 when the halves
-    hold unequal numbers of real (not -100) targets else 0.0): a mean loss that matches
-    the plain mean with uneven counts weighs samples, not tokens."""
+def _as_a_mean(
+    together: LossPair,
+    parts: list[LossPair],
+    targets: Any,
+    half: int,
+    whole: float,
+    apart: float,
+) -> tuple[float, float, float]:
+    """For a loss returned as a mean (no count), from the loss together (`whole`) and
+    the halves' plain mean (`apart`, both from _difference): how far the halves' sum is
+    from the whole (0 for a sum over the samples), how far their plain mean is (0 for a
+    mean over the samples), both relative, and 1.0 when the halves hold unequal numbers
+    of real (not -100) targets, else 0.0 (a plain mean then weighs samples, not tokens).
+    A pair is neither a sum nor a plain mean: (1.0, 1.0, 0.0)."""
+    if not parts or together[1] is not None:
+        return 1.0, 1.0, 0.0
     found = [t for t in tensors_in(targets) if not t.is_floating_point()]
-    if not parts or together[1] is not None or not found:
-        return 1.0, 0.0
-    real = found[0] != -100
-    uneven = float(bool(real[:half].sum() != real[half:].sum()))
-    whole = float(together[0].double())
-    apart = float(parts[0][0].double() + parts[1][0].double()) / 2
-    return abs(apart - whole) / max(abs(whole), 1e-12), uneven
-
-
-def _sum_difference(together: LossPair, parts: list[LossPair]) -> float:
-    """How far the halves' losses added up are from the loss together (relative): 0 for
-    a loss that sums over the samples; a pair is never taken for one (1.0)."""
-    if not parts or together[1] is not None or any(c is not None for _, c in parts):
-        return 1.0
-    whole = float(together[0].double())
-    apart = float(parts[0][0].double() + parts[1][0].double())
-    return abs(apart - whole) / max(abs(whole), 1e-12)
+    real = found[0] != -100 if found else None
+    uneven = float(real is not None and bool(real[:half].sum() != real[half:].sum()))
+    scale = max(abs(whole), 1e-12)
+    return abs(2 * apart - whole) / scale, abs(apart - whole) / scale, uneven
 
 
 def _difference(
@@ -285,7 +281,9 @@ def _weighted_by_real_targets(
     return (a.double() * count_a + b.double() * count_b) / (count_a + count_b)
 
 
-def _broadcast(t: torch.Tensor) -> bool:
+def is_broadcast(t: torch.Tensor) -> bool:
+    """A tensor broadcast from one element (a pipeline stage's placeholder for a weight
+    another stage trains: pipeline/cut.py): it cannot be written."""
     return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
 
 
@@ -299,7 +297,7 @@ def held_still(model: nn.Module) -> Iterator[None]:
     ]
     # a buffer broadcast from one element (a pipeline stage's placeholder for a weight
     # another stage trains: pipeline/cut.py) cannot be written, so nothing can change it
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if not _broadcast(b)]
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not is_broadcast(b)]
     frozen = [(p, p._version) for p in model.parameters() if not p.requires_grad]
     for m in norms:
         m.eval()

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshfit.coupling.probe import is_broadcast
+
 
 def replicate(
     module: nn.Module,
@@ -84,21 +86,19 @@ def replicas_in(modules: list[nn.Module]) -> list[DistributedDataParallel]:
     return found
 
 
-def find_unused_where_missing(replicas: list[DistributedDataParallel]) -> None:
+def find_unused_where_missing(
+    replicas: list[DistributedDataParallel], device: torch.device
+) -> None:
     """After a first backward: each DDP wrapper one of whose replicas has a trainable
     parameter with no gradient is rebuilt to find unused parameters (agreed over its
     replicas' group, in the same order on each); the others (another pipeline stage's)
     stay as they are, without the extra pass."""
     for ddp in replicas:
         here = any(p.requires_grad and p.grad is None for p in ddp.module.parameters())
-        flag = torch.tensor([1.0 if here else 0.0], device=_device_of(ddp))
+        flag = torch.tensor([1.0 if here else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ddp.process_group)
         if flag.item() > 0:
             find_unused_from_now_on(ddp)
-
-
-def _device_of(ddp: DistributedDataParallel) -> torch.device:
-    return next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
 
 
 def find_unused_from_now_on(ddp: DistributedDataParallel) -> None:
@@ -138,12 +138,8 @@ class StepUndo:
         buffers = []
         for root in modules:
             for b in root.buffers():
-                # a pipeline stage's placeholder (one element broadcast to the shape:
-                # pipeline/cut.py) cannot be written, so nothing changes it
-                broadcast = any(
-                    st == 0 and n > 1 for st, n in zip(b.stride(), b.shape, strict=True)
-                )
-                if id(b) not in seen and not broadcast:
+                # a pipeline stage's placeholder cannot be written: nothing changes it
+                if id(b) not in seen and not is_broadcast(b):
                     seen.add(id(b))
                     buffers.append((b, b.detach().clone()))
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
