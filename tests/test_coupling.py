@@ -28,7 +28,7 @@ from coupled import (  # noqa: E402
     worst_sample_loss,
 )
 from helpers import tolerance  # noqa: E402
-from zoo import FAMILIES  # noqa: E402
+from zoo import FAMILIES, zoo_optimizer  # noqa: E402
 
 import meshfit as mf  # noqa: E402
 from meshfit.coupling import moe  # noqa: E402
@@ -239,6 +239,56 @@ def test_in_batch_products_are_found_and_the_micro_batches_said() -> None:
     assert "the loss couples the samples of a batch (in-batch products)" in said, said
     assert "formed per micro-batch (one at a time)" in said, said
     assert engine.coupling.scope.products
+
+
+def test_a_list_of_one_item_per_sample_splits_with_the_batch() -> None:
+    """A collator's list of one item per sample under a key (an object detector's
+    `labels`: one dict of boxes per image) is split by its items with the batch, never
+    by the tensors inside them; a list of another length is left as it is."""
+    from meshfit.runtime.batches import batch_size
+    from meshfit.trees import batch_rows, slice_rows
+
+    boxes = [{"boxes": torch.rand(n, 4)} for n in (1, 3, 2, 2)]
+    batch = {"pixel_values": torch.randn(4, 3), "labels": boxes, "sizes": [7, 8]}
+    assert batch_rows(batch) == 4 and batch_size(batch, "inputs") == 4
+    part = slice_rows(batch, 1, 3)
+    assert part["labels"] == boxes[1:3] and part["sizes"] == [7, 8]
+    assert torch.equal(part["pixel_values"], batch["pixel_values"][1:3])
+    with pytest.raises(mf.MeshfitError, match="disagree on the batch size"):
+        batch_size({"pixel_values": torch.randn(4, 3), "mask": torch.ones(3)}, "inputs")
+
+
+def test_an_object_detector_trains_its_own_loss_on_its_collators_batch() -> None:
+    """YOLOS (DETR's loss: each image's boxes matched to its queries, divided by the
+    batch's box count) on the batch its collator yields, `labels` a list of one dict of
+    boxes per image. It was refused in one process ("the tensors in inputs disagree on
+    the batch size"). Now one process trains the model's own loss; two micro-batches
+    take their images with their own boxes (each half's loss as the model computes it
+    alone), the loss formed per micro-batch and said (coupling/own_loss.py: under dp
+    the same loss is formed over the ranks' gathered batch, test_model_zoo)."""
+    family = FAMILIES["yolos"]
+    batch = family.batch(8, 0)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return family.build()
+
+    model = build()
+    with torch.no_grad():
+        whole = float(model(**batch).loss)
+        halves = [
+            float(model(pixel_values=batch["pixel_values"][a:b], labels=batch["labels"][a:b]).loss)
+            for a, b in ((0, 4), (4, 8))
+        ]
+    assert abs(sum(halves) / 2 - whole) / whole > 1e-3  # coupled: the halves differ
+    for plan, expected in ((None, whole), ("microbatches=2", sum(halves) / 2)):
+        engine = mf.parallelize(build(), plan, loss_fn="model", optimizer=zoo_optimizer)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            first = float(engine.step(batch))
+        assert first == pytest.approx(expected, rel=1e-6), (plan, first, expected)
+        if plan:
+            assert "the model's own loss over the gathered batch" in out.getvalue()
 
 
 # ---- worker processes ----------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The model zoo matrix: every family of `zoo.py` (transformers, among them Qwen2-MoE,
-Mamba, Whisper, ConvNeXt, Falcon, DINOv2 and a bottleneck ResNet; peft LoRA, Keras 3, nanoGPT, timm (ViT, ConvNeXt),
+Mamba, Whisper, ConvNeXt, Falcon, DINOv2, a bottleneck ResNet and the object detectors
+YOLOS and DETR with their own loss over the batch's boxes; peft LoRA, Keras 3, nanoGPT, timm (ViT, ConvNeXt),
 torchvision-style vision code, meshfit's own; and losses that couple the samples of a
 batch: CLIP, SigLIP, sentence pairs with in-batch negatives, Qwen3-MoE and Mixtral with
 their load-balancing loss) under dp, fsdp, tp, pp and a 2-D plan, against one process.
@@ -61,6 +62,17 @@ REFUSED = {
         for p in ("pp=2", "dp=2,pp=2")
     },
     ("resnet_bottleneck", "tp=2"): "tensor parallel finds nothing to split",
+    # object detection: YOLOS adds each block's position embeddings in the encoder's loop;
+    # DETR's blocks found are its backbone's first convolutions (its image features and
+    # their position embeddings are read after the encoder: no cut either way)
+    **{
+        ("yolos", p): "an input made from 'vit.encoder.interpolation'"
+        for p in ("pp=2", "dp=2,pp=2")
+    },
+    **{
+        ("detr", p): "'model.backbone.model.embedder.embedder.convolution' runs before the blocks"
+        for p in ("pp=2", "dp=2,pp=2")
+    },
     # the load-balancing loss reads every layer's router statistics
     **{
         (m, p): "a pipeline stage holds only its own layers"

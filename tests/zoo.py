@@ -458,6 +458,48 @@ def hf_resnet_bottleneck() -> nn.Module:  # ResNet-50's layer type, its default
     return ResNetForImageClassification(config)
 
 
+def hf_yolos() -> nn.Module:  # ViT with detection tokens; DETR's loss
+    from transformers import YolosConfig, YolosForObjectDetection
+
+    config = YolosConfig(
+        image_size=[16, 16], patch_size=4, hidden_size=16, num_hidden_layers=4,
+        num_attention_heads=4, intermediate_size=32, num_detection_tokens=5, num_labels=4,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return YolosForObjectDetection(config)
+
+
+def hf_detr() -> nn.Module:  # a ResNet backbone (transformers'), its decoder's aux losses
+    from transformers import DetrConfig, DetrForObjectDetection, ResNetConfig
+
+    backbone = ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage2"]
+    )
+    config = DetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
+        d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=5,
+        num_labels=4, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        auxiliary_loss=True,
+    )  # fmt: skip
+    return DetrForObjectDetection(config)
+
+
+def _detection_batch(batch: int, step: int) -> dict:
+    """An object-detection collator's batch: the images, and `labels` a list of one dict
+    per image of its boxes (1-3: counts differ) and their classes, as transformers'
+    image processors yield them (boxes as normalised centre, width, height)."""
+    g = torch.Generator().manual_seed(60_000 + step)
+    labels = []
+    for _ in range(batch):
+        n = int(torch.randint(1, 4, (), generator=g))
+        centres = torch.rand(n, 2, generator=g) * 0.5 + 0.25
+        sizes = torch.rand(n, 2, generator=g) * 0.3 + 0.1
+        classes = torch.randint(0, 4, (n,), generator=g)
+        labels.append({"class_labels": classes, "boxes": torch.cat([centres, sizes], 1)})
+    return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g), "labels": labels}
+
+
 def _pixel_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
     images, labels = _images(batch, step, size=16)
     return {"pixel_values": images}, labels
@@ -626,6 +668,11 @@ FAMILIES: dict[str, Family] = {
     # the blocks meshfit finds are the 3 convolutions inside its one bottleneck, whose
     # input is added back after them: pp refused (before, 7% apart from one process)
     "resnet_bottleneck": Family(hf_resnet_bottleneck, _pixel_batch, lambda: _logits_loss),
+    # object detection: each image's boxes in a list, and a loss over the batch's boxes
+    # (matched per image, divided by the batch's box count and class weights), formed
+    # over the gathered batch (coupling/own_loss.py); float32: the loss's class weights
+    "yolos": Family(hf_yolos, _detection_batch, lambda: "model", dtype="float32"),
+    "detr": Family(hf_detr, _detection_batch, lambda: "model", dtype="float32"),
     "titan": Family(
         _own("titan"), _own_batch("titan"), _own_loss("titan"), options={"blocks": "layers"}
     ),

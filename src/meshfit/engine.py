@@ -53,7 +53,7 @@ from meshfit.state.checkpoint import (
     save_checkpoint,
 )
 from meshfit.topology import Topology
-from meshfit.trees import map_tensors
+from meshfit.trees import slice_rows
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -164,7 +164,7 @@ class Engine:
         if self._built is not None:
             return
         size = batch_size(inputs, "inputs")
-        first = lambda n: (map_tensors(inputs, lambda t: t[:n]), None)  # noqa: E731
+        first = lambda n: (slice_rows(inputs, 0, n), None)  # noqa: E731
         self._build(forms_example(self.topology, Examples(first, size)))
 
     @property

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from meshfit.trees import batch_rows, map_tensors, slice_rows
+
 if TYPE_CHECKING:
     from meshfit.topology import Topology
 
@@ -230,15 +232,8 @@ class SampleSum:
         loss, count = split_loss(value)
         if count is not None:  # already a pair
             return value
-        rows = _rows_of(targets) or _rows_of(outputs)
+        rows = batch_rows(targets) or batch_rows(outputs)
         return loss * self.global_rows, torch.tensor(float(rows), device=loss.device)
-
-
-def _rows_of(tree: Any) -> int:
-    from meshfit.trees import tensors_in
-
-    found = [t for t in tensors_in(tree) if t.ndim >= 1]
-    return found[0].shape[0] if found else 0
 
 
 def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) -> bool:
@@ -248,14 +243,10 @@ def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) 
     outputs already computed (what a pipeline's last stage can ask); the halves cost
     less memory than the call before them."""
     from meshfit.coupling.probe import ROUNDING
-    from meshfit.trees import map_tensors
 
-    rows = _rows_of(targets)
+    rows = batch_rows(targets)
     if rows < 1 or not isinstance(value, torch.Tensor) or value.ndim != 0:
         return False
-
-    def rows_of(tree: Any, a: int, b: int) -> Any:
-        return map_tensors(tree, lambda t: t[a:b] if t.ndim >= 1 and t.shape[0] == rows else t)
 
     def twice(tree: Any) -> Any:
         return map_tensors(
@@ -269,7 +260,7 @@ def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) 
                 parts = [loss_fn(twice(outputs), twice(targets))]
             else:
                 parts = [
-                    loss_fn(rows_of(outputs, a, b), rows_of(targets, a, b))
+                    loss_fn(slice_rows(outputs, a, b, rows), slice_rows(targets, a, b, rows))
                     for a, b in ((0, half), (half, rows))
                 ]
     except Exception:  # noqa: BLE001 - a loss that cannot take parts stays a mean

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit.coupling import own_loss
 from meshfit.coupling.moe import find_load_balancing, pipeline_refusal
 from meshfit.coupling.probe import Verdict, probe
 from meshfit.coupling.products import InBatchProducts
@@ -45,6 +46,9 @@ class BatchCoupling:
             pipeline=topology.plan.pp > 1,
         )
         self.verdict: Verdict | None = None
+        # a Hugging Face model's loss_function, gathered over the batch where the probe
+        # finds its own loss coupled there (coupling/own_loss.py)
+        self.loss_owner = own_loss.loss_owner(model) if model_loss is not None else None
         config = getattr(model, "config", None)
         self._router_logits_on = bool(getattr(config, "output_router_logits", False))
         self.refuse_under_pipeline(None)
@@ -124,6 +128,7 @@ class BatchCoupling:
             targets,
             low_precision=low_precision,
             world=world,
+            owner=self.loss_owner,
         )
         self.verdict = verdict
         if verdict is None:
@@ -131,16 +136,28 @@ class BatchCoupling:
         if verdict.coupled:
             raise MeshfitError(self._refusal(verdict))
         self.scope.products = verdict.products
+        if verdict.own_loss and self.loss_owner is not None:
+            own_loss.install(self.loss_owner)
+            self.scope.own_loss = verdict.own_loss
 
     @contextlib.contextmanager
     def _probe_scope(
-        self, *, replay: Any, rows: int, parts: int, targets: Any, products: bool
+        self,
+        *,
+        replay: Any,
+        rows: int,
+        parts: int,
+        targets: Any,
+        products: bool,
+        own_loss: dict | None = None,
     ) -> Iterator[Scope]:
         """A scope local to this rank (no groups): the probe's halves stand for ranks."""
         scale: torch.Tensor | float = 1.0
         if self.load_balancing.found and self.model_loss is not None and self.model_loss.sums:
             scale = self.model_loss.count(targets).to(torch.float64) / parts
-        scope = Scope(rows=rows, aux_scale=scale, products=products, replay=replay)
+        scope = Scope(
+            rows=rows, aux_scale=scale, products=products, replay=replay, own_loss=own_loss
+        )
         with contextlib.ExitStack() as stack:
             stack.enter_context(active(scope))
             if self.load_balancing.found:

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshfit.trees import map_tensors, tensors_in
+from meshfit.coupling import own_loss
+from meshfit.trees import batch_rows, slice_rows, tensors_in
 
 LossPair = tuple[torch.Tensor, "torch.Tensor | None"]
 
@@ -71,6 +72,9 @@ class Verdict:
     per_sample: bool = False
     met: frozenset[str] = frozenset()
     where: str | None = None
+    # the model's own loss function gathered over the batch (coupling/own_loss.py):
+    # each argument's sample dimension
+    own_loss: dict | None = None
 
 
 class Replay:
@@ -111,6 +115,15 @@ class Replay:
         whole.narrow(dim, self.start * per_sample, live * per_sample).copy_(x)
         return whole
 
+    def items(self, items: list) -> list:
+        if self.recording:
+            self.calls.append(list(items))
+            return items
+        recorded = self._recorded(items)
+        if not isinstance(recorded, list) or len(recorded) != self.samples:
+            raise Inconclusive("a gathered list's items do not follow the samples")
+        return [*recorded[: self.start], *items, *recorded[self.stop :]]
+
     def total(self, x: torch.Tensor) -> torch.Tensor:
         if self.recording:
             self.calls.append(x.detach())
@@ -136,15 +149,18 @@ def probe(
     *,
     low_precision: bool,
     world: dist.ProcessGroup | None,
+    owner: nn.Module | None = None,
 ) -> Verdict | None:
     """Whether the loss couples the samples of a batch (None: fewer than two samples in
-    this rank's share, or a batch the halves could not run alike: nothing to tell)."""
-    n = _length(inputs)
+    this rank's share, or a batch the halves could not run alike: nothing to tell).
+    `owner`: the module whose `loss_function` computes the model's own loss, tried
+    gathered over the batch where nothing else explains the coupling."""
+    n = batch_rows(inputs)
     samples = 4 if n >= 4 else 2 if n >= 2 else 0
     if samples == 0:
         return None
-    x = _rows(inputs, 0, samples)
-    y = _rows(targets, 0, samples)
+    x = slice_rows(inputs, 0, samples)
+    y = slice_rows(targets, 0, samples)
     verdict = _compare(model, run_loss, open_scope, x, y, samples, False, low_precision, world)
     if verdict is None or not verdict.coupled:
         return verdict
@@ -153,7 +169,50 @@ def probe(
         with_products.products = True
         return with_products
     verdict.where = _first_mixing_module(model, run_loss, open_scope, x, y, samples, world)
+    if owner is None:
+        return verdict
+    dims = _own_loss_dims(owner, run_loss, open_scope, x, y, samples)
+    if not _everywhere(verdict.where is None and dims is not None, world):
+        return verdict
+    with own_loss.wrapped(owner, own_loss.GatheredLoss):
+        gathered = _compare(
+            model, run_loss, open_scope, x, y, samples, False, low_precision, world, dims
+        )
+    if gathered is not None and not gathered.coupled:
+        gathered.own_loss = dims
+        return gathered
     return verdict
+
+
+def _everywhere(flag: bool, world: dist.ProcessGroup | None) -> bool:
+    """Whether `flag` holds on every rank (each rank then takes the same path)."""
+    agreed = torch.tensor([float(flag)])
+    if world is not None:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=world)
+    return bool(agreed[0] > 0)
+
+
+def _own_loss_dims(
+    owner: nn.Module, run_loss: RunLoss, open_scope: OpenScope, x: Any, y: Any, samples: int
+) -> dict | None:
+    """How each argument of the model's one call of its loss function holds the samples
+    (own_loss.sample_dims), from a pass over the samples and one over half of them."""
+    half = samples // 2
+    layouts = []
+    try:
+        with held_still(owner), own_loss.wrapped(owner, own_loss.Recorder) as recorder:
+            drawn = torch.get_rng_state()
+            for rows in (samples, half):
+                torch.set_rng_state(drawn)
+                with open_scope(replay=None, rows=rows, parts=1, targets=y, products=False):
+                    run_loss(slice_rows(x, 0, rows), slice_rows(y, 0, rows))
+                layouts.append(list(recorder.calls))
+                recorder.calls.clear()
+    except Exception:  # noqa: BLE001 - no layout: the refusal stands
+        return None
+    if any(len(calls) != 1 for calls in layouts):
+        return None
+    return own_loss.sample_dims(layouts[0][0], layouts[1][0], samples)
 
 
 def _compare(
@@ -166,6 +225,7 @@ def _compare(
     products: bool,
     low_precision: bool,
     world: dist.ProcessGroup | None,
+    own: dict | None = None,
 ) -> Verdict | None:
     half = samples // 2
     replay = Replay(samples)
@@ -177,7 +237,7 @@ def _compare(
             # config skips each layer with p=0.1 in training, by `torch.rand([])`)
             drawn = torch.get_rng_state()
             with open_scope(
-                replay=replay, rows=samples, parts=1, targets=y, products=products
+                replay=replay, rows=samples, parts=1, targets=y, products=products, own_loss=own
             ) as s:
                 together = run_loss(x, y)
                 met |= s.met
@@ -185,9 +245,14 @@ def _compare(
             for start, stop in ((0, half), (half, samples)):
                 torch.set_rng_state(drawn)
                 replay.half(start, stop)
-                piece = (_rows(x, start, stop), _rows(y, start, stop))
+                piece = (slice_rows(x, start, stop), slice_rows(y, start, stop))
                 with open_scope(
-                    replay=replay, rows=stop - start, parts=2, targets=y, products=products
+                    replay=replay,
+                    rows=stop - start,
+                    parts=2,
+                    targets=y,
+                    products=products,
+                    own_loss=own,
                 ) as s:
                     parts.append(run_loss(*piece))
                     met |= s.met
@@ -403,7 +468,7 @@ def _first_mixing_module(
             recording[0] = False
             torch.set_rng_state(drawn)
             with open_scope(replay=None, rows=half, parts=1, targets=y, products=False):
-                run_loss(_rows(x, 0, half), _rows(y, 0, half))
+                run_loss(slice_rows(x, 0, half), slice_rows(y, 0, half))
     except Exception:  # noqa: BLE001 - only a name for the refusal; it stands without one
         return None
     finally:
@@ -429,12 +494,3 @@ def _fingerprint(t: torch.Tensor, index: int) -> tuple[tuple[int, ...], float, f
     g = torch.Generator().manual_seed(1234 + index)
     direction = torch.randn(flat.numel(), generator=g, dtype=torch.float64).to(flat.device)
     return tuple(t.shape), float(flat @ direction), float(flat.norm())
-
-
-def _length(tree: Any) -> int:
-    found = tensors_in(tree)
-    return found[0].shape[0] if found and found[0].ndim else 0
-
-
-def _rows(tree: Any, start: int, stop: int) -> Any:
-    return map_tensors(tree, lambda t: t[start:stop] if t.ndim else t)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshfit.parallel.collectives import SumOver, gather_with_grad
+from meshfit.parallel.collectives import SumOver, gather_objects, gather_with_grad
 
 
 @dataclass
@@ -63,6 +63,9 @@ class Scope:
     products: bool = False
     replay: Any = None
     pipeline: bool = False
+    # the model's own loss function formed over the global batch: how each of its
+    # arguments holds the samples (coupling/own_loss.py); None: as the model calls it
+    own_loss: Any = None
     # what met: names of the couplings made global in this scope ("in-batch products",
     # "load-balancing loss", "mf.gather_batch", "mf.batch_sum"), for the start-up note
     met: set[str] = field(default_factory=set)
@@ -99,6 +102,21 @@ def gather_rows(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
     for group in reversed(scope.groups):
         x = gather_with_grad(x, dim, group)
     return x
+
+
+def gather_items(items: list, what: str) -> list:
+    """A list of one item per sample (each image's boxes) from every rank of the
+    scope's batch groups, in the order of the global batch (targets: no gradients).
+    Outside a scope: `items`."""
+    scope = current()
+    if scope is None:
+        return items
+    scope.met.add(what)
+    if scope.replay is not None:
+        return scope.replay.items(items)
+    for group in reversed(scope.groups):
+        items = gather_objects(items, group)
+    return items
 
 
 def sum_over(x: torch.Tensor, what: str) -> torch.Tensor:

@@ -5,7 +5,8 @@ all_gather and all_reduce did the same but are deprecated in torch 2.13, and the
 functional collectives' autograd variants are private and reduce-scatter, which gloo (CPU
 workers) does not run. Used by coupling/ (the global batch's rows and statistics),
 context/ (the sequence's keys and values) and experts.py (tokens to their experts' ranks
-and back: `all_to_all`)."""
+and back: `all_to_all`); `gather_objects` gathers a batch's per-sample lists (each
+image's boxes) for coupling/own_loss.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from meshfit.trees import map_tensors, tensors_in
 
 
 def gather_with_grad(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -22,6 +25,17 @@ def gather_with_grad(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> tor
     moved = x.movedim(dim, 0) if dim else x
     gathered = _GatherRows.apply(moved, group)
     return gathered.movedim(0, dim) if dim else gathered
+
+
+def gather_objects(items: list, group: dist.ProcessGroup) -> list:
+    """The lists of every rank of `group`, concatenated in rank order: tensors travel on
+    the CPU (pickled) and come back on the device they left."""
+    found = tensors_in(items)
+    device = found[0].device if found else None
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, map_tensors(items, torch.Tensor.cpu), group=group)
+    joined = [item for part in gathered for item in part]
+    return joined if device is None else map_tensors(joined, lambda t: t.to(device))
 
 
 class _GatherRows(torch.autograd.Function):

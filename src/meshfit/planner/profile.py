@@ -45,7 +45,7 @@ from meshfit.parallel.flop_counts import flop_counter
 from meshfit.parallel.recompute import _SAVE as SELECTIVE_KEEPS
 from meshfit.planner.fused_attention import FusedAttention
 from meshfit.planner.parameters import count_parameters, tied_parameters
-from meshfit.trees import map_tensors, tensors_in
+from meshfit.trees import map_tensors, slice_rows, tensors_in
 
 
 @dataclass
@@ -537,7 +537,7 @@ def _tensor_parallel_costs(
 
 
 def _first_samples(inputs: Any, n: int) -> Any:
-    return map_tensors(inputs, lambda t: t[:n] if t.dim() else t)
+    return slice_rows(inputs, 0, n)
 
 
 def _per_sample(part: PartCost, samples: int) -> PartCost:

@@ -13,7 +13,7 @@ import torch
 from meshfit.errors import MeshfitError
 from meshfit.plan import Plan
 from meshfit.topology import Topology
-from meshfit.trees import map_tensors, tensors_in
+from meshfit.trees import batched_tensors, map_tensors, slice_rows, tensors_in
 
 
 def check_batch_divides(batch_size: int, topology: Topology, microbatches: int) -> None:
@@ -88,7 +88,10 @@ def unpack_batch(batch: Any) -> tuple[Any, Any]:
 
 
 def batch_size(tree: Any, what: str) -> int:
-    tensors = tensors_in(tree)
+    """The rows of a batch's inputs or targets, after checking every tensor holding
+    samples agrees on them (a list of one item per sample under a key counts by its
+    length: trees.is_per_sample)."""
+    tensors = batched_tensors(tree)
     if not tensors or tensors[0].ndim == 0:
         raise MeshfitError(
             f"{what} must be a tensor (or tuple/dict of tensors) whose first dimension is the batch"
@@ -101,7 +104,7 @@ def batch_size(tree: Any, what: str) -> int:
 
 
 def slice_batch(tree: Any, start: int, stop: int) -> Any:
-    return map_tensors(tree, lambda t: t[start:stop])
+    return slice_rows(tree, start, stop)
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

@@ -26,7 +26,7 @@ from meshfit.coupling.batch import BatchCoupling
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
 from meshfit.runtime.precision import Precision
-from meshfit.trees import call_model, map_tensors
+from meshfit.trees import batch_rows, call_model, slice_rows
 
 LocalLoss = tuple[torch.Tensor, "torch.Tensor | None"]  # (mean, None) or (sum, count)
 
@@ -177,11 +177,11 @@ class LocalRunner:
         return self._accumulate(inputs, targets, micro)
 
     def _accumulate(self, inputs: Any, targets: Any, micro: int) -> LocalLoss:
-        chunk = _batch_len(inputs) // micro
+        chunk = batch_rows(inputs) // micro
         total = counted = None
         for i in range(micro):
-            x = _slice(inputs, i * chunk, (i + 1) * chunk)
-            y = _slice(targets, i * chunk, (i + 1) * chunk)
+            x = slice_rows(inputs, i * chunk, (i + 1) * chunk)
+            y = slice_rows(targets, i * chunk, (i + 1) * chunk)
             last = i == micro - 1
             with contextlib.nullcontext() if last else self.gradient_sync.deferred():
                 with self.precision.autocast():
@@ -237,7 +237,7 @@ class LocalRunner:
                 inputs, targets = self.sequence.local(inputs, targets)
                 stack.enter_context(self.sequence.running())
             if self.coupling is not None:
-                stack.enter_context(self.coupling.running(_batch_len(inputs)))
+                stack.enter_context(self.coupling.running(batch_rows(inputs)))
             if self.head_deferred:
                 from meshfit.parallel.head_loss import deferred_head
 
@@ -250,13 +250,3 @@ def reported(loss: torch.Tensor) -> torch.Tensor:
     widened; a float64 one keeps its precision, which the float64 equivalence tests
     need)."""
     return loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
-
-
-def _batch_len(tree: Any) -> int:
-    from meshfit.trees import tensors_in
-
-    return tensors_in(tree)[0].shape[0]
-
-
-def _slice(tree: Any, start: int, stop: int) -> Any:
-    return map_tensors(tree, lambda t: t[start:stop])
