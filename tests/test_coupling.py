@@ -241,6 +241,23 @@ def test_in_batch_products_are_found_and_the_micro_batches_said() -> None:
     assert engine.coupling.scope.products
 
 
+def test_a_drop_path_drawing_with_rand_is_held_still_by_the_probe() -> None:
+    """transformers' drop path (ConvNextDropPath, SwinDropPath, ...: `keep +
+    torch.rand(shape)`, floored) draws one number per sample, not with bernoulli_: the
+    probe's pass over the second half drew the first half's numbers, and the plan was
+    refused naming the drop path as the module that mixes samples (Mask2Former's Swin
+    backbone under dp=2). Its drop_prob is held at 0 in the probe's passes (and given
+    back)."""
+    from transformers.models.convnext.modeling_convnext import ConvNextDropPath
+
+    torch.manual_seed(5)
+    layers = [torch.nn.Linear(8, 16), ConvNextDropPath(0.5), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 5)).double()
+    engine = mf.parallelize(model, "microbatches=2", loss_fn=F.cross_entropy)
+    assert math.isfinite(float(engine.step(vectors())))
+    assert model[1].drop_prob == 0.5
+
+
 def test_a_list_of_one_item_per_sample_splits_with_the_batch() -> None:
     """A collator's list of one item per sample under a key (an object detector's
     `labels`: one dict of boxes per image) is split by its items with the batch, never

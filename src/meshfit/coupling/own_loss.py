@@ -40,10 +40,18 @@ Layout = dict[Any, Any]  # argument (position or keyword) -> shape, or (ITEMS, l
 
 def loss_owner(model: nn.Module) -> nn.Module | None:
     """The outermost module that calls its loss through transformers' `loss_function`
-    attribute (a property with a setter on PreTrainedModel), or None."""
+    attribute (a property with a setter on PreTrainedModel) and has one: its class names
+    a loss of transformers' table, or one was set. None otherwise (asking the property
+    of a model without one logs transformers' warning that it falls back to the causal
+    LM loss: Mask2Former computes its loss with its own criterion)."""
     for module in model.modules():
-        if isinstance(getattr(type(module), "loss_function", None), property):
+        if not isinstance(getattr(type(module), "loss_function", None), property):
+            continue
+        if "_loss_function" in vars(module):
             return module
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        return module if getattr(module, "loss_type", None) in LOSS_MAPPING else None
     return None
 
 

@@ -364,14 +364,27 @@ def held_still(model: nn.Module) -> Iterator[None]:
     # another stage trains: pipeline/cut.py) cannot be written, so nothing can change it
     buffers = [(b, b.detach().clone()) for b in model.buffers() if not is_broadcast(b)]
     frozen = [(p, p._version) for p in model.parameters() if not p.requires_grad]
+    # drop-path modules that draw with torch.rand (transformers' SwinDropPath,
+    # ConvNextDropPath, ...: `keep + torch.rand(shape)`, floored) rather than bernoulli_:
+    # their drop_prob held at 0 (a draw over another number of samples read as a coupling,
+    # naming Swin's drop_path)
+    dropping = [
+        (m, m.drop_prob)
+        for m in model.modules()
+        if isinstance(getattr(m, "drop_prob", None), float) and m.drop_prob > 0
+    ]
     for m in norms:
         m.eval()
+    for m, _ in dropping:
+        m.drop_prob = 0.0
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), _NoDropout():
             yield
     finally:
         for m in norms:
             m.train()
+        for m, p in dropping:
+            m.drop_prob = p
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
