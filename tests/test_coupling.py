@@ -258,23 +258,6 @@ def test_a_drop_path_drawing_with_rand_is_held_still_by_the_probe() -> None:
     assert model[1].drop_prob == 0.5
 
 
-def test_a_list_of_one_item_per_sample_splits_with_the_batch() -> None:
-    """A collator's list of one item per sample under a key (an object detector's
-    `labels`: one dict of boxes per image) is split by its items with the batch, never
-    by the tensors inside them; a list of another length is left as it is."""
-    from meshfit.runtime.batches import batch_size
-    from meshfit.trees import batch_rows, slice_rows
-
-    boxes = [{"boxes": torch.rand(n, 4)} for n in (1, 3, 2, 2)]
-    batch = {"pixel_values": torch.randn(4, 3), "labels": boxes, "sizes": [7, 8]}
-    assert batch_rows(batch) == 4 and batch_size(batch, "inputs") == 4
-    part = slice_rows(batch, 1, 3)
-    assert part["labels"] == boxes[1:3] and part["sizes"] == [7, 8]
-    assert torch.equal(part["pixel_values"], batch["pixel_values"][1:3])
-    with pytest.raises(mf.MeshfitError, match="disagree on the batch size"):
-        batch_size({"pixel_values": torch.randn(4, 3), "mask": torch.ones(3)}, "inputs")
-
-
 def test_an_object_detector_trains_its_own_loss_on_its_collators_batch() -> None:
     """YOLOS (DETR's loss: each image's boxes matched to its queries, divided by the
     batch's box count) on the batch its collator yields, `labels` a list of one dict of

@@ -305,3 +305,35 @@ def test_a_tp_split_failing_inside_dtensor_is_refused_in_one_line_without_torch_
     assert "its forward failed in" in refused and "\n" not in refused, refused
     logged = capfd.readouterr().err
     assert "failed while attempting to run meta" not in logged, logged[-2000:]
+
+
+@pytest.mark.slow
+def test_a_vision_language_batch_of_packed_images_trains_the_one_process_run() -> None:
+    """Qwen2-VL's processor packs every image's patches in `pixel_values` (one row per
+    patch) with `image_grid_thw` (one row per image): one process refused the batch
+    ("the tensors in inputs disagree on the batch size"). meshfit splits it by each
+    sample's images (from `mm_token_type_ids`): dp and fsdp train the one-process run,
+    the samples' counts of labels unequal (its loss is transformers' causal-LM loss,
+    counted over the global batch: before, a mean of each rank's mean, warned of). A
+    batch with samples without images is refused under fsdp in one line (a rank
+    without images skips the vision tower: fsdp=2 hung). tp and pp are refused in one
+    line (its vision attention's derived split fails; the blocks found are the vision
+    tower's)."""
+    specs = [
+        {"model": "qwen2_vl", "plan": "dp=2"},
+        {"model": "qwen2_vl", "plan": "fsdp=2"},
+        {"model": "qwen2_vl", "plan": "tp=2"},
+        {"model": "qwen2_vl", "plan": "pp=2"},
+        {"model": "qwen2_vl_text_only", "plan": "fsdp=2"},
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_zoo_runs, nproc=2, args=(specs,))
+        reference = zoo_run({"model": "qwen2_vl", "plan": None})
+    for spec, got in zip(specs[:2], results, strict=False):
+        print(spec["plan"], _same_run(spec, got, reference))
+    tp, pp, text_only = (r.get("refused", "") for r in results[2:])
+    assert "its forward failed in 'model.visual.blocks.0.attn'" in tp, results[2]
+    assert "'model.language_model.embed_tokens' runs before the blocks" in pp, results[3]
+    assert "sample(s) 2, 3 of this batch hold no image or video" in text_only, results[4]
+    assert all("\n" not in r for r in (tp, pp, text_only))

@@ -291,6 +291,11 @@ def _token_loss_kind(model: Any) -> str | None:
         not loss_type and name.endswith(("ForCausalLM", "LMHeadModel"))
     ):
         return "causal"
+    # vision-language models (Qwen2-VL, LLaVA, Gemma 3, ...): transformers maps their
+    # loss_type to the causal-LM loss, which their forward calls; seq2seq models share
+    # the loss_type (T5, BART, Whisper) but compute a mean of their own
+    if loss_type == "ForConditionalGeneration" and _calls_loss_function(model):
+        return "causal"
     if loss_type == "ForMaskedLM" or (not loss_type and name.endswith("ForMaskedLM")):
         return "masked"
     return None
@@ -309,8 +314,16 @@ def takes_num_items(model: Any) -> bool:
         return True
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return False
+    return _calls_loss_function(model)
+
+
+def _calls_loss_function(model: Any) -> bool:
+    """Whether the model's forward calls Hugging Face's `self.loss_function` (read on its
+    source)."""
+    import inspect
+
     try:
-        return "self.loss_function(" in inspect.getsource(forward)
+        return "self.loss_function(" in inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         return False
 

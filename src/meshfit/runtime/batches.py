@@ -13,7 +13,16 @@ import torch
 from meshfit.errors import MeshfitError
 from meshfit.plan import Plan
 from meshfit.topology import Topology
-from meshfit.trees import batched_tensors, map_tensors, slice_rows, tensors_in
+from meshfit.trees import (
+    PACKED,
+    batched_tensors,
+    map_tensors,
+    packed_spans,
+    packs_images,
+    slice_rows,
+    split_by_sample,
+    tensors_in,
+)
 
 
 def check_batch_divides(batch_size: int, topology: Topology, microbatches: int) -> None:
@@ -91,6 +100,14 @@ def batch_size(tree: Any, what: str) -> int:
     """The rows of a batch's inputs or targets, after checking every tensor holding
     samples agrees on them (a list of one item per sample under a key counts by its
     length: trees.is_per_sample)."""
+    if packs_images(tree) and not packed_spans(tree):
+        raise MeshfitError(
+            f"{what} pack every image's patches along one dimension (image_grid_thw, as "
+            f"Qwen2-VL's processor yields them), and meshfit splits them by sample from "
+            f"each sample's image tokens in mm_token_type_ids, which {_packing_fault(tree)}; "
+            f"have the processor return mm_token_type_ids (transformers 5's Qwen2-VL "
+            f"processors do)"
+        )
     tensors = batched_tensors(tree)
     if not tensors or tensors[0].ndim == 0:
         raise MeshfitError(
@@ -101,6 +118,12 @@ def batch_size(tree: Any, what: str) -> int:
         if t.ndim == 0 or t.shape[0] != size:
             raise MeshfitError(f"the tensors in {what} disagree on the batch size (dim 0)")
     return size
+
+
+def _packing_fault(mapping: Any) -> str:
+    if not isinstance(mapping.get("mm_token_type_ids"), torch.Tensor):
+        return "the batch lacks"
+    return "do not add up to the images' patches in the grid"
 
 
 def slice_batch(tree: Any, start: int, stop: int) -> Any:
@@ -124,7 +147,49 @@ def local_share(
             f"give one target per input sample"
         )
     check_batch_divides(size, topology, microbatches)
+    if topology.dp_size > 1:
+        check_every_sample_has_images(inputs, topology)
+    if topology.plan.pp > 1 and microbatches > 1:
+        check_rows_cut_into_microbatches(inputs, topology.plan, microbatches)
     return _share(inputs, topology, size), _share(targets, topology, size)
+
+
+def check_rows_cut_into_microbatches(inputs: Any, plan: Plan, microbatches: int) -> None:
+    """Refuse, under pp with several micro-batches, a batch holding samples other than
+    as rows of tensors: torch's schedule cuts every tensor into micro-batches along its
+    first dimension (a list of boxes per image would be cut box by box)."""
+    keys = split_by_sample(inputs)
+    if keys:
+        raise MeshfitError(
+            f"pipeline parallel cuts each input tensor into {microbatches} micro-batches "
+            f"along its first dimension, and this batch holds its samples otherwise in "
+            f"{', '.join(repr(k) for k in keys)} (a list of one item per sample, or "
+            f"packed images), which meshfit cannot cut yet; use microbatches=1 in plan "
+            f"{plan}, or dp/fsdp/tp"
+        )
+
+
+def check_every_sample_has_images(inputs: Any, topology: Topology) -> None:
+    """Refuse a batch of packed images (Qwen2-VL's) with a sample that has none, under a
+    plan that splits the batch over ranks: a rank whose share, or whose coupling probe's
+    half, holds no image skips the vision tower while the others run it, and the ranks'
+    collectives no longer pair (measured: fsdp=2 hung in its first step; dp=2 aborted)."""
+    spans = packed_spans(inputs)
+    grids = [key for _, key, _ in PACKED if key in spans]
+    if not grids:
+        return
+    per_sample = zip(*(spans[key] for key in grids), strict=True)
+    bare = [i for i, images in enumerate(per_sample) if all(a == b for a, b in images)]
+    if bare:
+        shown = ", ".join(map(str, bare[:5])) + (", ..." if len(bare) > 5 else "")
+        raise MeshfitError(
+            f"sample(s) {shown} of this batch hold no image or video, and plan "
+            f"{topology.plan} splits the batch over {topology.dp_size} ranks: a rank whose "
+            f"share holds none would skip the vision tower that the others run, which "
+            f"meshfit cannot pair yet (its collectives would wait forever); give every "
+            f"sample an image (the batches of a dataset that mixes text-only samples in: "
+            f"group them by kind), or train with tp=N or in one process"
+        )
 
 
 def local_inputs(inputs: Any, topology: Topology, microbatches: int) -> Any:

@@ -1,0 +1,81 @@
+"""Batches whose samples are not only rows of tensors, as libraries' collators yield them
+(meshfit/trees.py): a list of one item per sample under a key (an object detector's
+`labels`, one dict of boxes per image) and packed images (Qwen2-VL's `pixel_values`, one
+row per patch of every image, with `image_grid_thw`). Each is split with the batch by
+sample; the worker runs are in test_model_zoo.py (YOLOS, DETR, Qwen2-VL)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from zoo import OTHERS, zoo_optimizer  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+from meshfit.runtime.batches import batch_size  # noqa: E402
+from meshfit.trees import batch_rows, packed_spans, slice_rows  # noqa: E402
+
+
+def test_a_list_of_one_item_per_sample_splits_with_the_batch() -> None:
+    """Split by its items, never by the tensors inside them; a list of another length is
+    left as it is."""
+    boxes = [{"boxes": torch.rand(n, 4)} for n in (1, 3, 2, 2)]
+    batch = {"pixel_values": torch.randn(4, 3), "labels": boxes, "sizes": [7, 8]}
+    assert batch_rows(batch) == 4 and batch_size(batch, "inputs") == 4
+    part = slice_rows(batch, 1, 3)
+    assert part["labels"] == boxes[1:3] and part["sizes"] == [7, 8]
+    assert torch.equal(part["pixel_values"], batch["pixel_values"][1:3])
+    with pytest.raises(mf.MeshfitError, match="disagree on the batch size"):
+        batch_size({"pixel_values": torch.randn(4, 3), "mask": torch.ones(3)}, "inputs")
+
+
+def _packed(images: list[list[int]]) -> dict:
+    """A packed batch: sample i's images of images[i] patches each (merge 4: a token per
+    4 patches), its tokens marked 1 in mm_token_type_ids."""
+    types = torch.zeros(len(images), 8, dtype=torch.long)
+    grids, rows = [], []
+    for i, sizes in enumerate(images):
+        types[i, : sum(sizes) // 4] = 1
+        for size in sizes:
+            grids.append([1, 2, size // 2])
+            rows.append(torch.full((size, 3), float(len(grids))))  # each image's number
+    return {
+        "input_ids": torch.zeros(len(images), 8, dtype=torch.long),
+        "mm_token_type_ids": types,
+        "pixel_values": torch.cat(rows),
+        "image_grid_thw": torch.tensor(grids),
+    }
+
+
+def test_packed_images_split_by_the_images_of_each_sample() -> None:
+    """Sample 0 has two images, sample 1 none, samples 2 and 3 one each (of other
+    sizes): rows 1-3 hold images 3 and 4 with their patches; a part without images has
+    neither key (as a processor yields text alone); counts that do not add up, or no
+    mm_token_type_ids, are refused naming the fix."""
+    batch = _packed([[8, 4], [], [4], [8]])
+    assert batch_rows(batch) == 4 and batch_size(batch, "inputs") == 4
+    assert packed_spans(batch)["pixel_values"] == [(0, 12), (12, 12), (12, 16), (16, 24)]
+    part = slice_rows(batch, 2, 4)
+    assert part["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4]]
+    assert part["pixel_values"][:, 0].unique().tolist() == [3.0, 4.0]
+    assert part["pixel_values"].shape[0] == 12 and part["input_ids"].shape[0] == 2
+    assert set(slice_rows(batch, 1, 2)) == {"input_ids", "mm_token_type_ids"}
+    del batch["mm_token_type_ids"]
+    with pytest.raises(mf.MeshfitError, match="mm_token_type_ids, which the batch lacks"):
+        batch_size(batch, "inputs")
+
+
+def test_qwen2_vl_trains_its_packed_batch_in_one_process_and_in_micro_batches() -> None:
+    """One process refused Qwen2-VL's processor batch ("the tensors in inputs disagree on
+    the batch size"); it trains now, and two micro-batches (each its samples' images and
+    patches; the causal-LM loss counted over the whole batch) train the same run."""
+    family = OTHERS["qwen2_vl"]
+
+    def run(plan: str | None) -> list[float]:
+        torch.manual_seed(0)
+        engine = mf.parallelize(family.build(), plan, loss_fn="model", optimizer=zoo_optimizer)
+        return [float(engine.step(family.batch(8, step))) for step in range(2)]
+
+    assert run("microbatches=2") == pytest.approx(run(None), rel=1e-5)
