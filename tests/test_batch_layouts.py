@@ -79,3 +79,24 @@ def test_qwen2_vl_trains_its_packed_batch_in_one_process_and_in_micro_batches() 
         return [float(engine.step(family.batch(8, step))) for step in range(2)]
 
     assert run("microbatches=2") == pytest.approx(run(None), rel=1e-5)
+
+
+def test_vision_language_models_count_as_causal_lms_and_seq2seq_ones_do_not() -> None:
+    """transformers gives both the loss_type "ForConditionalGeneration": Qwen2-VL calls
+    the causal-LM loss on its labels (counted shifted, as a causal LM: trained as a sum
+    over the global count); Moonshine calls it with its labels as `shift_labels`, not
+    shifted, and stays a mean of its own (counted shifted, each sample's count would be
+    one label short)."""
+    from transformers import MoonshineConfig, MoonshineForConditionalGeneration
+
+    from meshfit.losses import ModelOwnLoss
+
+    vlm = ModelOwnLoss(OTHERS["qwen2_vl"].build())
+    assert vlm.sums and vlm.shifted
+    config = MoonshineConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, encoder_num_hidden_layers=1,
+        decoder_num_hidden_layers=1, encoder_num_attention_heads=2,
+        decoder_num_attention_heads=2,
+    )  # fmt: skip
+    speech = ModelOwnLoss(MoonshineForConditionalGeneration(config))
+    assert not speech.sums and not speech.shifted

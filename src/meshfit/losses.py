@@ -292,10 +292,12 @@ def _token_loss_kind(model: Any) -> str | None:
     ):
         return "causal"
     # vision-language models (Qwen2-VL, LLaVA, Gemma 3, ...): transformers maps their
-    # loss_type to the causal-LM loss, which their forward calls; seq2seq models share
-    # the loss_type (T5, BART, Whisper) but compute a mean of their own
+    # loss_type to the causal-LM loss, which their forward calls on their labels. Seq2seq
+    # models share the loss_type but compute a mean of their own (T5, BART, Whisper), or
+    # call it with their labels as `shift_labels=`, not shifted (Moonshine, Florence-2):
+    # counted as shifted, their count would be off by a token per sample.
     if loss_type == "ForConditionalGeneration" and _calls_loss_function(model):
-        return "causal"
+        return None if _passes_shift_labels(model) else "causal"
     if loss_type == "ForMaskedLM" or (not loss_type and name.endswith("ForMaskedLM")):
         return "masked"
     return None
@@ -315,6 +317,16 @@ def takes_num_items(model: Any) -> bool:
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return False
     return _calls_loss_function(model)
+
+
+def _passes_shift_labels(model: Any) -> bool:
+    """Whether the model's forward gives its loss `shift_labels=` (read on its source)."""
+    import inspect
+
+    try:
+        return "shift_labels=" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
 
 
 def _calls_loss_function(model: Any) -> bool:
