@@ -100,3 +100,18 @@ def test_vision_language_models_count_as_causal_lms_and_seq2seq_ones_do_not() ->
     )  # fmt: skip
     speech = ModelOwnLoss(MoonshineForConditionalGeneration(config))
     assert not speech.sums and not speech.shifted
+
+
+def test_pp_refuses_to_cut_such_a_batch_into_micro_batches() -> None:
+    """torch's pipeline schedule cuts every input tensor by rows: a list of boxes per
+    image would be cut box by box, packed images patch by patch. Refused by key, with
+    the fix; one micro-batch cuts nothing."""
+    from meshfit.plan import Plan
+    from meshfit.runtime.batches import check_rows_cut_into_microbatches
+
+    boxes = {"pixel_values": torch.randn(4, 3), "labels": [{"boxes": torch.rand(2, 4)}] * 4}
+    for batch, keys in ((boxes, "'labels'"), (_packed([[4], [4], [8], [4]]), "'pixel_values'")):
+        with pytest.raises(mf.MeshfitError, match=f"otherwise in {keys}") as refusal:
+            check_rows_cut_into_microbatches(batch, Plan.parse("pp=2"), 4)
+        assert "microbatches=1" in str(refusal.value)
+    check_rows_cut_into_microbatches({"x": torch.randn(4, 3)}, Plan.parse("pp=2"), 4)
