@@ -258,6 +258,41 @@ def test_a_drop_path_drawing_with_rand_is_held_still_by_the_probe() -> None:
     assert model[1].drop_prob == 0.5
 
 
+def test_a_coupling_inside_a_library_model_names_fixes_the_user_can_apply() -> None:
+    """RT-DETR pads its denoising queries to the batch's largest box count inside its
+    forward: a coupling in transformers' code. The refusal named it but advised
+    "Gather what couples with mf.gather_batch(x)", an edit of code that is not the
+    user's; it now says whose code it is and the fixes a user has (a plan that keeps the
+    batch whole, or a configuration that keeps the samples apart). A user's own module
+    keeps the gather advice (test_a_module_that_mixes_samples_is_refused_naming_it)."""
+    from transformers import RTDetrConfig, RTDetrForObjectDetection, RTDetrResNetConfig
+
+    backbone = RTDetrResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16], depths=[1, 1, 1],
+        out_features=["stage1", "stage2", "stage3"],
+    )  # fmt: skip
+    config = RTDetrConfig(
+        backbone_config=backbone, d_model=16, encoder_hidden_dim=16,
+        encoder_in_channels=[8, 16, 16], feat_strides=[4, 8, 16], encoder_layers=1,
+        encoder_ffn_dim=32, encoder_attention_heads=2, decoder_layers=2, decoder_ffn_dim=32,
+        decoder_attention_heads=2, num_queries=5, num_labels=4, num_denoising=4,
+        decoder_in_channels=[16, 16, 16], decoder_n_points=2, num_feature_levels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    engine = mf.parallelize(
+        RTDetrForObjectDetection(config),
+        "microbatches=2",
+        loss_fn="model",
+        sync_batchnorm=False,  # its backbone's BatchNorm: per micro-batch, as asked
+    )
+    with pytest.raises(mf.MeshfitError) as refusal:
+        engine.step(FAMILIES["detr"].batch(8, 0))
+    message = str(refusal.value)
+    assert "model.denoising_class_embed (Embedding)" in message, message
+    assert "It is transformers' code (loss_fn='model')" in message, message
+    assert "mf.gather_batch" not in message and "\n" not in message
+
+
 def test_an_object_detector_trains_its_own_loss_on_its_collators_batch() -> None:
     """YOLOS (DETR's loss: each image's boxes matched to its queries, divided by the
     batch's box count) on the batch its collator yields, `labels` a list of one dict of

@@ -49,6 +49,11 @@ class BatchCoupling:
         # a Hugging Face model's loss_function, gathered over the batch where the probe
         # finds its own loss coupled there (coupling/own_loss.py)
         self.loss_owner = own_loss.loss_owner(model) if model_loss is not None else None
+        # the library whose code computes the loss (loss_fn="model" on its model): the
+        # refusal's fix cannot be an edit of that code
+        tops = (cls.__module__.split(".")[0] for cls in type(model).__mro__)
+        library = next((top for top in tops if top in _LIBRARIES), None)
+        self._library = library if model_loss is not None else None
         config = getattr(model, "config", None)
         self._router_logits_on = bool(getattr(config, "output_router_logits", False))
         self.refuse_under_pipeline(None)
@@ -217,10 +222,26 @@ class BatchCoupling:
             f"together but {apart} as plan {plan} combines its halves "
             f"(relative difference {verdict.difference:.1e}){where}. Plan {plan} splits the "
             f"batch over {' x '.join(parts)}, so it would train another run than one process. "
-            f"Gather what couples with mf.gather_batch(x) (the global batch's rows, gradients "
-            f"flowing back) or sum it with mf.batch_sum(x), or use a plan that keeps the "
-            f"batch whole (tp=N, or pp=N with microbatches=1)"
+            + self._fix()
         )
+
+    def _fix(self) -> str:
+        whole = "a plan that keeps the batch whole (tp=N, or pp=N with microbatches=1)"
+        if self._library is not None:  # loss_fn="model": the library's code, not the user's
+            owner = self._library + ("'" if self._library.endswith("s") else "'s")
+            return (
+                f"It is {owner} code (loss_fn='model'), which meshfit does not "
+                f"change: use {whole}, or a configuration of the model that keeps its "
+                f"samples apart"
+            )
+        return (
+            "Gather what couples with mf.gather_batch(x) (the global batch's rows, gradients "
+            f"flowing back) or sum it with mf.batch_sum(x), or use {whole}"
+        )
+
+
+# libraries whose models bring their own loss (their code is not the user's to edit)
+_LIBRARIES = {"transformers", "diffusers", "timm", "torchvision", "peft"}
 
 
 def distinct(a: float, b: float) -> tuple[str, str]:
