@@ -71,8 +71,8 @@ def packed_spans(mapping: Any) -> dict[str, list[tuple[int, int]]]:
             continue
         if not isinstance(types, torch.Tensor) or grid.ndim != 2 or types.ndim != 2:
             return {}
-        images = _images_of_each_sample(grid.prod(1).tolist(), (types == kind).sum(1).tolist())
         sizes = grid.prod(1).tolist()
+        images = _images_of_each_sample(sizes, (types == kind).sum(1).tolist())
         if images is None or patches.shape[0] != sum(sizes):
             return {}
         offsets = [0]
