@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zoo import zoo_optimizer
+from zoo import FAMILIES, hf_moonshine, zoo_optimizer
 
 import meshfit as mf
 
@@ -256,6 +256,7 @@ def roformer() -> nn.Module:  # rotary positions from a frozen sinusoidal table
 
 
 BUILDS = {
+    "moonshine": hf_moonshine,  # raw audio in: cp cuts its samples, its convolutions fail
     "bert": bert,
     "modernbert": modernbert,
     "modernbert_4": lambda: modernbert(layers=4),
@@ -311,6 +312,9 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
         if model == "nanogpt":
             return {"idx": x, "targets": y}, y
         return x, y
+    if model == "moonshine":  # a speech collator's batch (zoo.py), its audio in float64
+        made = FAMILIES["moonshine"].batch(batch, step)
+        return {**made, "input_values": made["input_values"].double()}
     if loss == "model":
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     return {"input_ids": ids, "attention_mask": mask}, labels

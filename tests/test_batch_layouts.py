@@ -81,12 +81,12 @@ def test_qwen2_vl_trains_its_packed_batch_in_one_process_and_in_micro_batches() 
     assert run("microbatches=2") == pytest.approx(run(None), rel=1e-5)
 
 
-def test_vision_language_models_count_as_causal_lms_and_seq2seq_ones_do_not() -> None:
+def test_vision_language_models_count_as_causal_lms_and_seq2seq_ones_unshifted() -> None:
     """transformers gives both the loss_type "ForConditionalGeneration": Qwen2-VL calls
-    the causal-LM loss on its labels (counted shifted, as a causal LM: trained as a sum
-    over the global count); Moonshine calls it with its labels as `shift_labels`, not
-    shifted, and stays a mean of its own (counted shifted, each sample's count would be
-    one label short)."""
+    the causal-LM loss on its labels (counted shifted, as a causal LM); Moonshine calls
+    it with its labels as `shift_labels`, the targets as they stand (counted unshifted:
+    before, it was left a mean per rank, another run under dp). Both are trained as a
+    sum over the global count (the worker runs: the zoo's matrix)."""
     from transformers import MoonshineConfig, MoonshineForConditionalGeneration
 
     from meshfit.losses import ModelOwnLoss
@@ -99,7 +99,9 @@ def test_vision_language_models_count_as_causal_lms_and_seq2seq_ones_do_not() ->
         decoder_num_attention_heads=2,
     )  # fmt: skip
     speech = ModelOwnLoss(MoonshineForConditionalGeneration(config))
-    assert not speech.sums and not speech.shifted
+    assert speech.sums and not speech.shifted and speech.deferred_head == "masked"
+    labels = torch.tensor([[5, 6, 7, -100], [8, -100, -100, -100]])
+    assert int(speech.count(labels)) == 4  # every label that is not -100, none shifted off
 
 
 def test_pp_refuses_to_cut_such_a_batch_into_micro_batches() -> None:

@@ -123,15 +123,28 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # their layers' outputs moved by 0.6 and 0.5 (now refused, naming the layer)
         {"model": "lfm2", "plan": "cp=2", "float32": True},
         {"model": "qwen3_next", "plan": "cp=2", "float32": True},
+        # a speech model: cp cuts its audio samples (input_values, beside their mask), and
+        # its convolutions fail on the probe's window: refused as the cut's (before, told
+        # "give batches the model and loss_fn take"); a batch of the wrong dtype (audio in
+        # float64, the model in float32) still fails on the first row whole: the batch's
+        {"model": "moonshine", "plan": "cp=2", "loss": "model"},
+        {"model": "moonshine", "plan": "cp=2", "loss": "model", "float32": True},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = mf.launch(many_cp_runs, nproc=2, args=([*specs, *controls],))
     for spec, got in zip(specs, results, strict=False):
         assert_same(spec, got, cp_run({**spec, "plan": None}))
-    hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated, retried, *state = (
+    hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated, retried, *rest = (
         results[len(specs) :]
     )
+    *state, speech, wrong_dtype = rest
+    cut = "cp=2 cuts the second dimension of input_values, attention_mask (1600 long)"
+    assert cut in speech.get("refused", "") and "\n" not in speech["refused"], speech
+    assert "without cp" in speech["refused"], speech
+    assert "failed inside the model or loss_fn" in wrong_dtype.get("refused", ""), wrong_dtype
+    assert "float64" in wrong_dtype["refused"], wrong_dtype
+    assert "context parallel" not in wrong_dtype["refused"], wrong_dtype
     assert "context parallel cannot cut this model's sequences" in hand.get("refused", ""), hand
     assert "out (Linear)" in hand["refused"] and "\n" not in hand["refused"]
     assert "context parallel cannot cut this model's sequences" in undone.get("refused", "")

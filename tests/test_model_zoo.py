@@ -1,5 +1,5 @@
 """The model zoo matrix: every family of `zoo.py` (transformers, among them Qwen2-MoE,
-Mamba, Whisper, ConvNeXt, Falcon, DINOv2, a bottleneck ResNet and the object detectors
+Mamba, Whisper, Moonshine, ConvNeXt, Falcon, DINOv2, a bottleneck ResNet and the object detectors
 YOLOS and DETR with their own loss over the batch's boxes; peft LoRA, Keras 3, nanoGPT, timm (ViT, ConvNeXt),
 torchvision-style vision code, meshfit's own; and losses that couple the samples of a
 batch: CLIP, SigLIP, sentence pairs with in-batch negatives, Qwen3-MoE and Mixtral with

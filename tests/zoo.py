@@ -284,6 +284,44 @@ def _whisper_batch(batch: int, step: int) -> tuple[dict, torch.Tensor]:
     return {"input_features": features, "decoder_input_ids": decoder_ids}, labels
 
 
+def hf_moonshine() -> nn.Module:  # speech seq2seq: raw audio in, its own token loss
+    from transformers import MoonshineConfig, MoonshineForConditionalGeneration
+
+    return MoonshineForConditionalGeneration(
+        MoonshineConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            encoder_num_hidden_layers=2,
+            decoder_num_hidden_layers=2,
+            encoder_num_attention_heads=4,
+            decoder_num_attention_heads=4,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+        )
+    )
+
+
+def _moonshine_batch(batch: int, step: int) -> dict:
+    """As a speech collator yields it: raw audio (input_values, 1,600 samples) with its
+    attention_mask, and the transcripts' labels (-100 after each one's end: lengths
+    differ). The model makes its decoder's inputs from the labels and passes them to
+    its loss as `shift_labels`, unshifted."""
+    g = torch.Generator().manual_seed(70_000 + step)
+    labels = torch.randint(3, VOCAB, (batch, 12), generator=g)
+    for i, n in enumerate(torch.randint(3, 13, (batch,), generator=g).tolist()):
+        labels[i, n:] = -100
+    audio = torch.randn(batch, 1600, generator=g)
+    return {
+        "input_values": audio,
+        "attention_mask": torch.ones(batch, 1600, dtype=torch.long),
+        "labels": labels,
+    }
+
+
 def hf_convnext() -> nn.Module:  # a CNN with channels-last LayerNorms in its blocks
     from transformers import ConvNextConfig, ConvNextForImageClassification
 
@@ -715,6 +753,10 @@ FAMILIES: dict[str, Family] = {
     # float32: its blocks keep the residual stream in float32 (residual_in_fp32)
     "mamba": Family(hf_mamba, _lm_batch, _causal, dtype="float32"),
     "whisper": Family(hf_whisper, _whisper_batch, _masked),
+    # its own loss: transformers' causal-LM loss given the labels as `shift_labels`
+    # (counted unshifted: losses.py), summed over the global count; float32: that loss
+    # computes in float32 (`logits.float()`) whatever the model's dtype
+    "moonshine": Family(hf_moonshine, _moonshine_batch, lambda: "model", dtype="float32"),
     "convnext": Family(hf_convnext, _vit_batch, lambda: _logits_loss),
     # a parameter its loss never uses (mask_token): DDP rebuilt to find it at the first step
     "dinov2": Family(hf_dinov2, _pixel_batch, lambda: _logits_loss),
@@ -798,11 +840,10 @@ def zoo_run(spec: dict) -> dict:
         return mf.trees.map_tensors(inputs, in_dtype), targets
 
     # As fit does: an example micro-batch, on which pp times the blocks (and checks the
-    # cut before any rank trains).
+    # cut before any rank trains); the model's own loss: its mapping, labels included
+    # (Moonshine makes its decoder's inputs from them).
     first = batch(0)
-    first = (
-        {k: v for k, v in first.items() if k != "labels"} if isinstance(first, dict) else first[0]
-    )
+    first = first if isinstance(first, dict) else first[0]
     example = mf.trees.slice_rows(first, 0, 2)  # (packed images: by sample)
     loss_fn = family.loss()
     if "grad_scale" in spec:  # the negative control: a deliberately wrong gradient

@@ -294,10 +294,13 @@ def _token_loss_kind(model: Any) -> str | None:
     # vision-language models (Qwen2-VL, LLaVA, Gemma 3, ...): transformers maps their
     # loss_type to the causal-LM loss, which their forward calls on their labels. Seq2seq
     # models share the loss_type but compute a mean of their own (T5, BART, Whisper), or
-    # call it with their labels as `shift_labels=`, not shifted (Moonshine, Florence-2):
-    # counted as shifted, their count would be off by a token per sample.
+    # call it with their labels as `shift_labels=`, the targets as they stand (Moonshine,
+    # Florence-2, Canary: the decoder's inputs are the labels shifted right): a token
+    # loss counted unshifted, as a masked LM's is. One that shifts them itself first
+    # (`labels[..., 1:]`: CSM) stays a mean of its own.
     if loss_type == "ForConditionalGeneration" and _calls_loss_function(model):
-        return None if _passes_shift_labels(model) else "causal"
+        passed = _shift_labels_passed(model)
+        return {None: "causal", "as they stand": "masked"}.get(passed)
     if loss_type == "ForMaskedLM" or (not loss_type and name.endswith("ForMaskedLM")):
         return "masked"
     return None
@@ -319,14 +322,20 @@ def takes_num_items(model: Any) -> bool:
     return _calls_loss_function(model)
 
 
-def _passes_shift_labels(model: Any) -> bool:
-    """Whether the model's forward gives its loss `shift_labels=` (read on its source)."""
+def _shift_labels_passed(model: Any) -> str | None:
+    """How the model's forward gives its loss `shift_labels=` (read on its source): None
+    when it does not, "as they stand" when it passes its labels unsliced, "other" when
+    it slices its labels (its own shift) or its source cannot be read."""
     import inspect
+    import re
 
     try:
-        return "shift_labels=" in inspect.getsource(type(model).forward)
+        source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
-        return True
+        return "other"
+    if "shift_labels=" not in source:
+        return None
+    return "other" if re.search(r"labels\[[^\]]*1:", source) else "as they stand"
 
 
 def _calls_loss_function(model: Any) -> bool:

@@ -515,9 +515,13 @@ class _ModelLoss:
             return self.original(
                 logits, labels, vocab_size, num_items_in_batch, ignore_index, **extra, **kwargs
             )
-        if self.causal and shift_labels is None:
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        targets = (shift_labels if self.causal else labels).to(deferred.hidden.device)
+        # given `shift_labels`, the loss reads them as they stand (a seq2seq model passes
+        # its labels so, with labels=None: Moonshine, Florence-2)
+        if shift_labels is None:
+            shift_labels = (
+                F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if self.causal else labels
+            )
+        targets = shift_labels.to(deferred.hidden.device)
         total = deferred.loss(targets, ignore_index, loss_dtype=torch.float32)
         if num_items_in_batch is None:  # the library's mean
             return total / (targets != ignore_index).sum()

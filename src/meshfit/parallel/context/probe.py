@@ -38,7 +38,7 @@ from torch import nn
 from meshfit.coupling.probe import held_still
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
-from meshfit.trees import map_tensors, tensors_in
+from meshfit.trees import map_tensors, slice_rows, tensors_in
 
 # How far the cut may move the window's loss, relative. float64: models whose layers
 # compute in float32 inside (transformers' Gemma 2 RMSNorm casts to float32 and back)
@@ -84,10 +84,15 @@ def check_sequence_split(
             recorded = _outputs_recorded(model)
             seen = _outputs_recorded(model)
             with recorded:
-                whole = run_loss(*row)
+                whole = _whole_window(run_loss, row, inputs, targets, sequence.cp)
             local_in, local_targets = sequence.local(*row)
             with seen, sequence.running():
-                part = run_loss(local_in, local_targets)
+                try:
+                    part = run_loss(local_in, local_targets)
+                except _FAILURES as exc:  # the window ran whole: the cut is what failed
+                    if isinstance(exc, getattr(dist, "DistBackendError", ())):
+                        raise
+                    raise _cut_refused(inputs, sequence.cp, local_in, exc) from exc
             difference = _difference(whole, part, sequence.group)
             departures.append(_departure(recorded, seen, sequence))
             if _has_targets(whole):
@@ -120,6 +125,51 @@ def check_staged_sequence_split(
     verdict = found[0] if found else _Found()
     verdict.moved(model, _earliest(departures))
     _verdict(verdict)
+
+
+# What a model raises on input it cannot take (runtime/batch_errors.py's, less those a
+# forward on tensors of the right kind raises for a key it lacks)
+_FAILURES = (RuntimeError, ValueError, IndexError, TypeError)
+
+
+def _whole_window(
+    run_loss: Callable, row: tuple[Any, Any], inputs: Any, targets: Any, cp: int
+) -> Any:
+    """The window's loss, computed whole. cp reads every tensor of the sequence's length
+    as the sequence, so a model that fails on the window (a speech model's convolutions
+    over a window of its audio samples) may be failing on the cut, not the batch: the
+    first row is then run whole, and where it runs the plan is refused naming the
+    tensors cut; where it fails too, the error is the batch's, and goes on as it was."""
+    try:
+        return run_loss(*row)
+    except MeshfitError:
+        raise
+    except _FAILURES as exc:
+        if isinstance(exc, getattr(dist, "DistBackendError", ())):
+            raise
+        try:
+            run_loss(slice_rows(inputs, 0, 1), slice_rows(targets, 0, 1))
+        except Exception:  # noqa: BLE001 - the batch's own error: the step says it
+            raise exc from None
+        raise _cut_refused(inputs, cp, row[0], exc) from exc
+
+
+def _cut_refused(inputs: Any, cp: int, window: Any, exc: BaseException) -> MeshfitError:
+    from meshfit.parallel.context import _sequence_length
+    from meshfit.runtime.batch_errors import one_line
+
+    length, width = _sequence_length(inputs), _sequence_length(window)
+    named = inputs.items() if isinstance(inputs, Mapping) else [("inputs", inputs)]
+    cut = [
+        k for k, t in named if isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[1] == length
+    ]
+    return MeshfitError(
+        f"context parallel cannot cut this model's sequences: cp={cp} cuts the second "
+        f"dimension of {', '.join(cut)} ({length} long) as the sequence, and the model, "
+        f"which runs on the batch's first row whole, failed on {width} of those "
+        f"positions: {one_line(exc)}. cp is for token sequences the model reads through "
+        f"attention; train this model without cp"
+    )
 
 
 def _windows(sequence: Any, inputs: Any, targets: Any) -> list[tuple[Any, Any]]:
