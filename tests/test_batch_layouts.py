@@ -67,6 +67,26 @@ def test_packed_images_split_by_the_images_of_each_sample() -> None:
         batch_size(batch, "inputs")
 
 
+def test_what_a_processor_gives_per_video_splits_with_the_videos() -> None:
+    """Qwen2.5-VL's processor gives each video's seconds per temporal patch
+    (`second_per_grid_ts`, one per video) beside `video_grid_thw`: split with the videos
+    of each sample (before, the batch was refused as the user's: "the tensors in inputs
+    disagree on the batch size"; with as many videos as samples, cut by rows)."""
+    videos = _packed([[8], [4, 4], [8]])
+    batch = {
+        "input_ids": videos["input_ids"],
+        "mm_token_type_ids": videos["mm_token_type_ids"] * 2,  # video tokens: type 2
+        "pixel_values_videos": videos["pixel_values"],
+        "video_grid_thw": videos["image_grid_thw"],
+        "second_per_grid_ts": torch.tensor([0.5, 1.0, 2.0, 4.0]),
+    }
+    assert batch_rows(batch) == 3 and batch_size(batch, "inputs") == 3
+    assert slice_rows(batch, 1, 2)["second_per_grid_ts"].tolist() == [1.0, 2.0]
+    assert slice_rows(batch, 2, 3)["second_per_grid_ts"].tolist() == [4.0]
+    as_list = slice_rows({**batch, "second_per_grid_ts": [0.5, 1.0, 2.0, 4.0]}, 0, 1)
+    assert as_list["second_per_grid_ts"] == [0.5]
+
+
 def test_qwen2_vl_trains_its_packed_batch_in_one_process_and_in_micro_batches() -> None:
     """One process refused Qwen2-VL's processor batch ("the tensors in inputs disagree on
     the batch size"); it trains now, and two micro-batches (each its samples' images and

@@ -7,8 +7,9 @@ Face collator's `labels` for object detection, one dict of boxes and classes per
 Mask2Former's `mask_labels`, one tensor per image): it is split by its items, never by
 the tensors inside them (`batch_rows`, `slice_rows`). And vision-language batches that
 pack every image's patches along one dimension (`PACKED`: Qwen2-VL's `pixel_values`, one
-row per patch of every image, with `image_grid_thw`, one row per image) are split by the
-images of each sample, which `mm_token_type_ids` marks (`packed_spans`)."""
+row per patch of every image, with `image_grid_thw`, one row per image, and what has one
+entry per image beside it: `PER_IMAGE`) are split by the images of each sample, which
+`mm_token_type_ids` marks (`packed_spans`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 # `mm_token_type_ids` gives the image's tokens in the text (transformers' processors for
 # Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V: images, then videos).
 PACKED = (("pixel_values", "image_grid_thw", 1), ("pixel_values_videos", "video_grid_thw", 2))
+# Keys beside a grid with one entry per image of it, split with the images: Qwen2.5-VL's
+# processor gives each video's seconds per temporal patch (its rotary time positions)
+PER_IMAGE = {"video_grid_thw": ("second_per_grid_ts",)}
 
 
 def packs_images(mapping: Any) -> bool:
@@ -80,6 +84,10 @@ def packed_spans(mapping: Any) -> dict[str, list[tuple[int, int]]]:
             offsets.append(offsets[-1] + size)
         spans[grid_key] = images
         spans[patches_key] = [(offsets[a], offsets[b]) for a, b in images]
+        for key in PER_IMAGE.get(grid_key, ()):
+            beside = mapping.get(key)
+            if isinstance(beside, (torch.Tensor, list)) and len(beside) == len(sizes):
+                spans[key] = images
     return spans
 
 
@@ -214,6 +222,7 @@ def _tensors_outside_lists(tree: Any) -> list[torch.Tensor]:
         return [tree]
     if isinstance(tree, Mapping):
         skip = {grid for _, grid, _ in PACKED} | {patches for patches, _, _ in PACKED}
+        skip |= {key for keys in PER_IMAGE.values() for key in keys}
         skip = skip if packs_images(tree) else set()
         return [
             t
