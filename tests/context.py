@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zoo import FAMILIES, hf_moonshine, zoo_optimizer
+from zoo import hf_t5, zoo_optimizer
 
 import meshfit as mf
 
@@ -255,8 +255,22 @@ def roformer() -> nn.Module:  # rotary positions from a frozen sinusoidal table
     )  # fmt: skip
 
 
+def wav2vec2() -> nn.Module:
+    """transformers' Wav2Vec2ForCTC, small, with the config's own feature encoder (seven
+    convolutions, 320 audio samples a frame): a window of 128 samples is too short."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    config = Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+        conv_dim=(8,) * 7, num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        vocab_size=12, pad_token_id=0, layerdrop=0.0, mask_time_prob=0.0,
+    )  # fmt: skip
+    return Wav2Vec2ForCTC(config)
+
+
 BUILDS = {
-    "moonshine": hf_moonshine,  # raw audio in: cp cuts its samples, its convolutions fail
+    "wav2vec2": wav2vec2,  # raw audio in: cp cuts its samples, its convolutions fail
+    "t5": hf_t5,  # an encoder-decoder: refused under cp from its config
     "bert": bert,
     "modernbert": modernbert,
     "modernbert_4": lambda: modernbert(layers=4),
@@ -312,9 +326,16 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
         if model == "nanogpt":
             return {"idx": x, "targets": y}, y
         return x, y
-    if model == "moonshine":  # a speech collator's batch (zoo.py), its audio in float64
-        made = FAMILIES["moonshine"].batch(batch, step)
-        return {**made, "input_values": made["input_values"].double()}
+    if model == "wav2vec2":  # a CTC collator's batch: 1,600 audio samples, float64
+        g = torch.Generator().manual_seed(step)
+        labels = torch.randint(1, 12, (batch, 6), generator=g)
+        labels[::2, 4:] = -100
+        audio = torch.randn(batch, 1600, generator=g, dtype=torch.float64)
+        return {
+            "input_values": audio,
+            "attention_mask": torch.ones_like(audio).long(),
+            "labels": labels,
+        }
     if loss == "model":
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     return {"input_ids": ids, "attention_mask": mask}, labels

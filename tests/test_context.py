@@ -127,8 +127,11 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # its convolutions fail on the probe's window: refused as the cut's (before, told
         # "give batches the model and loss_fn take"); a batch of the wrong dtype (audio in
         # float64, the model in float32) still fails on the first row whole: the batch's
-        {"model": "moonshine", "plan": "cp=2", "loss": "model"},
-        {"model": "moonshine", "plan": "cp=2", "loss": "model", "float32": True},
+        {"model": "wav2vec2", "plan": "cp=2", "loss": "model"},
+        {"model": "wav2vec2", "plan": "cp=2", "loss": "model", "float32": True},
+        # an encoder-decoder: refused from its config in one line (before, at the first
+        # step's probe, naming a module of its encoder)
+        {"model": "t5", "plan": "cp=2", "loss": "model"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -138,7 +141,8 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated, retried, *rest = (
         results[len(specs) :]
     )
-    *state, speech, wrong_dtype = rest
+    *state, speech, wrong_dtype, t5 = rest
+    assert "T5ForConditionalGeneration is an encoder-decoder" in t5.get("refused", ""), t5
     cut = "cp=2 cuts the second dimension of input_values, attention_mask (1600 long)"
     assert cut in speech.get("refused", "") and "\n" not in speech["refused"], speech
     assert "without cp" in speech["refused"], speech

@@ -751,6 +751,24 @@ def test_the_search_chooses_cp_when_a_sequence_does_not_fit_otherwise(monkeypatc
     assert all(e.plan.cp == 1 for e in plans.ranked + plans.dropped)
 
 
+def test_cp_is_never_offered_to_an_encoder_decoder():
+    """A T5 at 4,096 tokens: its decoder's cross-attention reads the encoder's whole
+    sequence, which cp does not gather (meshfit refuses cp for it: test_context.py);
+    before, the search offered cp=2 and cp=4, which the run then refused."""
+    pytest.importorskip("transformers")
+    from zoo import hf_t5
+
+    ids = torch.zeros(1, 4096, dtype=torch.long)
+    with torch.device("meta"):  # profiled on meta (as a user builds a large model)
+        model = hf_t5()
+    profile = profile_model(model, {"input_ids": ids, "decoder_input_ids": ids})
+    assert "is an encoder-decoder" in (profile.cp_error or "")
+    plans = search_profile(profile, 4, batch_size=4, hardware=fast_net_slow_chips())
+    cut = [d for d in plans.dropped if d.plan.cp > 1]
+    assert all(e.plan.cp == 1 for e in plans.ranked) and cut
+    assert all("cross-attention reads the encoder's whole sequence" in d.reason for d in cut)
+
+
 def test_meshfit_plan_seq_len_lengthens_the_batch_and_plans_cp(capsys, monkeypatch, tmp_path):
     """`meshfit plan --seq-len N`: the batch's token tensors at N tokens (position ids
     counted again), the plans at that length, cp among them."""

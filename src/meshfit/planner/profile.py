@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import find_blocks
+from meshfit.parallel.context import why_not_cut
 from meshfit.parallel.experts import find_expert_layers
 from meshfit.parallel.flop_counts import flop_counter
 from meshfit.parallel.recompute import _SAVE as SELECTIVE_KEEPS
@@ -111,6 +112,7 @@ class ModelProfile:
     pp_error: str | None = None  # why meshfit's pipeline cut refuses it
     own_weights_error: str | None = None  # why FSDP2 (and tp) cannot replace its weights
     has_batchnorm: bool = False  # micro-batches would each be normalised alone
+    cp_error: str | None = None  # why context parallel cannot cut its sequences
     max_tp: int = 1 << 30  # head counts and widths tp must divide
     block_kind: str = ""
     # how the user built it: on meta each rank builds only its part; else every rank
@@ -164,6 +166,7 @@ def profile_model(
         profile.notes.append(f"profiled on {_device_of(model)}: its forward cannot run on meta")
     stack = _blocks_or_none(model)
     profile.has_batchnorm = any(isinstance(m, _BatchNorm) for m in model.modules())
+    profile.cp_error = why_not_cut(model)
     profile.built_on_meta = _device_of(model).type == "meta"
     profile.largest_param = max((p.numel() for p in model.parameters()), default=0)
     if stack is None:

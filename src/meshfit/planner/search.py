@@ -131,6 +131,7 @@ class ModelLimits:
     pp_error: str | None = None
     fsdp_error: str | None = None  # FSDP2 cannot replace its weights
     batchnorm: bool = False  # one micro-batch only (meshfit refuses more)
+    cp_error: str | None = None  # why context parallel cannot cut its sequences
     sequence: int = 1  # tokens per sample (1: no token sequence to cut)
     experts: int = 0  # experts per MoE layer (0: nothing for expert parallel to place)
     # blocks where a pipeline stage may start (profile.stage_starts), and why not the
@@ -148,6 +149,7 @@ class ModelLimits:
             pp_error=profile.pp_error,
             fsdp_error=profile.own_weights_error,
             batchnorm=profile.has_batchnorm,
+            cp_error=profile.cp_error,
             sequence=profile.tokens_per_sample,
             experts=profile.experts,
             stage_starts=None
@@ -227,8 +229,8 @@ def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:
         return _too_few_starts(plan.pp, limits)
     if limits.fsdp_error and plan.uses_fsdp:
         return f"refused: {limits.fsdp_error}"
-    if plan.cp > 1 and limits.batchnorm:
-        return "refused: BatchNorm statistics would cover a rank's tokens only (cp)"
+    if plan.cp > 1 and limits.cp_error:
+        return f"refused: {limits.cp_error} (cp)"
     if plan.cp > 1 and limits.sequence % (2 * plan.cp):
         return (
             f"refused: a sequence of {limits.sequence} tokens does not cut into 2 x cp = "

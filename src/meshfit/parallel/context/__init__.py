@@ -13,7 +13,7 @@ them), `mf.losses.cross_entropy(shift=True)` skips its own shift.
 
 Gradients are averaged over dp x fsdp x cp (the Topology's loss role), so the run is one
 process's: each rank's tokens' losses and gradients add up to the whole sequence's.
-BatchNorm and attention dropout are refused under cp (one line each).
+BatchNorm, encoder-decoders and attention dropout are refused under cp (one line each).
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ class SequenceSplit:
     scope its forward and loss run in (`running`)."""
 
     def __init__(self, model: nn.Module, topology: Any, loss_fn: Any) -> None:
-        from torch.nn.modules.batchnorm import _BatchNorm
-
         mesh = topology.cp_mesh
         self.group = mesh.get_group()
         self.cp, self.rank = mesh.size(), mesh.get_local_rank()
@@ -63,12 +61,11 @@ class SequenceSplit:
         if hasattr(loss_fn, "sequence_cut"):  # metrics.MetricTap: pairs over tokens only
             loss_fn.sequence_cut = True
         self.state: SequenceState | None = None
-        norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
-        if norms:
+        reason = why_not_cut(model)
+        if reason:
             raise MeshfitError(
-                f"context parallel cuts each sequence over cp={self.cp} ranks, and "
-                f"{norms[0]!r} is a BatchNorm, whose statistics would cover the rank's tokens "
-                f"only; train this model without cp"
+                f"context parallel cuts each sequence over cp={self.cp} ranks, and {reason}; "
+                f"train this model without cp"
             )
 
     def local(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
@@ -118,6 +115,27 @@ class SequenceSplit:
                 stack.enter_context(CausalSDPA(self.state))
             stack.callback(self.state.masks.clear)  # autograd keeps what backward needs
             yield
+
+
+def why_not_cut(model: nn.Module) -> str | None:
+    """Why cp cannot cut this model's sequences, seen from its structure (the planner
+    asks too), or None: a BatchNorm, whose statistics would cover a rank's tokens only;
+    an encoder-decoder, whose decoder's cross-attention reads the encoder's whole
+    sequence (before, T5 and BART were refused at the first step's probe, naming a
+    module of the encoder, and the planner proposed cp for them at 4,096 tokens)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    if norms:
+        return f"{norms[0]!r} is a BatchNorm, whose statistics would cover the rank's tokens only"
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) is True:
+        return (
+            f"{type(model).__name__} is an encoder-decoder (config.is_encoder_decoder): its "
+            f"decoder's cross-attention reads the encoder's whole sequence, which cp does "
+            f"not gather"
+        )
+    return None
 
 
 def _padding_of(inputs: Mapping, length: int) -> torch.Tensor | None:
