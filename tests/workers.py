@@ -1210,8 +1210,18 @@ def masked_lm(kind: str):
     """A transformers masked-LM model in float64: "esm" (ESM, whose contact head its MLM
     loss never uses), "bert", or "bert_z" (BERT whose forward adds a z-loss over every
     token's logits to its own loss, as a user's subclass might: not a mean over the
-    labels)."""
-    from transformers import BertConfig, BertForMaskedLM, EsmConfig, EsmForMaskedLM
+    labels); or a token classifier (NER) with its own mean over the labels that are not
+    -100: "bert_ner" (`CrossEntropyLoss()`), "llama_ner" (transformers' shared loss,
+    called without the count; it computes in float32)."""
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        BertForTokenClassification,
+        EsmConfig,
+        EsmForMaskedLM,
+        LlamaConfig,
+        LlamaForTokenClassification,
+    )
 
     class BertZForMaskedLM(BertForMaskedLM):
         def forward(self, **kwargs):
@@ -1229,22 +1239,40 @@ def masked_lm(kind: str):
             hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
         return EsmForMaskedLM(config).double()
+    if kind == "llama_ner":
+        config = LlamaConfig(
+            vocab_size=33, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            num_labels=5, pad_token_id=0, classifier_dropout=0.0,
+        )  # fmt: skip
+        return LlamaForTokenClassification(config).double()
     config = BertConfig(
         vocab_size=33, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64,
+        num_attention_heads=4, max_position_embeddings=64, num_labels=5,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
-    return {"bert": BertForMaskedLM, "bert_z": BertZForMaskedLM}[kind](config).double()
+    kinds = {
+        "bert": BertForMaskedLM,
+        "bert_z": BertZForMaskedLM,
+        "bert_ner": BertForTokenClassification,
+    }
+    return kinds[kind](config).double()
 
 
 def masked_lm_batch(kind: str, step: int) -> dict:
     """4 rows of 12 tokens: for ESM every label set; for BERT a collator's: 30% of the
     first two rows' tokens masked (id 32) and labelled, -100 elsewhere (the last two rows
-    none: a dp=2 rank with no label at all)."""
+    none: a dp=2 rank with no label at all); for a token classifier, a tag on a word's
+    first piece of the first two rows (counts differ), none on the last two."""
     g = torch.Generator().manual_seed(7 + step)
     ids = torch.randint(4, 32, (4, 12), generator=g)
     if kind.startswith("esm"):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    if kind.endswith("_ner"):  # a word's later pieces -100: 2 of 3 on the first rows, none after
+        tags = torch.randint(0, 5, ids.shape, generator=g)
+        tags[:2, 1::3], tags[:2, 2::3], tags[2:] = -100, -100, -100
+        tags[0, 4:] = -100
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": tags}
     chosen = torch.rand(ids.shape, generator=g) < 0.3
     chosen[2:] = False
     chosen[0, 0] = True

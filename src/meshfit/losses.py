@@ -128,10 +128,11 @@ class ModelOwnLoss:
     is the summed loss, counts the items it sums over (labels that are not -100, shifted
     by one for a causal LM as the model shifts them), and trains on the global sum over
     the global count: the same arithmetic as passing the global count, and the same run
-    as one process under any plan. This holds for Hugging Face's causal-LM and
-    masked-LM losses (the token losses that take the count). A masked-LM loss the model
-    averages itself (BERT's, RoBERTa's, DistilBERT's, ESM's `CrossEntropyLoss()`: a mean
-    over the labels that are not -100) is multiplied back by the rank's count into the
+    as one process under any plan. This holds for Hugging Face's causal-LM, masked-LM
+    and token-classification losses (the token losses that take the count). A masked-LM
+    or token-classification loss the model averages itself (BERT's, RoBERTa's,
+    DistilBERT's, ESM's `CrossEntropyLoss()`: a mean over the labels that are not -100)
+    is multiplied back by the rank's count into the
     sum it averaged (a rank with none: 0), and trained as such a pair: before, it was a
     mean of the ranks' means, another run under dp (warned) and refused under cp. The
     first step's coupling probe checks the pair adds up over the samples as one
@@ -141,9 +142,11 @@ class ModelOwnLoss:
 
     def __init__(self, model: Any) -> None:
         kind = _token_loss_kind(model)
+        self.kind = kind
         self.shifted = kind == "causal"
         self.sums = kind is not None and takes_num_items(model)
-        self.scaled = kind == "masked" and not self.sums  # a mean over the counted labels
+        # a mean over the counted labels
+        self.scaled = kind in ("masked", "tokens") and not self.sums
         # a CTC head's loss summed over the samples (wav2vec2, HuBERT, WavLM, ...:
         # ctc_loss_reduction="sum", their configs' default): trained as a sum (SampleSum)
         config = getattr(model, "config", None)
@@ -156,7 +159,7 @@ class ModelOwnLoss:
         """For chunked_loss=True (parallel/head_loss.py): the Hugging Face token loss the
         model computes ("causal" or "masked"), which meshfit can take over; None for any
         other model loss."""
-        if not self.sums:
+        if not self.sums or self.kind == "tokens":  # a classifier's few labels: no vocabulary
             return None
         return "causal" if self.shifted else "masked"
 
@@ -283,8 +286,9 @@ def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) 
 
 def _token_loss_kind(model: Any) -> str | None:
     """ "causal" or "masked" for a Hugging Face model whose loss is the shared causal-LM
-    or masked-LM token loss (by its loss_type, or its class name where that is unset),
-    else None."""
+    or masked-LM token loss, "tokens" for a token classifier's (by its loss_type, or its
+    class name where that is unset), else None. "masked" and "tokens" count the labels
+    as they stand."""
     loss_type = getattr(model, "loss_type", None) or ""
     name = type(model).__name__
     if loss_type == "ForCausalLM" or (
@@ -303,6 +307,14 @@ def _token_loss_kind(model: Any) -> str | None:
         return {None: "causal", "as they stand": "masked"}.get(passed)
     if loss_type == "ForMaskedLM" or (not loss_type and name.endswith("ForMaskedLM")):
         return "masked"
+    # token classification (NER, POS tagging): a cross-entropy over the labels that are
+    # not -100 (special tokens, padding, a word's later pieces), counted as they stand:
+    # transformers' shared loss (Llama, Mistral, ...) or CrossEntropyLoss()'s mean (BERT,
+    # RoBERTa, ...). Before, each rank's mean was averaged: BERT under dp=2 6.4e-3 apart.
+    if loss_type == "ForTokenClassification" or (
+        not loss_type and name.endswith("ForTokenClassification")
+    ):
+        return "tokens"
     return None
 
 
@@ -319,7 +331,28 @@ def takes_num_items(model: Any) -> bool:
         return True
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return False
-    return _calls_loss_function(model)
+    # ... and hands them on: transformers' generic token classifier (Llama, Mistral, ...)
+    # calls `self.loss_function(logits, labels, self.config)`, a mean, whatever it is given
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    calls = _call_arguments(source, "self.loss_function(")
+    return any("**kwargs" in call or "num_items_in_batch" in call for call in calls)
+
+
+def _call_arguments(source: str, call: str) -> list[str]:
+    """The argument text of each `call` in `source` (up to its closing parenthesis)."""
+    found = []
+    start = source.find(call)
+    while start >= 0:
+        depth, i = 1, start + len(call)
+        while depth and i < len(source):
+            depth += {"(": 1, ")": -1}.get(source[i], 0)
+            i += 1
+        found.append(source[start + len(call) : i - 1])
+        start = source.find(call, i)
+    return found
 
 
 def _shift_labels_passed(model: Any) -> str | None:
