@@ -1212,7 +1212,8 @@ def masked_lm(kind: str):
     token's logits to its own loss, as a user's subclass might: not a mean over the
     labels); or a token classifier (NER) with its own mean over the labels that are not
     -100: "bert_ner" (`CrossEntropyLoss()`), "llama_ner" (transformers' shared loss,
-    called without the count; it computes in float32)."""
+    called without the count; it computes in float32); or "segformer", a semantic
+    segmentation whose own loss is a mean over the pixels not labelled 255."""
     from transformers import (
         BertConfig,
         BertForMaskedLM,
@@ -1239,6 +1240,16 @@ def masked_lm(kind: str):
             hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
         return EsmForMaskedLM(config).double()
+    if kind == "segformer":
+        from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+        config = SegformerConfig(
+            num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+            patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+            decoder_hidden_size=16, num_labels=4, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, drop_path_rate=0.0,
+        )  # fmt: skip
+        return SegformerForSemanticSegmentation(config).double()
     if kind == "llama_ner":
         config = LlamaConfig(
             vocab_size=33, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -1263,8 +1274,14 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     """4 rows of 12 tokens: for ESM every label set; for BERT a collator's: 30% of the
     first two rows' tokens masked (id 32) and labelled, -100 elsewhere (the last two rows
     none: a dp=2 rank with no label at all); for a token classifier, a tag on a word's
-    first piece of the first two rows (counts differ), none on the last two."""
+    first piece of the first two rows (counts differ), none on the last two; for a
+    segmentation, images whose first 0-11 rows of pixels are ignored (255)."""
     g = torch.Generator().manual_seed(7 + step)
+    if kind == "segformer":  # 16 x 16 images, 255 over the first rows of pixels (0-7 rows)
+        labels = torch.randint(0, 4, (4, 16, 16), generator=g)
+        for i in range(4):
+            labels[i, : 2 * i + i % 2 * 5] = 255
+        return {"pixel_values": torch.randn(4, 3, 16, 16, generator=g).double(), "labels": labels}
     ids = torch.randint(4, 32, (4, 12), generator=g)
     if kind.startswith("esm"):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}

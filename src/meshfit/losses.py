@@ -146,10 +146,14 @@ class ModelOwnLoss:
         self.shifted = kind == "causal"
         self.sums = kind is not None and takes_num_items(model)
         # a mean over the counted labels
-        self.scaled = kind in ("masked", "tokens") and not self.sums
+        self.scaled = kind in ("masked", "tokens", "pixels") and not self.sums
+        config = getattr(model, "config", None)
+        # what the loss leaves out: -100, a segmentation's own ignored label
+        self.ignore_index = (
+            getattr(config, "semantic_loss_ignore_index", 255) if kind == "pixels" else -100
+        )
         # a CTC head's loss summed over the samples (wav2vec2, HuBERT, WavLM, ...:
         # ctc_loss_reduction="sum", their configs' default): trained as a sum (SampleSum)
-        config = getattr(model, "config", None)
         self.sums_samples = type(model).__name__.endswith("ForCTC") and (
             getattr(config, "ctc_loss_reduction", None) == "sum"
         )
@@ -159,7 +163,7 @@ class ModelOwnLoss:
         """For chunked_loss=True (parallel/head_loss.py): the Hugging Face token loss the
         model computes ("causal" or "masked"), which meshfit can take over; None for any
         other model loss."""
-        if not self.sums or self.kind == "tokens":  # a classifier's few labels: no vocabulary
+        if not self.sums or self.kind in ("tokens", "pixels"):  # a classifier's few labels
             return None
         return "causal" if self.shifted else "masked"
 
@@ -175,9 +179,10 @@ class ModelOwnLoss:
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         """The items the model's summed loss covers in `labels`: those that are not -100
-        (shifted by one for a causal LM, as the model shifts them)."""
+        (a segmentation's: not its ignored label), shifted by one for a causal LM, as the
+        model shifts them."""
         counted = labels[..., 1:] if self.shifted and not _preshifted() else labels
-        return (counted != -100).sum()
+        return (counted != self.ignore_index).sum()
 
     def __call__(self, outputs: Any, labels: torch.Tensor) -> Any:
         loss = getattr(outputs, "loss", None)
@@ -286,9 +291,9 @@ def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) 
 
 def _token_loss_kind(model: Any) -> str | None:
     """ "causal" or "masked" for a Hugging Face model whose loss is the shared causal-LM
-    or masked-LM token loss, "tokens" for a token classifier's (by its loss_type, or its
-    class name where that is unset), else None. "masked" and "tokens" count the labels
-    as they stand."""
+    or masked-LM token loss, "tokens" for a token classifier's, "pixels" for a semantic
+    segmentation's (by its loss_type, or its class name where that is unset), else None.
+    All but "causal" count the labels as they stand."""
     loss_type = getattr(model, "loss_type", None) or ""
     name = type(model).__name__
     if loss_type == "ForCausalLM" or (
@@ -315,6 +320,16 @@ def _token_loss_kind(model: Any) -> str | None:
         not loss_type and name.endswith("ForTokenClassification")
     ):
         return "tokens"
+    # semantic segmentation (SegFormer, BEiT, DPT, UperNet, MobileViT): a cross-entropy
+    # over the pixels that are not config.semantic_loss_ignore_index (255: boundaries,
+    # "other"), a mean over them (plus an auxiliary head's over the same pixels). Before,
+    # the coupling probe refused it under dp (transformers' code). One label is a binary
+    # loss over every pixel (SegFormer's): not counted.
+    config = getattr(model, "config", None)
+    if (
+        loss_type == "ForSemanticSegmentation" or name.endswith("ForSemanticSegmentation")
+    ) and getattr(config, "num_labels", 1) > 1:
+        return "pixels"
     return None
 
 
