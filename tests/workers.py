@@ -1212,8 +1212,9 @@ def masked_lm(kind: str):
     token's logits to its own loss, as a user's subclass might: not a mean over the
     labels); or a token classifier (NER) with its own mean over the labels that are not
     -100: "bert_ner" (`CrossEntropyLoss()`), "llama_ner" (transformers' shared loss,
-    called without the count; it computes in float32); or "segformer", a semantic
-    segmentation whose own loss is a mean over the pixels not labelled 255."""
+    called without the count; it computes in float32); "segformer", a semantic
+    segmentation whose own loss is a mean over the pixels not labelled 255; "t5" or
+    "bart", an encoder-decoder whose own loss is a mean over its labels."""
     from transformers import (
         BertConfig,
         BertForMaskedLM,
@@ -1240,6 +1241,28 @@ def masked_lm(kind: str):
             hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
         return EsmForMaskedLM(config).double()
+    if kind in ("t5", "bart"):
+        from transformers import (
+            BartConfig,
+            BartForConditionalGeneration,
+            T5Config,
+            T5ForConditionalGeneration,
+        )
+
+        if kind == "t5":
+            config = T5Config(
+                vocab_size=33, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+                dropout_rate=0.0, pad_token_id=0, decoder_start_token_id=0,
+            )  # fmt: skip
+            return T5ForConditionalGeneration(config).double()
+        config = BartConfig(
+            vocab_size=33, d_model=16, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+            eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0,
+        )  # fmt: skip
+        return BartForConditionalGeneration(config).double()
     if kind == "segformer":
         from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
@@ -1275,7 +1298,8 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     first two rows' tokens masked (id 32) and labelled, -100 elsewhere (the last two rows
     none: a dp=2 rank with no label at all); for a token classifier, a tag on a word's
     first piece of the first two rows (counts differ), none on the last two; for a
-    segmentation, images whose first 0-11 rows of pixels are ignored (255)."""
+    segmentation, images whose first 0-11 rows of pixels are ignored (255); for an
+    encoder-decoder, targets of 3, 8, 5 and 4 tokens, -100 after them."""
     g = torch.Generator().manual_seed(7 + step)
     if kind == "segformer":  # 16 x 16 images, 255 over the first rows of pixels (0-7 rows)
         labels = torch.randint(0, 4, (4, 16, 16), generator=g)
@@ -1285,6 +1309,11 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     ids = torch.randint(4, 32, (4, 12), generator=g)
     if kind.startswith("esm"):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    if kind in ("t5", "bart"):  # a seq2seq collator's: targets of 3-8 tokens, then -100
+        targets = torch.randint(4, 32, (4, 8), generator=g)
+        for i, n in enumerate((3, 8, 5, 4)):
+            targets[i, n:] = -100
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": targets}
     if kind.endswith("_ner"):  # a word's later pieces -100: 2 of 3 on the first rows, none after
         tags = torch.randint(0, 5, ids.shape, generator=g)
         tags[:2, 1::3], tags[:2, 2::3], tags[2:] = -100, -100, -100

@@ -137,8 +137,9 @@ class ModelOwnLoss:
     mean of the ranks' means, another run under dp (warned) and refused under cp. The
     first step's coupling probe checks the pair adds up over the samples as one
     process's loss does (coupling/probe.py), so a model loss that is not that mean is
-    not trained as one. Any other model loss (T5's own, a classification head's) is a
-    mean and is trained as a loss_fn returning a mean is."""
+    not trained as one. So are a token classifier's, a semantic segmentation's and an
+    encoder-decoder's own mean (`_token_loss_kind`). Any other model loss (a sequence
+    classifier's) is a mean and is trained as a loss_fn returning a mean is."""
 
     def __init__(self, model: Any) -> None:
         kind = _token_loss_kind(model)
@@ -296,20 +297,30 @@ def _token_loss_kind(model: Any) -> str | None:
     All but "causal" count the labels as they stand."""
     loss_type = getattr(model, "loss_type", None) or ""
     name = type(model).__name__
+    config = getattr(model, "config", None)
     if loss_type == "ForCausalLM" or (
         not loss_type and name.endswith(("ForCausalLM", "LMHeadModel"))
     ):
         return "causal"
     # vision-language models (Qwen2-VL, LLaVA, Gemma 3, ...): transformers maps their
     # loss_type to the causal-LM loss, which their forward calls on their labels. Seq2seq
-    # models share the loss_type but compute a mean of their own (T5, BART, Whisper), or
-    # call it with their labels as `shift_labels=`, the targets as they stand (Moonshine,
+    # models share the loss_type but compute a mean of their own (T5, BART, Whisper:
+    # below), or call it with their labels as `shift_labels=`, as they stand (Moonshine,
     # Florence-2, Canary: the decoder's inputs are the labels shifted right): a token
     # loss counted unshifted, as a masked LM's is. One that shifts them itself first
     # (`labels[..., 1:]`: CSM) stays a mean of its own.
     if loss_type == "ForConditionalGeneration" and _calls_loss_function(model):
         passed = _shift_labels_passed(model)
         return {None: "causal", "as they stand": "masked"}.get(passed)
+    # the other encoder-decoders (T5, BART, Whisper, Marian, Pegasus, a vision or speech
+    # encoder-decoder): `CrossEntropyLoss()` over the decoder's labels as they stand, a
+    # mean over those that are not -100 (before, each rank's mean was averaged: T5 under
+    # dp=2 1.3e-2 apart); one that adds other terms (a router's) is no such mean, which
+    # the first step's coupling probe finds and refuses, naming the fix
+    if getattr(config, "is_encoder_decoder", False) is True and (
+        loss_type == "ForConditionalGeneration" or name.endswith("EncoderDecoderModel")
+    ):
+        return "masked"
     if loss_type == "ForMaskedLM" or (not loss_type and name.endswith("ForMaskedLM")):
         return "masked"
     # token classification (NER, POS tagging): a cross-entropy over the labels that are
@@ -325,7 +336,6 @@ def _token_loss_kind(model: Any) -> str | None:
     # "other"), a mean over them (plus an auxiliary head's over the same pixels). Before,
     # the coupling probe refused it under dp (transformers' code). One label is a binary
     # loss over every pixel (SegFormer's): not counted.
-    config = getattr(model, "config", None)
     if (
         loss_type == "ForSemanticSegmentation" or name.endswith("ForSemanticSegmentation")
     ) and getattr(config, "num_labels", 1) > 1:
