@@ -175,7 +175,7 @@ def test_layers_whose_masks_the_loop_picks_by_count_keep_them_under_pp(tmp_path)
     assert "block 3 gets another keyword 'attention_mask' than block 0" in olmo["refused"]
 
 
-@pytest.mark.slow  # one launch of 2 workers: tiny BERTs, Llama, SegFormer, T5, BART
+@pytest.mark.slow  # one launch of 2 workers: tiny BERTs, Llama, SegFormer, T5, BARTs
 def test_a_masked_lm_s_own_mean_loss_trains_the_one_process_run_under_dp_and_fsdp() -> None:
     """BERT's own masked-LM loss is `CrossEntropyLoss()`, a mean over the rank's masked
     tokens: under dp it was a mean of the ranks' means (warned, another run: 4.6e-5 apart
@@ -187,11 +187,12 @@ def test_a_masked_lm_s_own_mean_loss_trains_the_one_process_run_under_dp_and_fsd
     semantic segmentation (SegFormer's mean over the pixels not labelled 255: before,
     refused under dp as a loss that couples the samples), and encoder-decoders (T5's
     and BART's `CrossEntropyLoss()` over their labels; before, a mean per rank: T5
-    under dp=2 1.3e-2 apart). A subclass whose forward adds a z-loss over every token is no such mean: the coupling
+    under dp=2 1.3e-2 apart), BART's decoder alone too (BartForCausalLM: its labels
+    counted as they stand, not shifted as a causal LM's). A subclass whose forward adds a z-loss over every token is no such mean: the coupling
     probe refuses it before any update, saying what loss_fn='model' took it for."""
     from workers import masked_lm_runs
 
-    models = ("bert", "bert_ner", "llama_ner", "segformer", "t5", "bart")
+    models = ("bert", "bert_ner", "llama_ner", "segformer", "t5", "bart", "bart_decoder")
     specs = [{"model": m, "plan": p} for m in models for p in ("dp=2", "fsdp=2")]
     specs.append({"model": "bert_z", "plan": "dp=2"})
     with warnings.catch_warnings():

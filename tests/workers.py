@@ -1214,7 +1214,9 @@ def masked_lm(kind: str):
     -100: "bert_ner" (`CrossEntropyLoss()`), "llama_ner" (transformers' shared loss,
     called without the count; it computes in float32); "segformer", a semantic
     segmentation whose own loss is a mean over the pixels not labelled 255; "t5" or
-    "bart", an encoder-decoder whose own loss is a mean over its labels."""
+    "bart", an encoder-decoder whose own loss is a mean over its labels; "bart_decoder",
+    BART's decoder alone (BartForCausalLM: its `CrossEntropyLoss()` over its labels as
+    they stand, not shifted)."""
     from transformers import (
         BertConfig,
         BertForMaskedLM,
@@ -1241,9 +1243,10 @@ def masked_lm(kind: str):
             hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
         return EsmForMaskedLM(config).double()
-    if kind in ("t5", "bart"):
+    if kind in ("t5", "bart", "bart_decoder"):
         from transformers import (
             BartConfig,
+            BartForCausalLM,
             BartForConditionalGeneration,
             T5Config,
             T5ForConditionalGeneration,
@@ -1262,7 +1265,8 @@ def masked_lm(kind: str):
             eos_token_id=2, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
             activation_dropout=0.0,
         )  # fmt: skip
-        return BartForConditionalGeneration(config).double()
+        build = BartForCausalLM if kind == "bart_decoder" else BartForConditionalGeneration
+        return build(config).double()
     if kind == "segformer":
         from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
@@ -1309,8 +1313,8 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     ids = torch.randint(4, 32, (4, 12), generator=g)
     if kind.startswith("esm"):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    if kind in ("t5", "bart"):  # a seq2seq collator's: targets of 3-8 tokens, then -100
-        targets = torch.randint(4, 32, (4, 8), generator=g)
+    if kind in ("t5", "bart", "bart_decoder"):  # targets of 3-8 tokens, then -100
+        targets = torch.randint(4, 32, (4, 12 if kind == "bart_decoder" else 8), generator=g)
         for i, n in enumerate((3, 8, 5, 4)):
             targets[i, n:] = -100
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": targets}

@@ -294,14 +294,15 @@ def _token_loss_kind(model: Any) -> str | None:
     """ "causal" or "masked" for a Hugging Face model whose loss is the shared causal-LM
     or masked-LM token loss, "tokens" for a token classifier's, "pixels" for a semantic
     segmentation's (by its loss_type, or its class name where that is unset), else None.
-    All but "causal" count the labels as they stand."""
+    All but "causal" count the labels as they stand (a decoder whose own loss reads its
+    labels unshifted is "masked": `_causal_or_as_they_stand`)."""
     loss_type = getattr(model, "loss_type", None) or ""
     name = type(model).__name__
     config = getattr(model, "config", None)
     if loss_type == "ForCausalLM" or (
         not loss_type and name.endswith(("ForCausalLM", "LMHeadModel"))
     ):
-        return "causal"
+        return _causal_or_as_they_stand(model)
     # vision-language models (Qwen2-VL, LLaVA, Gemma 3, ...): transformers maps their
     # loss_type to the causal-LM loss, which their forward calls on their labels. Seq2seq
     # models share the loss_type but compute a mean of their own (T5, BART, Whisper:
@@ -341,6 +342,26 @@ def _token_loss_kind(model: Any) -> str | None:
     ) and getattr(config, "num_labels", 1) > 1:
         return "pixels"
     return None
+
+
+def _causal_or_as_they_stand(model: Any) -> str:
+    """ "causal" for a causal LM whose loss shifts its labels (transformers' shared loss,
+    or its own code slicing them); "masked" for one whose own `CrossEntropyLoss()` reads
+    them as they stand (the decoders of encoder-decoder stacks: BartForCausalLM, Marian's,
+    TrOCR's, Whisper's; XLNet's), counted so."""
+    import inspect
+    import re
+
+    if _calls_loss_function(model):
+        return "causal"
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return "causal"
+    code = re.sub(r'"""[\s\S]*?"""|#[^\n]*', "", source)  # its docstring says "not shifted"
+    if "CrossEntropyLoss(" in code and not re.search(r"shift|labels\[[^\]]*1:", code):
+        return "masked"
+    return "causal"
 
 
 def takes_num_items(model: Any) -> bool:
