@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -349,14 +350,12 @@ def _causal_or_as_they_stand(model: Any) -> str:
     or its own code slicing them); "masked" for one whose own `CrossEntropyLoss()` reads
     them as they stand (the decoders of encoder-decoder stacks: BartForCausalLM, Marian's,
     TrOCR's, Whisper's; XLNet's), counted so."""
-    import inspect
     import re
 
     if _calls_loss_function(model):
         return "causal"
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
+    source = _forward_source(model)
+    if source is None:
         return "causal"
     code = re.sub(r'"""[\s\S]*?"""|#[^\n]*', "", source)  # its docstring says "not shifted"
     if "CrossEntropyLoss(" in code and not re.search(r"shift|labels\[[^\]]*1:", code):
@@ -379,11 +378,7 @@ def takes_num_items(model: Any) -> bool:
         return False
     # ... and hands them on: transformers' generic token classifier (Llama, Mistral, ...)
     # calls `self.loss_function(logits, labels, self.config)`, a mean, whatever it is given
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
-    calls = _call_arguments(source, "self.loss_function(")
+    calls = _call_arguments(_forward_source(model) or "", "self.loss_function(")
     return any("**kwargs" in call or "num_items_in_batch" in call for call in calls)
 
 
@@ -405,12 +400,10 @@ def _shift_labels_passed(model: Any) -> str | None:
     """How the model's forward gives its loss `shift_labels=` (read on its source): None
     when it does not, "as they stand" when it passes its labels unsliced, "other" when
     it slices its labels (its own shift) or its source cannot be read."""
-    import inspect
     import re
 
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
+    source = _forward_source(model)
+    if source is None:
         return "other"
     if "shift_labels=" not in source:
         return None
@@ -420,12 +413,23 @@ def _shift_labels_passed(model: Any) -> str | None:
 def _calls_loss_function(model: Any) -> bool:
     """Whether the model's forward calls Hugging Face's `self.loss_function` (read on its
     source)."""
+    return "self.loss_function(" in (_forward_source(model) or "")
+
+
+def _forward_source(model: Any) -> str | None:
+    """The source of the model's class's forward, which the checks above read (None
+    where it cannot be read: a compiled or built-in forward); read once per class."""
+    return _source_of(type(model).forward)
+
+
+@functools.lru_cache(maxsize=256)
+def _source_of(function: Any) -> str | None:
     import inspect
 
     try:
-        return "self.loss_function(" in inspect.getsource(type(model).forward)
+        return inspect.getsource(function)
     except (OSError, TypeError):
-        return False
+        return None
 
 
 def global_token_mean(
