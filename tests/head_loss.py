@@ -98,16 +98,24 @@ def head_run(spec: dict) -> dict:
     compile=True; "float32": the model in float32 (default float64)."""
     from meshfit.parallel import head_loss
 
-    chunked_calls = []  # every call of the chunked loss on this rank (its count is summed)
+    # every call of the chunked loss on this rank (its count is summed); a tensor, so that
+    # under compile=True the count is an input the graph adds to: a list's length would
+    # be guarded on, and every step compiled the model again (measured: 3 compiles)
+    chunked_calls = torch.zeros((), dtype=torch.int64)
     whole = head_loss.linear_cross_entropy
-    head_loss.linear_cross_entropy = lambda *a, **k: chunked_calls.append(1) or whole(*a, **k)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        chunked_calls.add_(1)
+        return whole(*args, **kwargs)
+
+    head_loss.linear_cross_entropy = counted
     try:
         return _head_run(spec, chunked_calls)
     finally:
         head_loss.linear_cross_entropy = whole
 
 
-def _head_run(spec: dict, chunked_calls: list) -> dict:
+def _head_run(spec: dict, chunked_calls: torch.Tensor) -> dict:
     torch.manual_seed(1234)
     model = BUILDS[spec["model"]]()
     model = model.float() if spec.get("float32") else model.double()
@@ -125,7 +133,7 @@ def _head_run(spec: dict, chunked_calls: list) -> dict:
     losses = [float(engine.step(_batch(spec["model"], loss, step))) for step in range(3)]
     if spec.get("evaluate"):
         losses.append(float(engine.evaluate(_batch(spec["model"], loss, 3))))
-    calls = torch.tensor(len(chunked_calls))
+    calls = chunked_calls.clone()
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(calls)
     return {"losses": losses, "state": engine.full_state_dict(), "chunked_calls": int(calls)}
