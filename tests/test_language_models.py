@@ -188,11 +188,14 @@ def test_a_masked_lm_s_own_mean_loss_trains_the_one_process_run_under_dp_and_fsd
     refused under dp as a loss that couples the samples), and encoder-decoders (T5's
     and BART's `CrossEntropyLoss()` over their labels; before, a mean per rank: T5
     under dp=2 1.3e-2 apart), BART's decoder alone too (BartForCausalLM: its labels
-    counted as they stand, not shifted as a causal LM's). A subclass whose forward adds a z-loss over every token is no such mean: the coupling
-    probe refuses it before any update, saying what loss_fn='model' took it for."""
+    counted as they stand, not shifted as a causal LM's), and a causal LM whose own
+    `CrossEntropyLoss()` is a mean over the labels it shifts itself (CLVP's decoder:
+    before, refused under dp as a loss that couples the samples). A subclass whose
+    forward adds a z-loss over every token is no such mean: the coupling probe refuses it
+    before any update, saying what loss_fn='model' took it for."""
     from workers import masked_lm_runs
 
-    models = ("bert", "bert_ner", "llama_ner", "segformer", "t5", "bart", "bart_decoder")
+    models = ("bert", "bert_ner", "llama_ner", "segformer", "t5", "bart", "bart_decoder", "clvp")
     specs = [{"model": m, "plan": p} for m in models for p in ("dp=2", "fsdp=2")]
     specs.append({"model": "bert_z", "plan": "dp=2"})
     with warnings.catch_warnings():

@@ -1212,7 +1212,8 @@ def masked_lm(kind: str):
     token's logits to its own loss, as a user's subclass might: not a mean over the
     labels); or a token classifier (NER) with its own mean over the labels that are not
     -100: "bert_ner" (`CrossEntropyLoss()`), "llama_ner" (transformers' shared loss,
-    called without the count; it computes in float32); "segformer", a semantic
+    called without the count; it computes in float32); "clvp", a causal LM whose own
+    `CrossEntropyLoss()` is a mean over the labels it shifts itself; "segformer", a semantic
     segmentation whose own loss is a mean over the pixels not labelled 255; "t5" or
     "bart", an encoder-decoder whose own loss is a mean over its labels; "bart_decoder",
     BART's decoder alone (BartForCausalLM: its `CrossEntropyLoss()` over its labels as
@@ -1267,6 +1268,16 @@ def masked_lm(kind: str):
         )  # fmt: skip
         build = BartForCausalLM if kind == "bart_decoder" else BartForConditionalGeneration
         return build(config).double()
+    if kind == "clvp":  # CLVP's speech decoder: its own CrossEntropyLoss() after its own shift
+        from transformers import ClvpDecoderConfig, ClvpForCausalLM
+
+        config = ClvpDecoderConfig(
+            vocab_size=33, max_position_embeddings=64, max_text_tokens=32, hidden_size=16,
+            num_hidden_layers=2, num_attention_heads=4, n_inner=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=1,
+            feature_size=8,
+        )  # fmt: skip
+        return ClvpForCausalLM(config).double()
     if kind == "segformer":
         from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
@@ -1303,7 +1314,8 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     none: a dp=2 rank with no label at all); for a token classifier, a tag on a word's
     first piece of the first two rows (counts differ), none on the last two; for a
     segmentation, images whose first 0-11 rows of pixels are ignored (255); for an
-    encoder-decoder, targets of 3, 8, 5 and 4 tokens, -100 after them."""
+    encoder-decoder, targets of 3, 8, 5 and 4 tokens, -100 after them (for CLVP's
+    decoder, its ids as its labels, so padded)."""
     g = torch.Generator().manual_seed(7 + step)
     if kind == "segformer":  # 16 x 16 images, 255 over the first rows of pixels (0-7 rows)
         labels = torch.randint(0, 4, (4, 16, 16), generator=g)
@@ -1313,8 +1325,11 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     ids = torch.randint(4, 32, (4, 12), generator=g)
     if kind.startswith("esm"):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    if kind in ("t5", "bart", "bart_decoder"):  # targets of 3-8 tokens, then -100
-        targets = torch.randint(4, 32, (4, 12 if kind == "bart_decoder" else 8), generator=g)
+    if kind in ("t5", "bart", "bart_decoder", "clvp"):  # targets of 3-8 tokens, then -100
+        decoder = kind in ("bart_decoder", "clvp")  # a decoder alone: labels as long as the ids
+        targets = torch.randint(4, 32, (4, 12 if decoder else 8), generator=g)
+        if kind == "clvp":  # a causal LM's collator: its labels are its ids, padded with -100
+            targets = ids.clone()
         for i, n in enumerate((3, 8, 5, 4)):
             targets[i, n:] = -100
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": targets}

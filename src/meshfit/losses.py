@@ -147,8 +147,12 @@ class ModelOwnLoss:
         self.kind = kind
         self.shifted = kind == "causal"
         self.sums = kind is not None and takes_num_items(model)
-        # a mean over the counted labels
-        self.scaled = kind in ("masked", "tokens", "pixels") and not self.sums
+        # a mean over the counted labels (a causal LM's own: Clvp's, BLIP's text decoder's;
+        # before, each rank's mean was averaged, which the coupling probe refused under dp)
+        own_mean = kind in ("masked", "tokens", "pixels") or (
+            kind == "causal" and _own_shifted_mean(model)
+        )
+        self.scaled = own_mean and not self.sums
         config = getattr(model, "config", None)
         # what the loss leaves out: -100, a segmentation's own ignored label
         self.ignore_index = (
@@ -354,13 +358,30 @@ def _causal_or_as_they_stand(model: Any) -> str:
 
     if _calls_loss_function(model):
         return "causal"
-    source = _forward_source(model)
-    if source is None:
-        return "causal"
-    code = re.sub(r'"""[\s\S]*?"""|#[^\n]*', "", source)  # its docstring says "not shifted"
+    code = _forward_code(model)  # BartForCausalLM's docstring says "not shifted"
     if "CrossEntropyLoss(" in code and not re.search(r"shift|labels\[[^\]]*1:", code):
         return "masked"
     return "causal"
+
+
+def _own_shifted_mean(model: Any) -> bool:
+    """Whether a causal LM's own loss is `CrossEntropyLoss()`'s mean over the labels it
+    slices one on itself (`labels[..., 1:]`: Clvp's decoder, BLIP's text decoder), read
+    on its forward's code: a mean over the shifted labels that are not -100, counted as
+    transformers' shared causal loss is. A loss that averages other means (Musicgen's,
+    over its codebooks) or reads its labels unsliced is not such a mean."""
+    import re
+
+    code = _forward_code(model)
+    return "CrossEntropyLoss(" in code and re.search(r"labels\[[^\]]*1:", code) is not None
+
+
+def _forward_code(model: Any) -> str:
+    """The model's forward's source without its docstrings and comments ("" where it
+    cannot be read)."""
+    import re
+
+    return re.sub(r'"""[\s\S]*?"""|#[^\n]*', "", _forward_source(model) or "")
 
 
 def takes_num_items(model: Any) -> bool:
