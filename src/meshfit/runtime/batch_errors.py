@@ -40,6 +40,12 @@ from meshfit.trees import tensors_in
 _INPUT_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError)
 
 
+def collective_failed(exc: BaseException) -> bool:
+    """Whether `exc` is a collective's own error (torch's DistBackendError, a
+    RuntimeError): about the peers, never the batch's or the model's; re-raised as it is."""
+    return isinstance(exc, getattr(dist, "DistBackendError", ()))
+
+
 @contextlib.contextmanager
 def explain_first_failure(
     first: bool, what: str, inputs: Any, targets: Any, model_dtype: torch.dtype | None = None
@@ -57,7 +63,7 @@ def explain_first_failure(
     except MeshfitError:
         raise
     except _INPUT_ERRORS as exc:
-        if isinstance(exc, getattr(dist, "DistBackendError", ())):
+        if collective_failed(exc):
             raise
         lost = peer_failure_word(exc)
         if lost is not None:  # gloo raises a plain RuntimeError when a peer is gone

@@ -38,6 +38,7 @@ from torch import nn
 from meshfit.coupling.probe import held_still
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
+from meshfit.runtime.batch_errors import collective_failed
 from meshfit.trees import map_tensors, slice_rows, tensors_in
 
 # How far the cut may move the window's loss, relative. float64: models whose layers
@@ -90,7 +91,7 @@ def check_sequence_split(
                 try:
                     part = run_loss(local_in, local_targets)
                 except _FAILURES as exc:  # the window ran whole: the cut is what failed
-                    if isinstance(exc, getattr(dist, "DistBackendError", ())):
+                    if collective_failed(exc):
                         raise
                     raise _cut_refused(inputs, sequence.cp, local_in, exc) from exc
             difference = _difference(whole, part, sequence.group)
@@ -145,7 +146,7 @@ def _whole_window(
     except MeshfitError:
         raise
     except _FAILURES as exc:
-        if isinstance(exc, getattr(dist, "DistBackendError", ())):
+        if collective_failed(exc):
             raise
         try:
             run_loss(slice_rows(inputs, 0, 1), slice_rows(targets, 0, 1))
