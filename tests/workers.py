@@ -1315,7 +1315,7 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     first piece of the first two rows (counts differ), none on the last two; for a
     segmentation, images whose first 0-11 rows of pixels are ignored (255); for an
     encoder-decoder, targets of 3, 8, 5 and 4 tokens, -100 after them (for CLVP's
-    decoder, its ids as its labels, so padded)."""
+    decoder, rows of 3, 8, 5 and 4 tokens padded, as a collator pads them)."""
     g = torch.Generator().manual_seed(7 + step)
     if kind == "segformer":  # 16 x 16 images, 255 over the first rows of pixels (0-7 rows)
         labels = torch.randint(0, 4, (4, 16, 16), generator=g)
@@ -1325,11 +1325,13 @@ def masked_lm_batch(kind: str, step: int) -> dict:
     ids = torch.randint(4, 32, (4, 12), generator=g)
     if kind.startswith("esm"):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    if kind in ("t5", "bart", "bart_decoder", "clvp"):  # targets of 3-8 tokens, then -100
-        decoder = kind in ("bart_decoder", "clvp")  # a decoder alone: labels as long as the ids
-        targets = torch.randint(4, 32, (4, 12 if decoder else 8), generator=g)
-        if kind == "clvp":  # a causal LM's collator: its labels are its ids, padded with -100
-            targets = ids.clone()
+    if kind == "clvp":  # a causal LM's collator: its ids padded, their labels -100, masked
+        labels = ids.clone()
+        for i, n in enumerate((3, 8, 5, 4)):
+            labels[i, n:] = -100
+        return {"input_ids": ids, "attention_mask": (labels != -100).long(), "labels": labels}
+    if kind in ("t5", "bart", "bart_decoder"):  # targets of 3-8 tokens, then -100
+        targets = torch.randint(4, 32, (4, 12 if kind == "bart_decoder" else 8), generator=g)
         for i, n in enumerate((3, 8, 5, 4)):
             targets[i, n:] = -100
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": targets}
