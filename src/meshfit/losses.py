@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -354,12 +355,10 @@ def _causal_or_as_they_stand(model: Any) -> str:
     or its own code slicing them); "masked" for one whose own `CrossEntropyLoss()` reads
     them as they stand (the decoders of encoder-decoder stacks: BartForCausalLM, Marian's,
     TrOCR's, Whisper's; XLNet's), counted so."""
-    import re
-
     if _calls_loss_function(model):
         return "causal"
     code = _forward_code(model)  # BartForCausalLM's docstring says "not shifted"
-    if "CrossEntropyLoss(" in code and not re.search(r"shift|labels\[[^\]]*1:", code):
+    if "CrossEntropyLoss(" in code and "shift" not in code and not _SLICES_LABELS.search(code):
         return "masked"
     return "causal"
 
@@ -370,18 +369,25 @@ def _own_shifted_mean(model: Any) -> bool:
     on its forward's code: a mean over the shifted labels that are not -100, counted as
     transformers' shared causal loss is. A loss that averages other means (Musicgen's,
     over its codebooks) or reads its labels unsliced is not such a mean."""
-    import re
-
     code = _forward_code(model)
-    return "CrossEntropyLoss(" in code and re.search(r"labels\[[^\]]*1:", code) is not None
+    return "CrossEntropyLoss(" in code and _SLICES_LABELS.search(code) is not None
+
+
+# A forward's code that slices its labels one token on (`labels[..., 1:]`,
+# `labels[:, 1:]`): its own shift, which the checks above and below read.
+_SLICES_LABELS = re.compile(r"labels\[[^\]]*1:")
 
 
 def _forward_code(model: Any) -> str:
     """The model's forward's source without its docstrings and comments ("" where it
-    cannot be read)."""
-    import re
+    cannot be read): what the checks read, so that a docstring's words ("the labels
+    are not shifted") are not taken for code."""
+    return _code_of(_forward_source(model) or "")
 
-    return re.sub(r'"""[\s\S]*?"""|#[^\n]*', "", _forward_source(model) or "")
+
+@functools.lru_cache(maxsize=256)
+def _code_of(source: str) -> str:
+    return re.sub(r'"""[\s\S]*?"""|#[^\n]*', "", source)
 
 
 def takes_num_items(model: Any) -> bool:
@@ -421,14 +427,12 @@ def _shift_labels_passed(model: Any) -> str | None:
     """How the model's forward gives its loss `shift_labels=` (read on its source): None
     when it does not, "as they stand" when it passes its labels unsliced, "other" when
     it slices its labels (its own shift) or its source cannot be read."""
-    import re
-
-    source = _forward_source(model)
-    if source is None:
+    if _forward_source(model) is None:
         return "other"
-    if "shift_labels=" not in source:
+    code = _forward_code(model)
+    if "shift_labels=" not in code:
         return None
-    return "other" if re.search(r"labels\[[^\]]*1:", source) else "as they stand"
+    return "other" if _SLICES_LABELS.search(code) else "as they stand"
 
 
 def _calls_loss_function(model: Any) -> bool:
