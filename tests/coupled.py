@@ -188,12 +188,14 @@ class ResidualBlock(nn.Module):
 
 class ResidualMLP(nn.Module):
     """Blocks with their residual inside (as nanoGPT's Block), or, with
-    `residual_in_loop`, added by the forward's loop (`x = x + block(x)`)."""
+    `residual_in_loop`, added by the forward's loop (`x = x + block(x)`); with
+    `loops=2` the forward runs its whole stack twice (a recurrent-depth model)."""
 
-    def __init__(self, residual_in_loop: bool = False) -> None:
+    def __init__(self, residual_in_loop: bool = False, loops: int = 1) -> None:
         super().__init__()
         torch.manual_seed(5)
         self.residual_in_loop = residual_in_loop
+        self.loops = loops
         self.embed = nn.Linear(8, 16)
         if residual_in_loop:
             self.blocks = nn.ModuleList(
@@ -205,8 +207,9 @@ class ResidualMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        for block in self.blocks:
-            x = x + block(x) if self.residual_in_loop else block(x)
+        for _ in range(self.loops):
+            for block in self.blocks:
+                x = x + block(x) if self.residual_in_loop else block(x)
         return self.head(x)
 
 
@@ -222,7 +225,10 @@ def sum_loss_run(spec: dict) -> dict:
             made = wav2vec2_batch(8, step)
             return {k: v.double() if v.is_floating_point() else v for k, v in made.items()}
     else:
-        model = ResidualMLP(residual_in_loop=spec["model"] == "loop_residual").double()
+        model = ResidualMLP(
+            residual_in_loop=spec["model"] == "loop_residual",
+            loops=2 if spec["model"] == "looped_stack" else 1,
+        ).double()
         loss_fn = summed_loss
 
         def batch(step: int) -> Any:

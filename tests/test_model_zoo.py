@@ -50,9 +50,9 @@ REFUSED = {
     # before the blocks, on the first stage) are read by the loss after them
     **{("clip", p): "'visual_projection' runs before the blocks" for p in ("pp=2", "dp=2,pp=2")},
     **{("siglip", p): "'vision_model.head' runs before the blocks" for p in ("pp=2", "dp=2,pp=2")},
-    # the encoder runs twice per forward (anchor, positive): its embedding before and after
+    # the encoder runs twice per forward (anchor, positive): its blocks run again
     **{
-        ("sentence_pairs", p): "'encoder.embeddings.word_embeddings' runs before and after"
+        ("sentence_pairs", p): "calls block 0 of 'encoder.encoder.layer' again after block 1"
         for p in ("pp=2", "dp=2,pp=2")
     },
     # the blocks found are the convolutions inside the bottleneck, whose input the

@@ -118,6 +118,41 @@ def _check_the_split(
         handles.append(module.register_forward_pre_hook(hook))
     if model is not None:
         handles += _refuse_prologue_read_after(model, blocks, outside, phase, stack.name)
+        handles += _refuse_blocks_run_again(model, blocks, stack.name)
+    return handles
+
+
+def _refuse_blocks_run_again(
+    model: nn.Module, blocks: dict[str, nn.Module], container: str
+) -> list[Any]:
+    """Hooks for the whole model's check forward: each block must run once per forward,
+    in the container's order, as a stage runs its own. A forward that loops over its
+    blocks more than once (a recurrent-depth model running its stack twice, a shared
+    block called from several places) would run a later stage's blocks in every loop
+    but the first stage's only up to the cut: a stack looped twice under pp=2 trained
+    30% apart from one process with no word. Refused at the block called again, before
+    any update."""
+    index = {id(block): i for i, block in enumerate(blocks.values())}
+    last = [-1]
+
+    def start(module, args):
+        last[0] = -1
+
+    def block_called(module, args):
+        i = index[id(module)]
+        if i <= last[0]:
+            raise MeshfitError(
+                f"pipeline parallel cannot split this model: its forward calls block {i} of "
+                f"{container!r} again after block {last[0]} in one forward (a loop over the "
+                f"blocks run more than once, or a block shared by several places), and a "
+                f"stage runs each of its blocks once, in order; train with dp, fsdp or tp "
+                f"instead of pp (or name a container whose blocks run once each with "
+                f"blocks='...')"
+            )
+        last[0] = i
+
+    handles = [model.register_forward_pre_hook(start)]
+    handles += [block.register_forward_pre_hook(block_called) for block in blocks.values()]
     return handles
 
 
