@@ -863,6 +863,20 @@ def build_lm(kind: str, dtype: str = "float64") -> torch.nn.Module:
             max_position_embeddings=LM_LEN,
         )
         model = Olmo2ForCausalLM(config)
+    elif kind == "recurrent_gemma":  # keeps its recurrent state on a module after a forward
+        from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+        config = RecurrentGemmaConfig(
+            vocab_size=LM_VOCAB,
+            hidden_size=16,
+            lru_width=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            use_cache=False,  # with its cache transformers' own forward fails (5.24)
+        )
+        model = RecurrentGemmaForCausalLM(config)
     elif kind in ("qwen3", "qwen3_moe", "qwen3_mqa"):  # per-head q_norm / k_norm
         from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -925,7 +939,12 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
         return ids, targets
     if kind in ("llama", "qwen3", "qwen3_moe", "llama_mqa", "qwen3_mqa"):
         return {"input_ids": ids, "attention_mask": mask}, labels
-    if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):  # labels travel in the batch
+    if kind.startswith("gpt2") or kind in (
+        "bert",
+        "neox",
+        "olmo2",
+        "recurrent_gemma",
+    ):  # labels in it
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if kind == "t5":  # the answer is the decoder's target
         decoder_ids = torch.zeros_like(ids)
@@ -937,7 +956,7 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
 def lm_loss(kind: str, mean: bool = False):
     """How each family is trained: the token-weighted pair, or the model's own loss.
     `mean=True`: a per-micro-batch mean instead (the negative control)."""
-    if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2"):
+    if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2", "recurrent_gemma"):
         return "model"
     shifted = ("llama", "qwen3", "qwen3_moe", "llama_mqa", "qwen3_mqa")
     loss = mf.losses.cross_entropy(shift=kind in shifted)

@@ -174,8 +174,22 @@ def _failing_sublayer(
 
 
 def _on_meta(block: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    copied = copy.deepcopy(block).to_empty(device="meta").eval()
+    copied = _copied(block).to_empty(device="meta").eval()
     return copied if dtype is None else copied.to(dtype)
+
+
+def _copied(block: nn.Module) -> nn.Module:
+    """copy.deepcopy of the block, a tensor that one of its modules keeps from its last
+    forward (RecurrentGemma's recurrent state, made by autograd in the traced forward)
+    copied detached: deepcopy refuses a tensor autograd made, and the tp split of
+    RecurrentGemma failed with torch's "Only Tensors created explicitly by the user
+    (graph leaves) support the deepcopy protocol" instead of a verdict."""
+    memo: dict[int, Any] = {}
+    for module in block.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(block, memo)
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
