@@ -163,6 +163,33 @@ def gpt_oss() -> nn.Module:
     )  # fmt: skip
 
 
+class HashMoELM(nn.Module):
+    """Experts in an nn.ModuleList, each token sent to expert `id % 4` (hash routing) and
+    an expert no token reaches skipped, the way a user writes one: which experts a
+    rank's tokens reach depends on its share of the batch (batch_of gives rank 0's half
+    no token for expert 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = 16
+        self.embed = nn.Embedding(VOCAB, width)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            for _ in range(4)
+        )
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        out = torch.zeros_like(x)
+        route = ids % len(self.experts)
+        for e, expert in enumerate(self.experts):
+            picked = route == e
+            if picked.any():
+                out[picked] = expert(x[picked])
+        return self.head(x + out)
+
+
 BUILDS = {
     "qwen3_moe": qwen3_moe,
     "qwen2_moe": qwen2_moe,
@@ -175,6 +202,7 @@ BUILDS = {
     "own_skewed": lambda: OwnMoELM(top_k=1, skewed=True),
     "own_3_experts": lambda: OwnMoELM(experts=3),
     "list": ListMoELM,
+    "hash": HashMoELM,
 }
 FLOAT32 = {"mixtral"}  # kernels that take no float64
 
@@ -182,7 +210,9 @@ FLOAT32 = {"mixtral"}  # kernels that take no float64
 def batch_of(model: str, step: int) -> Any:
     g = torch.Generator().manual_seed(70_000 + step)
     ids = torch.randint(1, VOCAB, (8, LENGTH), generator=g)
-    if model in ("own", "own_skewed", "own_3_experts", "list"):
+    if model == "hash":  # the first half (rank 0's under dp=2) reaches no expert 3
+        ids[:4] -= (ids[:4] % 4 == 3).long()
+    if model in ("own", "own_skewed", "own_3_experts", "list", "hash"):
         return ids, torch.randint(0, VOCAB, (8, LENGTH), generator=g)
     mask = torch.ones_like(ids)
     mask[::3, -2:] = 0  # some rows right-padded, as a collator gives them
@@ -202,7 +232,7 @@ def ep_run(spec: dict) -> dict:
     model = BUILDS[spec["model"]]()
     if spec["model"] not in FLOAT32:
         model = model.double()
-    own = spec["model"] in ("own", "own_skewed", "own_3_experts", "list")
+    own = spec["model"] in ("own", "own_skewed", "own_3_experts", "list", "hash")
     with _misrouted() if spec.get("misrouted") else contextlib.nullcontext():
         engine = mf.parallelize(
             model,

@@ -76,6 +76,23 @@ def test_ep2_trains_the_one_process_run_on_every_kind_of_moe() -> None:
     assert all("\n" not in r["refused"] for r in (listed, three))
 
 
+def test_experts_a_rank_s_tokens_all_miss_train_the_one_process_run_under_dp_and_fsdp() -> None:
+    """Experts in a ModuleList, routed by token id, one of them reached by no token of
+    rank 0's share: that rank had no gradient for it and the ranks reduced different
+    sets of gradients (gloo aborted the workers: "Received data size doesn't match
+    expected size"; transformers' LongCat-Flash, whose zero-computation experts can take
+    all of a rank's tokens, aborted so under dp=2 and fsdp=2). Every routed expert's
+    parameters are in each forward's graph now (times zero), and both plans train the
+    one-process run."""
+    specs = [{"model": "hash", "plan": p} for p in ("dp=2", "fsdp=2")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = mf.launch(many_ep_runs, nproc=2, args=(specs,))
+    reference = ep_run({"model": "hash", "plan": None})
+    for spec, got in zip(specs, results, strict=True):
+        assert_same(spec, got, reference)
+
+
 @pytest.mark.slow
 def test_ep_composes_with_dp_fsdp_cp_pp_and_tp_and_ep4() -> None:
     """On 4 workers: ep=4, ep=2 beside dp=4 (each expert on 2 ranks, their gradients

@@ -290,9 +290,12 @@ def _data_parallel(b: Build) -> None:
         model = b.model
         b.parts = [ModelPart(units=_blocks_or_none(model), make_module=lambda: model)]
     from meshfit.parallel.ddp import skips_layers_at_random
+    from meshfit.parallel.experts import reach_every_expert
 
     placed = set(b.experts.parameters) if b.experts is not None else set()
     skips = skips_layers_at_random(b.model)
+    if b.topology.mesh is not None and (b.plan.uses_fsdp or b.topology.grad_average_size > 1):
+        reach_every_expert(b.model)  # every rank reduces the same gradients
     b.modules = apply_data_parallel(b.parts, b.topology, b.precision, b.values, placed, skips)
     if b.split is not None and b.plan.uses_fsdp and not b.plan.defers_stage_reduction:
         from meshfit.parallel.fsdp import reduced_per_block
@@ -458,8 +461,15 @@ def _gradient_sync(module: nn.Module, topology: Topology) -> GradientSync:
 
 def _blocks_or_none(model: nn.Module) -> list[nn.Module]:
     from meshfit.parallel.blocks import find_blocks
+    from meshfit.parallel.experts import routed_experts
 
     try:
-        return list(find_blocks(model).blocks)
+        stack = find_blocks(model)
     except MeshfitError:
         return []  # no repeated unit: one FSDP unit for the whole model
+    # Experts that a rank's tokens may skip are no FSDP units: a unit all-gathers in its
+    # forward, and a rank that skipped one left the others waiting in its all-gather (a
+    # ModuleList of experts, the model's only repeated modules, hung under fsdp=2)
+    if any(stack.container is experts for _, experts in routed_experts(model)):
+        return []
+    return list(stack.blocks)

@@ -257,3 +257,53 @@ def _local_experts(module: nn.Module, layer: ExpertLayer) -> Iterator[None]:
     finally:
         for name, p in placed.items():
             module._parameters[name] = p
+
+
+def routed_experts(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(the module that calls them, the experts module) for each mixture whose experts a
+    rank's tokens may all miss at a step: a module named after its experts (`experts`,
+    `expert`; not a shared expert, which every token reaches) with parameters outside
+    the fused expert tensors `find_expert_layers` finds (a fused tensor gets a gradient
+    whenever any of its experts is reached): an nn.ModuleList of experts, or LongCat-
+    Flash's, whose zero-computation experts can take all of a rank's tokens."""
+    fused = {id(p) for layer in find_expert_layers(model) for p in layer.module.parameters()}
+    modules = dict(model.named_modules())
+    found = []
+    for name, module in modules.items():
+        parent, _, last = name.rpartition(".")
+        if "expert" not in last.lower() or "shared" in last.lower():
+            continue
+        if any(p.requires_grad and id(p) not in fused for p in module.parameters()):
+            found.append((modules[parent], module))
+    return found
+
+
+def reach_every_expert(model: nn.Module) -> list[Any]:
+    """Hooks that put every parameter of the routed experts (`routed_experts`) in each
+    forward's graph, times zero: the gradient of an expert no token of this rank reached
+    is then zeros, not None. Without it the ranks reduced different sets of gradients:
+    LongCat-Flash under dp=2 and fsdp=2 aborted gloo ("Received data size doesn't match
+    expected size": one rank reduced its experts' gradients, the other had none), as a
+    mixture of your own with an nn.ModuleList of experts would. One element of each
+    parameter is read (its gradient is still the whole tensor's zeros), on the module
+    that calls the experts, which runs whichever experts are reached."""
+    handles = []
+    for caller, experts in routed_experts(model):
+        # the parameters as the forward sees them (FSDP2 swaps in the unsharded ones)
+        def touch(module: nn.Module, args: Any, output: Any, experts: nn.Module = experts) -> Any:
+            first = output[0] if isinstance(output, tuple) else output
+            if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+                return output
+            params = [p for p in experts.parameters() if p.requires_grad]
+            zero = sum(_one_element(p) for p in params) * 0.0
+            touched = first + zero.to(first.dtype)
+            return (touched, *output[1:]) if isinstance(output, tuple) else touched
+
+        handles.append(caller.register_forward_hook(touch))
+    return handles
+
+
+def _one_element(p: torch.Tensor) -> torch.Tensor:
+    """One element of a parameter, read without a collective (a tp shard: its own)."""
+    local = p.to_local() if isinstance(p, DTensor) else p
+    return local.reshape(-1)[0]
