@@ -198,3 +198,10 @@ def test_memory_timeline_finds_what_is_alive_at_the_peak(monkeypatch) -> None:
     assert (chunk["bytes"], chunk["count"], chunk["largest"]) == (600, 2, 500)
     assert chunk["where"].startswith("functional.py:1 linear < chunk.py:7 chunk")
     assert head["bytes"] == 30
+
+
+def test_model_sweep_benchmark_quick(tmp_path) -> None:
+    """Two transformers causal LMs under dp=2 and pp=2: each the one-process run."""
+    written = _run_quick("model_sweep.py", tmp_path, timeout=300)[1]
+    verdicts = {(r["type"], r["plan"]): r["verdict"] for r in written["rows"]}
+    assert verdicts == {(t, p): "same" for t in ("llama", "gpt2") for p in ("dp=2", "pp=2")}
