@@ -229,7 +229,12 @@ def test_tp_refuses_attention_that_reshapes_with_a_head_count_it_cannot_localise
 
 def test_pipeline_refuses_more_stages_than_blocks() -> None:
     spec = make_spec("gpt", "pp=2,schedule=interleaved-1f1b")  # 4 stages, 2 blocks
-    with pytest.raises(mf.MeshfitError, match="needs 4 stages but GPT has only 2 blocks"):
+    # the fix it names is one that can run: 2 blocks make no 2 interleaved stages per rank
+    with pytest.raises(
+        mf.MeshfitError,
+        match=r"needs 4 stages but GPT has only 2 blocks in 'blocks'; use "
+        r"schedule='1f1b'$",
+    ):
         mf.launch(many_engine_runs, nproc=2, args=([spec],))
 
 

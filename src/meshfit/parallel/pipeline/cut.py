@@ -188,10 +188,15 @@ def split_model(
     stack = find_blocks(model)
     n = len(stack.keys)
     if n < num_stages:
+        fixes = [f"pp <= {n // virtual}"] if n // virtual >= 2 else []
+        if virtual > 1 and n >= pp:
+            fixes.append("schedule='1f1b'")
+        # fewer than 2 blocks (ALBERT's one shared layer group): "use pp <= 1" was no fix
+        fix = " or ".join(fixes) or "dp, fsdp or tp (pipeline parallel cuts 2 blocks or more)"
         raise MeshfitError(
             f"pp={pp} with schedule {schedule!r} needs {num_stages} stages but "
-            f"{type(model).__name__} has only {n} blocks in {stack.name or 'the model'!r}; "
-            f"use pp <= {n // virtual}" + (" or schedule='1f1b'" if virtual > 1 else "")
+            f"{type(model).__name__} has only {n} block{'s' if n != 1 else ''} in "
+            f"{stack.name or 'the model'!r}; use {fix}"
         )
     head, tail = _head_tail_parameters(model, stack)
     head_state, tail_state = _head_tail_state(model, stack)
