@@ -4,7 +4,8 @@ do neither. A finder of silent wrong runs, not a timer.
 
 Each model type of transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built from its
 config with small sizes (32 wide, 2 layers, 4 heads, 4 experts, a vocabulary of 32;
-`EXTRA` has the fields some types need on top), dropout off, and trained for 3 SGD
+`EXTRA` has the fields some types need on top; the head tied to the embedding where
+the type's config ties it), dropout off, and trained for 3 SGD
 steps on a collator's batches (right-padded ids with their mask, -100 on the prompt and
 the padding) with the token-weighted causal loss: first in one process (float64, or
 float32 where its kernels take no float64), then under each plan, all types in one
@@ -42,7 +43,6 @@ SMALL = dict(
     hidden_dropout=0.0, attention_dropout=0.0, hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     dropout=0.0, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    tie_word_embeddings=False,
 )  # fmt: skip
 # set after the config is made, where it has the field: a few experts
 EXPERTS = dict(
