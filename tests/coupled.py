@@ -247,3 +247,79 @@ def sum_loss_run(spec: dict) -> dict:
 def many_sum_loss_runs(specs: list[dict]) -> list[dict]:
     torch.set_num_threads(1)
     return [sum_loss_run(spec) for spec in specs]
+
+
+class EMACodebook(nn.Module):
+    """A VQ-VAE's codebook kept by exponential moving averages of the vectors each code
+    is assigned (no gradient), written the way VQ-VAE code writes it: the cluster sizes
+    reassigned (`self.cluster_size = ...`, as the PyTorch ports of Sonnet's
+    VectorQuantizerEMA do), the sums and codebook written in place, a step count beside.
+    `gather`: the update computed from the global batch's rows (mf.gather_batch), the fix
+    meshfit's refusal names."""
+
+    def __init__(self, codes: int = 8, dim: int = 4, decay: float = 0.9, gather: bool = False):
+        super().__init__()
+        self.decay, self.gather = decay, gather
+        embed = torch.randn(codes, dim)
+        self.register_buffer("embed", embed)
+        self.register_buffer("cluster_size", torch.ones(codes))
+        self.register_buffer("embed_avg", embed.clone())
+        self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        distances = (x * x).sum(1, keepdim=True) - 2 * x @ self.embed.t() + (self.embed**2).sum(1)
+        onehot = F.one_hot(distances.argmin(1), self.embed.shape[0]).to(x.dtype)
+        quantized = onehot @ self.embed
+        if self.training:
+            with torch.no_grad():
+                flat, assigned = x, onehot
+                if self.gather:
+                    flat, assigned = mf.gather_batch(x), mf.gather_batch(onehot)
+                decay = self.decay
+                self.cluster_size = self.cluster_size * decay + (1 - decay) * assigned.sum(0)
+                self.embed_avg.mul_(decay).add_(assigned.t() @ flat, alpha=1 - decay)
+                n = self.cluster_size.sum()
+                size = (self.cluster_size + 1e-5) / (n + self.embed.shape[0] * 1e-5) * n
+                self.embed.copy_(self.embed_avg / size.unsqueeze(1))
+                self.updates += 1
+        commitment = F.mse_loss(x, quantized.detach())
+        return x + (quantized - x).detach(), commitment
+
+
+class VQAutoencoder(nn.Module):
+    def __init__(self, gather: bool = False):
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(8, 4), nn.Linear(4, 8)
+        self.vq = EMACodebook(gather=gather)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z, commitment = self.vq(self.encoder(x))
+        return self.decoder(z), commitment
+
+
+def vq_loss(outputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+    reconstruction, commitment = outputs
+    return F.mse_loss(reconstruction, targets) + 0.25 * commitment
+
+
+def vq_run(spec: dict) -> dict:
+    """The VQ autoencoder (spec["gather"]: its update from the global batch) under
+    spec["plan"] for 3 SGD steps on batches of 8 vectors (its targets its inputs)."""
+    torch.manual_seed(0)
+    model = VQAutoencoder(gather=spec.get("gather", False)).double()
+    options = spec.get("options", {})
+    engine = mf.parallelize(
+        model, spec.get("plan"), loss_fn=vq_loss, optimizer=zoo_optimizer, **options
+    )
+    losses = []
+    for step in range(3):
+        x, _ = vectors(seed=step)
+        losses.append(float(engine.step((x, x))))
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def many_vq_runs(specs: list[dict]) -> list[dict]:
+    from workers import runs_or_refusals
+
+    torch.set_num_threads(1)
+    return runs_or_refusals(vq_run, specs)

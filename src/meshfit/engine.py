@@ -110,7 +110,9 @@ class Engine:
         loss_fn = self.metric_tap or loss_fn
         self.last_metrics: dict[str, torch.Tensor] = {}  # of the last step / evaluation
         # what couples the samples of a batch, and the scope each micro-batch runs in
-        self.coupling = BatchCoupling(model, topology, self.model_loss)
+        self.coupling = BatchCoupling(
+            model, topology, self.model_loss, own_statistics=not options.sync_batchnorm
+        )
         self._forms = FormOptions(
             loss_fn=loss_fn,
             tp_plan=options.tp_plan,
@@ -356,9 +358,9 @@ class Engine:
         self._coupling_checked = True
         if self.coupling.verdict is not None and self.coupling.verdict.summed:
             self.sample_sum.on = True
-        note = self.coupling.note()
-        if note and self.rank == 0:
-            print(f"meshfit: {note}", flush=True)
+        for note in (self.coupling.note(), self.coupling.statistics_note()):
+            if note and self.rank == 0:
+                print(f"meshfit: {note}", flush=True)
 
     def _optimizer_step(self) -> None:
         if self._measure_gradients:

@@ -84,7 +84,9 @@ def parallelize(
         batch, over the data-parallel ranks, as in one process (default). A BatchNorm
         model is then refused with more than one micro-batch, which BatchNorm would
         normalise one by one. False: each rank and micro-batch uses its own statistics
-        (no communication; not the one-process run).
+        (no communication; not the one-process run), BatchNorm's and those of any
+        buffer the forward updates from its batch and reads (a VQ-VAE's codebook
+        averages), which are otherwise refused under a plan that splits the batch.
     blocks: the qualified name of the container (nn.ModuleList / Sequential /
         ModuleDict) that holds the model's repeated blocks, e.g. "model.layers", where
         meshfit's guess (the largest container of same-type modules) is not the one

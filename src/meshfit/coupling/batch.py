@@ -21,6 +21,7 @@ from meshfit.coupling.moe import find_load_balancing, pipeline_refusal
 from meshfit.coupling.probe import Verdict, probe
 from meshfit.coupling.products import InBatchProducts
 from meshfit.coupling.scope import Scope, active
+from meshfit.coupling.statistics import Statistics, batch_statistics
 from meshfit.errors import MeshfitError
 
 if TYPE_CHECKING:
@@ -35,9 +36,16 @@ class BatchCoupling:
     same object every step)."""
 
     def __init__(
-        self, model: nn.Module, topology: Topology, model_loss: ModelOwnLoss | None
+        self,
+        model: nn.Module,
+        topology: Topology,
+        model_loss: ModelOwnLoss | None,
+        own_statistics: bool = False,
     ) -> None:
         self.topology = topology
+        # sync_batchnorm=False: each rank keeps its own batch statistics (statistics.py)
+        self.own_statistics = own_statistics
+        self.statistics = Statistics()
         self.load_balancing = find_load_balancing(model)
         self.model_loss = model_loss
         self.scope = Scope(
@@ -136,10 +144,21 @@ class BatchCoupling:
             owner=self.loss_owner,
         )
         self.verdict = verdict
+        if verdict is not None and verdict.coupled:
+            raise MeshfitError(self._refusal(verdict))
+        self.statistics = batch_statistics(
+            model,
+            run_loss,
+            self._probe_scope,
+            inputs,
+            targets,
+            low_precision=low_precision,
+            world=world,
+        )
+        if self.statistics.read and not self.own_statistics:
+            raise MeshfitError(self._statistics_refusal(model))
         if verdict is None:
             return
-        if verdict.coupled:
-            raise MeshfitError(self._refusal(verdict))
         self.scope.products = verdict.products
         if verdict.own_loss and self.loss_owner is not None:
             own_loss.install(self.loss_owner)
@@ -196,13 +215,72 @@ class BatchCoupling:
             )
         return line
 
-    def _refusal(self, verdict: Verdict) -> str:
+    def statistics_note(self) -> str | None:
+        """A start-up line on buffers updated from each rank's share (None: none)."""
+        if not self.statistics.found:
+            return None
+        plan, parts = self.topology.plan, " x ".join(self._parts())
+        if self.statistics.read:  # trained on under sync_batchnorm=False
+            return (
+                f"{self._buffers_named()} updated by the training forward from the samples "
+                f"it sees, and read by it; plan {plan} splits the batch over {parts} and "
+                f"sync_batchnorm=False lets each keep its own, so this is not the "
+                f"one-process run"
+            )
+        return (
+            f"{self._buffers_named()} updated by the training forward from the samples it "
+            f"sees (the loss does not read it): plan {plan} splits the batch over {parts}, "
+            f"each updating it from its own share, so its values (saved, and read by "
+            f"evaluation) will differ from one process's"
+        )
+
+    def _buffers_named(self) -> str:
+        names = self.statistics.names
+        if not names:  # another rank found them
+            return "a buffer is"
+        more = ", ".join(names[1:3]) + (", ..." if names[3:] else "")
+        more = f" (and {len(names) - 1} more: {more})" if names[1:] else ""
+        return f"buffer {names[0]!r}{more} is"
+
+    def _statistics_refusal(self, model: nn.Module) -> str:
+        plan = self.topology.plan
+        whole = "a plan that keeps the batch whole (tp=N, or pp=N with microbatches=1)"
+        own = "sync_batchnorm=False to let each rank keep its own (not the one-process run)"
+        names = self.statistics.names
+        owner = model.get_submodule(names[0].rpartition(".")[0]) if names else model
+        top = type(owner).__module__.split(".")[0]
+        if top in _LIBRARIES:
+            fix = (
+                f"It is {top}'s code ({type(owner).__name__}), which meshfit does not "
+                f"change: use {whole}, or pass {own}"
+            )
+        else:
+            fix = (
+                f"Compute the update from mf.gather_batch(x) (the global batch's rows), use "
+                f"{whole}, or pass {own}"
+            )
+        return (
+            f"{self._buffers_named()} updated by the model's training forward from the "
+            f"samples it sees, and the forward reads it: from the same start it ends other "
+            f"after half of the first batch's samples than after them together. Plan {plan} "
+            f"splits the batch over {' x '.join(self._parts())}, and each would update it from "
+            f"its own share where one process updates it from the whole batch, and train "
+            f"another run than one process. meshfit makes BatchNorm's statistics global, not "
+            f"this one (it cannot tell how its updates combine). " + fix
+        )
+
+    def _parts(self) -> list[str]:
         plan = self.topology.plan
         parts = []
         if self.topology.dp_size > 1:
             parts.append(f"{self.topology.dp_size} data-parallel ranks")
         if plan.num_microbatches > 1:
             parts.append(f"{plan.num_microbatches} micro-batches")
+        return parts
+
+    def _refusal(self, verdict: Verdict) -> str:
+        plan = self.topology.plan
+        parts = self._parts()
         where = (
             f"; the first module whose output for a sample depends on the others is {verdict.where}"
             if verdict.where

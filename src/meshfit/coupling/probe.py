@@ -37,6 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from meshfit.coupling import own_loss
+from meshfit.coupling.buffers import SavedBuffers
 from meshfit.trees import batch_rows, slice_rows, tensors_in
 
 LossPair = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -200,10 +201,11 @@ def _own_loss_dims(
     half = samples // 2
     layouts = []
     try:
-        with held_still(owner), own_loss.wrapped(owner, own_loss.Recorder) as recorder:
+        with held_still(owner) as buffers, own_loss.wrapped(owner, own_loss.Recorder) as recorder:
             drawn = torch.get_rng_state()
             for rows in (samples, half):
                 torch.set_rng_state(drawn)
+                buffers.restore()
                 with open_scope(replay=None, rows=rows, parts=1, targets=y, products=False):
                     run_loss(slice_rows(x, 0, rows), slice_rows(y, 0, rows))
                 layouts.append(list(recorder.calls))
@@ -232,9 +234,11 @@ def _compare(
     met: set[str] = set()
     failed = torch.zeros(1, dtype=torch.float64)
     try:
-        with held_still(model):
+        with held_still(model) as buffers:
             # each pass draws the same random numbers (LayerDrop's skips: wav2vec2's
-            # config skips each layer with p=0.1 in training, by `torch.rand([])`)
+            # config skips each layer with p=0.1 in training, by `torch.rand([])`) and
+            # starts from the same buffers, as each rank would (coupling/statistics.py
+            # asks about buffers updated from the batch)
             drawn = torch.get_rng_state()
             with open_scope(
                 replay=replay, rows=samples, parts=1, targets=y, products=products, own_loss=own
@@ -244,6 +248,7 @@ def _compare(
             parts = []
             for start, stop in ((0, half), (half, samples)):
                 torch.set_rng_state(drawn)
+                buffers.restore()
                 replay.half(start, stop)
                 piece = (slice_rows(x, start, stop), slice_rows(y, start, stop))
                 with open_scope(
@@ -355,23 +360,17 @@ def _weighted_by_real_targets(
     return (a.double() * count_a + b.double() * count_b) / (count_a + count_b)
 
 
-def is_broadcast(t: torch.Tensor) -> bool:
-    """A tensor broadcast from one element (a pipeline stage's placeholder for a weight
-    another stage trains: pipeline/cut.py): it cannot be written."""
-    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
-
-
 @contextlib.contextmanager
-def held_still(model: nn.Module) -> Iterator[None]:
+def held_still(model: nn.Module) -> Iterator[SavedBuffers]:
     """No gradients, no dropout, the random state and every buffer as they were after,
     BatchNorm normalising with its running statistics (no batch statistics: meshfit
-    makes those global by itself)."""
+    makes those global by itself). Yields the saved buffers (a pass that must start
+    from them restores them first)."""
     norms = [
         m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
     ]
-    # a buffer broadcast from one element (a pipeline stage's placeholder for a weight
-    # another stage trains: pipeline/cut.py) cannot be written, so nothing can change it
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if not is_broadcast(b)]
+    # by name: a forward may replace a buffer rather than write into it (I-BERT's)
+    buffers = SavedBuffers(model)
     frozen = [(p, p._version) for p in model.parameters() if not p.requires_grad]
     # drop-path modules that draw with torch.rand (transformers' SwinDropPath,
     # ConvNextDropPath, ...: `keep + torch.rand(shape)`, floored) rather than bernoulli_:
@@ -388,15 +387,13 @@ def held_still(model: nn.Module) -> Iterator[None]:
         m.drop_prob = 0.0
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), _NoDropout():
-            yield
+            yield buffers
     finally:
         for m in norms:
             m.train()
         for m, p in dropping:
             m.drop_prob = p
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        buffers.restore()
     changed = [p for p, version in frozen if p._version != version]
     if changed:
         from meshfit.errors import MeshfitError
@@ -525,7 +522,7 @@ def _first_mixing_module(
     replayed: dict[str, int] = {}
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     try:
-        with held_still(model):
+        with held_still(model) as buffers:
             drawn = torch.get_rng_state()  # both passes draw alike (as in _compare)
             with open_scope(
                 replay=Replay(samples), rows=samples, parts=1, targets=y, products=False
@@ -533,6 +530,7 @@ def _first_mixing_module(
                 run_loss(x, y)
             recording[0] = False
             torch.set_rng_state(drawn)
+            buffers.restore()
             with open_scope(replay=None, rows=half, parts=1, targets=y, products=False):
                 run_loss(slice_rows(x, 0, half), slice_rows(y, 0, half))
     except Exception:  # noqa: BLE001 - only a name for the refusal; it stands without one

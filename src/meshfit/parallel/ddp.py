@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshfit.coupling.probe import is_broadcast
+from meshfit.coupling.buffers import is_broadcast
 
 
 def replicate(

@@ -1,0 +1,109 @@
+"""Buffers a training forward updates from the samples it sees (meshfit/coupling/
+statistics.py): a VQ-VAE's codebook averages, I-BERT's activation ranges. Under a plan
+that splits the batch each rank would update them from its own share: refused in one
+line where the forward reads them (a codebook), said at start-up where it does not."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from coupled import VQAutoencoder, many_vq_runs, vq_loss, vq_run  # noqa: E402
+from test_coupling import assert_same_run, distance  # noqa: E402
+
+import meshfit as mf  # noqa: E402
+
+
+def test_a_codebook_updated_from_the_batch_is_refused_naming_it() -> None:
+    """One process with micro-batches splits the batch as ranks do: the codebook's
+    averages (read by the next forward) would follow each micro-batch's share. Refused
+    before any update, naming the buffers and the fixes, and the model's buffers left as
+    they were: the probe restores even the one the forward replaces (`cluster_size`),
+    which copying into the saved tensors did not. The step count is no statistic of the
+    batch and is not named."""
+    torch.manual_seed(0)
+    model = VQAutoencoder().double()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    engine = mf.parallelize(model, "microbatches=2", loss_fn=vq_loss)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with pytest.raises(mf.MeshfitError) as refusal:
+        engine.step((x, x))
+    message = str(refusal.value)
+    assert message.startswith("buffer 'vq.embed' (and 2 more: vq.cluster_size, vq.embed_avg)")
+    assert "and the forward reads it" in message and "2 micro-batches" in message
+    assert "mf.gather_batch(x)" in message and "sync_batchnorm=False" in message
+    assert "vq.updates" not in message
+    after = dict(model.named_buffers())
+    assert all(torch.equal(after[name], b) for name, b in before.items())
+
+
+def test_a_statistic_the_loss_does_not_read_is_said_at_start_up() -> None:
+    """I-BERT (quant_mode off, its default) keeps the range of its activations in its
+    QuantAct modules' buffers, updated in every training forward and read by nothing
+    then: the plan trains, and a start-up line names them (its saved ranges will be
+    the micro-batches' rather than the batch's). Its loss matches one process's."""
+    from transformers import IBertConfig, IBertForMaskedLM
+
+    config = IBertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 32, (4, 8), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, 2] = ids[:, 2]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    losses, said = [], []
+    for plan in (None, "microbatches=2"):
+        torch.manual_seed(0)
+        engine = mf.parallelize(IBertForMaskedLM(config).double(), plan, loss_fn="model")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            losses.append(float(engine.step(batch)))
+        said.append(out.getvalue())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+    assert "embeddings_act1.x_max' (and 24 more" not in said[0]
+    assert "buffer 'ibert.embeddings.embeddings_act1.x_max' (and 24 more" in said[1]
+    assert "the loss does not read it" in said[1]
+
+
+@pytest.mark.slow
+def test_batch_statistics_under_dp_and_fsdp() -> None:
+    """The codebook under dp=2 and fsdp=2: refused as it stands; with its update computed
+    from mf.gather_batch (the refusal's fix) the one-process run, buffers included; and
+    under sync_batchnorm=False (each rank keeps its own, as asked) another run than one
+    process's: what the refusal guards against."""
+    reference = vq_run({})
+    specs = [
+        {"plan": "dp=2"},
+        {"plan": "fsdp=2"},
+        {"plan": "dp=2", "gather": True},
+        {"plan": "fsdp=2", "gather": True},
+        {"plan": "dp=2", "options": {"sync_batchnorm": False}},
+    ]
+    results = mf.launch(many_vq_runs, nproc=2, args=(specs,))
+    for result in results[:2]:
+        assert result["refused"].startswith("buffer 'vq.embed'"), result
+        assert "2 data-parallel ranks" in result["refused"]
+    for result in results[2:4]:
+        assert_same_run(result, reference)
+        assert torch.equal(result["state"]["vq.updates"], reference["state"]["vq.updates"])
+    assert distance(results[4], reference) > 1e-3
+
+
+def test_a_buffer_of_infinities_left_alone_is_not_a_statistic() -> None:
+    """A mask of -inf kept in a buffer and rewritten alike each forward is no statistic:
+    -inf less -inf is NaN, which a plain difference read as changed."""
+    from meshfit.coupling.statistics import _same
+
+    mask = torch.full((3, 3), float("-inf")).triu(1)
+    assert _same(mask, mask.clone())
+    assert not _same(mask, mask.triu(2))
+    assert _same(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-7]))
+    assert not _same(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.001]))
