@@ -264,8 +264,9 @@ def test_a_model_that_draws_random_numbers_in_training_is_not_read_as_coupled() 
     one over a half give a sample other numbers, and the probe read that as a coupling:
     the plan was refused, blaming the loss function ("every module's output is per
     sample, so the loss function mixes them"). The probe holds element-wise draws at one
-    value now, and the plan trains. The control: the same model with a loss that does
-    couple its samples (each sample's logits centred on the batch's mean) is refused."""
+    value now, and the plan trains, saying where the model draws. The control: the same
+    model with a loss that does couple its samples (each sample's logits centred on the
+    batch's mean) is refused."""
     from transformers import PhimoeConfig, PhimoeForCausalLM
 
     config = PhimoeConfig(
@@ -285,7 +286,13 @@ def test_a_model_that_draws_random_numbers_in_training_is_not_read_as_coupled() 
     engine = mf.parallelize(
         PhimoeForCausalLM(config), "microbatches=2", loss_fn=causal, optimizer=zoo_optimizer
     )
-    assert math.isfinite(float(engine.step((x, y))))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert math.isfinite(float(engine.step((x, y))))
+    # and start-up says so, naming where its code draws (the router's jitter and Gumbel
+    # samples): each part of the batch draws its own, as with dropout
+    assert "the model draws random numbers in its training forward (Tensor." in said.getvalue()
+    assert "modeling_phimoe.py:" in said.getvalue()
     torch.manual_seed(0)
     engine = mf.parallelize(
         PhimoeForCausalLM(config), "microbatches=2", loss_fn=centred, optimizer=zoo_optimizer

@@ -71,6 +71,7 @@ def test_a_statistic_the_loss_does_not_read_is_said_at_start_up() -> None:
     assert "embeddings_act1.x_max' (and 24 more" not in said[0]
     assert "buffer 'ibert.embeddings.embeddings_act1.x_max' (and 24 more" in said[1]
     assert "the loss does not read it" in said[1]
+    assert "draws random numbers" not in said[1]  # dropout off; it draws nothing else
 
 
 @pytest.mark.slow

@@ -358,8 +358,8 @@ class Engine:
         self._coupling_checked = True
         if self.coupling.verdict is not None and self.coupling.verdict.summed:
             self.sample_sum.on = True
-        for note in (self.coupling.note(), self.coupling.statistics_note()):
-            if note and self.rank == 0:
+        for note in self.coupling.notes():
+            if self.rank == 0:
                 print(f"meshfit: {note}", flush=True)
 
     def _optimizer_step(self) -> None:

@@ -215,6 +215,26 @@ class BatchCoupling:
             )
         return line
 
+    def notes(self) -> list[str]:
+        """The start-up lines of the first step's probe: what was made global, buffers
+        updated from each part's share, random draws made per part."""
+        lines = (self.note(), self.statistics_note(), self.draws_note())
+        return [line for line in lines if line]
+
+    def draws_note(self) -> str | None:
+        """A start-up line on random numbers the training forward draws besides
+        dropout's (None: none, or the probe did not run)."""
+        draws = self.verdict.draws if self.verdict is not None else ()
+        if not draws:
+            return None
+        sites = "; ".join(draws[:2]) + ("; ..." if draws[2:] else "")
+        return (
+            f"the model draws random numbers in its training forward ({sites}): plan "
+            f"{self.topology.plan} splits the batch over {' x '.join(self._parts())}, each "
+            f"drawing its own, so this run matches one process's in distribution, not "
+            f"number for number (as with dropout)"
+        )
+
     def statistics_note(self) -> str | None:
         """A start-up line on buffers updated from each rank's share (None: none)."""
         if not self.statistics.found:

@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from meshfit.coupling import own_loss
 from meshfit.coupling.buffers import SavedBuffers
+from meshfit.coupling.draws import HeldDraws
 from meshfit.trees import batch_rows, slice_rows, tensors_in
 
 LossPair = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -76,6 +75,9 @@ class Verdict:
     # the model's own loss function gathered over the batch (coupling/own_loss.py):
     # each argument's sample dimension
     own_loss: dict | None = None
+    # where the training forward draws random numbers other than dropout's (PhiMoE's
+    # router): each rank draws its own, as with dropout (said at start-up)
+    draws: tuple[str, ...] = ()
 
 
 class Replay:
@@ -162,8 +164,13 @@ def probe(
         return None
     x = slice_rows(inputs, 0, samples)
     y = slice_rows(targets, 0, samples)
-    verdict = _compare(model, run_loss, open_scope, x, y, samples, False, low_precision, world)
+    draws: list[str] = []
+    verdict = _compare(
+        model, run_loss, open_scope, x, y, samples, False, low_precision, world, draws=draws
+    )
     if verdict is None or not verdict.coupled:
+        if verdict is not None:
+            verdict.draws = tuple(draws)
         return verdict
     with_products = _compare(model, run_loss, open_scope, x, y, samples, True, low_precision, world)
     if with_products is not None and not with_products.coupled and with_products.met:
@@ -228,13 +235,14 @@ def _compare(
     low_precision: bool,
     world: dist.ProcessGroup | None,
     own: dict | None = None,
+    draws: list[str] | None = None,
 ) -> Verdict | None:
     half = samples // 2
     replay = Replay(samples)
     met: set[str] = set()
     failed = torch.zeros(1, dtype=torch.float64)
     try:
-        with held_still(model) as buffers:
+        with held_still(model, draws) as buffers:
             # each pass draws the same random numbers (LayerDrop's skips: wav2vec2's
             # config skips each layer with p=0.1 in training, by `torch.rand([])`) and
             # starts from the same buffers, as each rank would (coupling/statistics.py
@@ -361,11 +369,11 @@ def _weighted_by_real_targets(
 
 
 @contextlib.contextmanager
-def held_still(model: nn.Module) -> Iterator[SavedBuffers]:
+def held_still(model: nn.Module, draws: list[str] | None = None) -> Iterator[SavedBuffers]:
     """No gradients, no dropout, the random state and every buffer as they were after,
     BatchNorm normalising with its running statistics (no batch statistics: meshfit
     makes those global by itself). Yields the saved buffers (a pass that must start
-    from them restores them first)."""
+    from them restores them first); `draws` gets where the forward drew (draws.HeldDraws)."""
     norms = [
         m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
     ]
@@ -386,7 +394,7 @@ def held_still(model: nn.Module) -> Iterator[SavedBuffers]:
     for m, _ in dropping:
         m.drop_prob = 0.0
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), _NoDropout():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), HeldDraws(draws):
             yield buffers
     finally:
         for m in norms:
@@ -404,79 +412,6 @@ def held_still(model: nn.Module) -> Iterator[SavedBuffers]:
             "this is a meshfit limitation: report it, and meanwhile train with a plan "
             "that does not split the batch (tp=N)"
         )
-
-
-_DROPOUTS = {
-    F.dropout,
-    F.dropout1d,
-    F.dropout2d,
-    F.dropout3d,
-    F.alpha_dropout,
-    F.feature_alpha_dropout,
-    torch.dropout,
-    torch.Tensor.bernoulli_,
-}
-
-
-def _held(args: tuple, kwargs: dict, at: int, name: str, default: float) -> float:
-    """A random draw's parameter, positional (`at`) or by keyword."""
-    return float(args[at] if len(args) > at else kwargs.get(name, default))
-
-
-def _lowest(args: tuple, kwargs: dict) -> float:
-    """randint's low: its first argument where two integers lead (low, high), else 0."""
-    ints = [a for a in args[:2] if isinstance(a, int)]
-    return float(ints[0] if len(ints) == 2 else kwargs.get("low", 0))
-
-
-# Random draws element by element (noise, Gumbel samples, Heun's coin of Phi-3.5-MoE's
-# router), held at one value each, whatever the batch: a draw over the whole batch and
-# one over a half give a sample other numbers (the same random state, other shapes), so
-# a model that draws in training read as coupled: Phi-3.5-MoE (transformers' PhiMoE:
-# jitter noise, Gumbel sampling of its experts) was refused under dp and fsdp as "the
-# loss couples the samples" (3.1e-5 apart). Integers held at their lowest value: an
-# index drawn to pair samples then points at another sample in a half than in the
-# whole, and the coupling still shows; randperm and multinomial are left as they draw.
-_DRAWS_HELD: dict[Any, Callable[[tuple, dict], float]] = {
-    torch.Tensor.uniform_: lambda a, k: (
-        (_held(a, k, 1, "from", 0.0) + _held(a, k, 2, "to", 1.0)) / 2
-    ),
-    torch.Tensor.normal_: lambda a, k: _held(a, k, 1, "mean", 0.0),
-    torch.Tensor.exponential_: lambda a, k: 1.0 / _held(a, k, 1, "lambd", 1.0),
-    torch.Tensor.cauchy_: lambda a, k: _held(a, k, 1, "median", 0.0),
-    torch.rand: lambda a, k: 0.5,
-    torch.rand_like: lambda a, k: 0.5,
-    torch.randn: lambda a, k: 0.0,
-    torch.randn_like: lambda a, k: 0.0,
-    torch.randint: lambda a, k: _lowest(a, k),
-    torch.randint_like: lambda a, k: _lowest(a[1:], k),
-}
-
-
-class _NoDropout(TorchFunctionMode):
-    """Dropout as identity (and attention's dropout_p as 0), and every element-wise
-    random draw held at one value (`_DRAWS_HELD`): the halves and the whole then compute
-    the same function of each sample."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        if func in _DROPOUTS:
-            if func is torch.Tensor.bernoulli_:  # drop-path: keep everything
-                return args[0].fill_(1.0)
-            return args[0]
-        held = _DRAWS_HELD.get(func)
-        # a draw from a generator its caller seeds (the probe's own fingerprints) is
-        # the same in every pass already
-        if held is not None and kwargs.get("generator") is None:
-            value = held(args, kwargs)
-            out = func(*args, **kwargs)  # its shape, dtype and device, as drawn
-            with torch.no_grad():
-                return out.fill_(value)
-        if func is F.scaled_dot_product_attention and kwargs.get("dropout_p"):
-            kwargs = {**kwargs, "dropout_p": 0.0}
-        elif func is F.scaled_dot_product_attention and len(args) > 4 and args[4]:
-            args = (*args[:4], 0.0, *args[5:])
-        return func(*args, **kwargs)
 
 
 def _first_mixing_module(
