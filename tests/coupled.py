@@ -297,19 +297,39 @@ class VQAutoencoder(nn.Module):
         return self.decoder(z), commitment
 
 
+class VQStack(nn.Module):
+    """The codebook before a stack of blocks (what pipeline parallel cuts): its first
+    stage holds the codebook."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(8, 4), nn.Linear(4, 8)
+        self.vq = EMACodebook()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z, _ = self.vq(self.encoder(x))
+        for block in self.blocks:
+            z = block(z)
+        return self.decoder(z)
+
+
 def vq_loss(outputs: tuple, targets: torch.Tensor) -> torch.Tensor:
     reconstruction, commitment = outputs
     return F.mse_loss(reconstruction, targets) + 0.25 * commitment
 
 
 def vq_run(spec: dict) -> dict:
-    """The VQ autoencoder (spec["gather"]: its update from the global batch) under
-    spec["plan"] for 3 SGD steps on batches of 8 vectors (its targets its inputs)."""
+    """The VQ autoencoder (spec["gather"]: its update from the global batch; "model":
+    "stack", the codebook before a stack of blocks) under spec["plan"] for 3 SGD steps
+    on batches of 8 vectors (its targets its inputs)."""
     torch.manual_seed(0)
-    model = VQAutoencoder(gather=spec.get("gather", False)).double()
+    stack = spec.get("model") == "stack"
+    model = (VQStack() if stack else VQAutoencoder(gather=spec.get("gather", False))).double()
     options = spec.get("options", {})
+    loss_fn = F.mse_loss if stack else vq_loss
     engine = mf.parallelize(
-        model, spec.get("plan"), loss_fn=vq_loss, optimizer=zoo_optimizer, **options
+        model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer, **options
     )
     losses = []
     for step in range(3):

@@ -22,7 +22,8 @@ import meshfit as mf  # noqa: E402
 def test_a_codebook_updated_from_the_batch_is_refused_naming_it() -> None:
     """One process with micro-batches splits the batch as ranks do: the codebook's
     averages (read by the next forward) would follow each micro-batch's share. Refused
-    before any update, naming the buffers and the fixes, and the model's buffers left as
+    before any update, naming the buffers and the fixes (not mf.gather_batch, which
+    crosses ranks, not micro-batches run one after another), and the model's buffers left as
     they were: the probe restores even the one the forward replaces (`cluster_size`),
     which copying into the saved tensors did not. The step count is no statistic of the
     batch and is not named."""
@@ -36,7 +37,8 @@ def test_a_codebook_updated_from_the_batch_is_refused_naming_it() -> None:
     message = str(refusal.value)
     assert message.startswith("buffer 'vq.embed' (and 2 more: vq.cluster_size, vq.embed_avg)")
     assert "and the forward reads it" in message and "2 micro-batches" in message
-    assert "mf.gather_batch(x)" in message and "sync_batchnorm=False" in message
+    assert "sync_batchnorm=False" in message
+    assert "mf.gather_batch" not in message  # it crosses ranks, not micro-batches
     assert "vq.updates" not in message
     after = dict(model.named_buffers())
     assert all(torch.equal(after[name], b) for name, b in before.items())
@@ -79,23 +81,37 @@ def test_batch_statistics_under_dp_and_fsdp() -> None:
     """The codebook under dp=2 and fsdp=2: refused as it stands; with its update computed
     from mf.gather_batch (the refusal's fix) the one-process run, buffers included; and
     under sync_batchnorm=False (each rank keeps its own, as asked) another run than one
-    process's: what the refusal guards against."""
-    reference = vq_run({})
+    process's: what the refusal guards against. Under pp=2 the same, asked before the
+    cut."""
+    reference, stacked = vq_run({}), vq_run({"model": "stack"})
     specs = [
         {"plan": "dp=2"},
         {"plan": "fsdp=2"},
         {"plan": "dp=2", "gather": True},
         {"plan": "fsdp=2", "gather": True},
         {"plan": "dp=2", "options": {"sync_batchnorm": False}},
+        {"plan": "pp=2", "model": "stack"},
+        {"plan": "pp=2,microbatches=1,schedule=gpipe", "model": "stack"},
+        {"plan": "pp=2", "model": "stack", "options": {"sync_batchnorm": False}},
     ]
     results = mf.launch(many_vq_runs, nproc=2, args=(specs,))
     for result in results[:2]:
         assert result["refused"].startswith("buffer 'vq.embed'"), result
         assert "2 data-parallel ranks" in result["refused"]
+        assert "Compute the update from mf.gather_batch(x)" in result["refused"]
     for result in results[2:4]:
         assert_same_run(result, reference)
         assert torch.equal(result["state"]["vq.updates"], reference["state"]["vq.updates"])
     assert distance(results[4], reference) > 1e-3
+    # pp: asked before the cut (its micro-batches run one after another); with one
+    # micro-batch the one-process run, the cut's check forward and torch's metadata
+    # inference leaving the codebook as it was (before, two updates more: 1e-3 apart)
+    assert results[5]["refused"].startswith("buffer 'vq.embed'"), results[5]
+    assert "over 4 micro-batches" in results[5]["refused"]
+    assert "mf.gather_batch" not in results[5]["refused"]
+    assert_same_run(results[6], stacked)
+    assert torch.equal(results[6]["state"]["vq.updates"], stacked["state"]["vq.updates"])
+    assert distance(results[7], stacked) > 1e-3
 
 
 def test_a_buffer_of_infinities_left_alone_is_not_a_statistic() -> None:

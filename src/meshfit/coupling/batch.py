@@ -21,7 +21,13 @@ from meshfit.coupling.moe import find_load_balancing, pipeline_refusal
 from meshfit.coupling.probe import Verdict, probe
 from meshfit.coupling.products import InBatchProducts
 from meshfit.coupling.scope import Scope, active
-from meshfit.coupling.statistics import Statistics, batch_statistics
+from meshfit.coupling.statistics import (
+    LIBRARIES,
+    Statistics,
+    batch_statistics,
+    note_line,
+    refusal_line,
+)
 from meshfit.errors import MeshfitError
 
 if TYPE_CHECKING:
@@ -60,7 +66,7 @@ class BatchCoupling:
         # the library whose code computes the loss (loss_fn="model" on its model): the
         # refusal's fix cannot be an edit of that code
         tops = (cls.__module__.split(".")[0] for cls in type(model).__mro__)
-        library = next((top for top in tops if top in _LIBRARIES), None)
+        library = next((top for top in tops if top in LIBRARIES), None)
         self._library = library if model_loss is not None else None
         config = getattr(model, "config", None)
         self._router_logits_on = bool(getattr(config, "output_router_logits", False))
@@ -146,6 +152,8 @@ class BatchCoupling:
         self.verdict = verdict
         if verdict is not None and verdict.coupled:
             raise MeshfitError(self._refusal(verdict))
+        # mf.gather_batch crosses ranks, not micro-batches (run one after another)
+        gathered = self.topology.plan.num_microbatches == 1
         self.statistics = batch_statistics(
             model,
             run_loss,
@@ -154,9 +162,12 @@ class BatchCoupling:
             targets,
             low_precision=low_precision,
             world=world,
+            gathered=gathered,
         )
         if self.statistics.read and not self.own_statistics:
-            raise MeshfitError(self._statistics_refusal(model))
+            parts = " x ".join(self._parts())
+            plan = self.topology.plan
+            raise MeshfitError(refusal_line(self.statistics, model, plan, parts, gathered))
         if verdict is None:
             return
         self.scope.products = verdict.products
@@ -236,58 +247,8 @@ class BatchCoupling:
         )
 
     def statistics_note(self) -> str | None:
-        """A start-up line on buffers updated from each rank's share (None: none)."""
-        if not self.statistics.found:
-            return None
-        plan, parts = self.topology.plan, " x ".join(self._parts())
-        if self.statistics.read:  # trained on under sync_batchnorm=False
-            return (
-                f"{self._buffers_named()} updated by the training forward from the samples "
-                f"it sees, and read by it; plan {plan} splits the batch over {parts} and "
-                f"sync_batchnorm=False lets each keep its own, so this is not the "
-                f"one-process run"
-            )
-        return (
-            f"{self._buffers_named()} updated by the training forward from the samples it "
-            f"sees (the loss does not read it): plan {plan} splits the batch over {parts}, "
-            f"each updating it from its own share, so its values (saved, and read by "
-            f"evaluation) will differ from one process's"
-        )
-
-    def _buffers_named(self) -> str:
-        names = self.statistics.names
-        if not names:  # another rank found them
-            return "a buffer is"
-        more = ", ".join(names[1:3]) + (", ..." if names[3:] else "")
-        more = f" (and {len(names) - 1} more: {more})" if names[1:] else ""
-        return f"buffer {names[0]!r}{more} is"
-
-    def _statistics_refusal(self, model: nn.Module) -> str:
-        plan = self.topology.plan
-        whole = "a plan that keeps the batch whole (tp=N, or pp=N with microbatches=1)"
-        own = "sync_batchnorm=False to let each rank keep its own (not the one-process run)"
-        names = self.statistics.names
-        owner = model.get_submodule(names[0].rpartition(".")[0]) if names else model
-        top = type(owner).__module__.split(".")[0]
-        if top in _LIBRARIES:
-            fix = (
-                f"It is {top}'s code ({type(owner).__name__}), which meshfit does not "
-                f"change: use {whole}, or pass {own}"
-            )
-        else:
-            fix = (
-                f"Compute the update from mf.gather_batch(x) (the global batch's rows), use "
-                f"{whole}, or pass {own}"
-            )
-        return (
-            f"{self._buffers_named()} updated by the model's training forward from the "
-            f"samples it sees, and the forward reads it: from the same start it ends other "
-            f"after half of the first batch's samples than after them together. Plan {plan} "
-            f"splits the batch over {' x '.join(self._parts())}, and each would update it from "
-            f"its own share where one process updates it from the whole batch, and train "
-            f"another run than one process. meshfit makes BatchNorm's statistics global, not "
-            f"this one (it cannot tell how its updates combine). " + fix
-        )
+        """A start-up line on buffers updated from each part's share (None: none)."""
+        return note_line(self.statistics, self.topology.plan, " x ".join(self._parts()))
 
     def _parts(self) -> list[str]:
         plan = self.topology.plan
@@ -336,10 +297,6 @@ class BatchCoupling:
             "Gather what couples with mf.gather_batch(x) (the global batch's rows, gradients "
             f"flowing back) or sum it with mf.batch_sum(x), or use {whole}"
         )
-
-
-# libraries whose models bring their own loss (their code is not the user's to edit)
-_LIBRARIES = {"transformers", "diffusers", "timm", "torchvision", "peft"}
 
 
 def distinct(a: float, b: float) -> tuple[str, str]:

@@ -9,6 +9,9 @@ the tensors and copying back into them left such a buffer at the probe's value; 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -56,3 +59,31 @@ class SavedBuffers:
             if module._buffers.get(attr) is not original:
                 module._buffers[attr] = original
             original.copy_(value)
+
+
+@contextlib.contextmanager
+def updates_discarded(model: nn.Module) -> Iterator[None]:
+    """Inside, every writable buffer of `model` is a copy; after, the originals are back,
+    untouched. For a forward meshfit runs besides training (the pipeline cut's check
+    forward, torch's stage metadata inference, which runs on empty tensors): a buffer
+    the forward updates (a VQ-VAE's codebook averages, a step count) would otherwise
+    start training with one update more, or with values from no batch at all (measured:
+    a codebook under pp=2 with one micro-batch trained 1e-3 apart from one process).
+    Swapped rather than copied back: the forward's graph, kept for a backward of its
+    own, holds the copies, and an in-place write would break it. A buffer shared by
+    two modules gets one copy."""
+    slots = []
+    copies: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or is_broadcast(buffer):
+                continue
+            if id(buffer) not in copies:
+                copies[id(buffer)] = buffer.detach().clone()
+            slots.append((module, name, buffer))
+            module._buffers[name] = copies[id(buffer)]
+    try:
+        yield
+    finally:
+        for module, name, buffer in slots:
+            module._buffers[name] = buffer

@@ -1,5 +1,6 @@
 """Buffers a training forward updates from the samples it sees: asked at the first
-training step of a plan that splits the batch, beside the coupling probe.
+training step of a plan that splits the batch, beside the coupling probe; under pp, of
+the model's forward alone on the whole model before the cut (`before_pipeline_cut`).
 
 Some models keep statistics of their batches in buffers, updated in every training
 forward: a VQ-VAE's codebook averages (cluster sizes, summed vectors, the codebook they
@@ -26,6 +27,7 @@ after a half, so neither is named.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,11 @@ from meshfit.coupling.probe import (
     RunLoss,
     held_still,
 )
-from meshfit.trees import batch_rows, slice_rows
+from meshfit.errors import MeshfitError
+from meshfit.trees import batch_rows, call_model, slice_rows, tensors_in
+
+# libraries whose models bring their own code (not the user's to edit)
+LIBRARIES = {"transformers", "diffusers", "timm", "torchvision", "peft"}
 
 
 @dataclass
@@ -63,9 +69,12 @@ def batch_statistics(
     *,
     low_precision: bool,
     world: dist.ProcessGroup | None,
+    gathered: bool = True,
 ) -> Statistics:
     """The buffers `model`'s training forward updates from its batch (module docstring),
-    agreed over every rank (each takes the same path)."""
+    agreed over every rank (each takes the same path). `gathered`: each half's pass
+    sees what meshfit gathers over the whole (mf.gather_batch crosses ranks); False
+    where the parts are micro-batches, run one after another (nothing crosses them)."""
     n = batch_rows(inputs)
     samples = 4 if n >= 4 else 2 if n >= 2 else 0
     names: list[str] = []
@@ -73,7 +82,7 @@ def batch_statistics(
     if samples:
         try:
             names, read = _statistics(
-                model, run_loss, open_scope, inputs, targets, samples, low_precision
+                model, run_loss, open_scope, inputs, targets, samples, low_precision, gathered
             )
         except Exception:  # noqa: BLE001 - nothing to tell: the coupling probe, run first, ran
             names, read = [], False
@@ -91,10 +100,12 @@ def _statistics(
     targets: Any,
     samples: int,
     low_precision: bool,
+    gathered: bool,
 ) -> tuple[list[str], bool]:
     x, y = slice_rows(inputs, 0, samples), slice_rows(targets, 0, samples)
     half = samples // 2
-    replay = Replay(samples)  # what meshfit gathers, each half sees the whole's (probe.py)
+    # what meshfit gathers, each half sees the whole's (probe.py's Replay)
+    replay = Replay(samples) if gathered else None
     with held_still(model) as buffers:
         drawn = torch.get_rng_state()
 
@@ -114,7 +125,8 @@ def _statistics(
         names = []
         for start, stop in ((0, half), (half, samples)):
             buffers.restore()
-            replay.half(start, stop)
+            if replay is not None:
+                replay.half(start, stop)
             loss_of(start, stop, 2, replay)
             now = buffers.current()
             names += [n for n in changed if n not in names and not _same(now[n], after[n])]
@@ -140,3 +152,121 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     scale = float(finite.abs().max()) if finite.numel() else 0.0
     limit = ROUNDING.get(a.dtype, _LOW_PRECISION) * max(scale, 1e-30)
     return bool(torch.allclose(a, b, rtol=0.0, atol=limit, equal_nan=True))
+
+
+def forward_only(model: nn.Module) -> RunLoss:
+    """A probe pass without a loss (pipeline parallel asks before its cut, where no loss
+    runs on the whole model): a fixed random projection of the output's first floating
+    tensor stands for it, so a buffer the forward reads moves it."""
+
+    def run(inputs: Any, _targets: Any) -> tuple[torch.Tensor, None]:
+        outputs = [t for t in tensors_in(call_model(model, inputs)) if t.is_floating_point()]
+        if not outputs:
+            return torch.zeros((), dtype=torch.float64), None
+        flat = outputs[0].detach().reshape(-1).double()
+        g = torch.Generator().manual_seed(1234)
+        direction = torch.randn(flat.numel(), generator=g, dtype=torch.float64)
+        return flat @ direction.to(flat.device), None
+
+    return run
+
+
+def parts_named(dp: int, microbatches: int) -> str:
+    """`2 data-parallel ranks x 4 micro-batches`: what a plan splits the batch over."""
+    parts = [f"{dp} data-parallel ranks"] if dp > 1 else []
+    parts += [f"{microbatches} micro-batches"] if microbatches > 1 else []
+    return " x ".join(parts)
+
+
+def _named(statistics: Statistics) -> str:
+    names = statistics.names
+    if not names:  # another rank found them
+        return "a buffer is"
+    more = ", ".join(names[1:3]) + (", ..." if names[3:] else "")
+    more = f" (and {len(names) - 1} more: {more})" if names[1:] else ""
+    return f"buffer {names[0]!r}{more} is"
+
+
+def refusal_line(
+    statistics: Statistics, model: nn.Module, plan: Any, parts: str, gathered: bool
+) -> str:
+    """The one line refusing a plan whose parts would each update a buffer the forward
+    reads, with the fixes (an edit only where the code is the user's; mf.gather_batch
+    only where the parts are ranks: `gathered`)."""
+    whole = "a plan that keeps the batch whole (tp=N, or pp=N,microbatches=1,schedule=gpipe)"
+    own = "sync_batchnorm=False to let each rank keep its own (not the one-process run)"
+    names = statistics.names
+    owner = model.get_submodule(names[0].rpartition(".")[0]) if names else model
+    top = type(owner).__module__.split(".")[0]
+    fix = f"Use {whole}, or pass {own}"
+    if top in LIBRARIES:
+        fix = (
+            f"It is {top}'s code ({type(owner).__name__}), which meshfit does not change: "
+            f"use {whole}, or pass {own}"
+        )
+    elif gathered:
+        fix = (
+            f"Compute the update from mf.gather_batch(x) (the global batch's rows), use "
+            f"{whole}, or pass {own}"
+        )
+    return (
+        f"{_named(statistics)} updated by the model's training forward from the samples it "
+        f"sees, and the forward reads it: from the same start it ends other after half of "
+        f"the first batch's samples than after them together. Plan {plan} splits the batch "
+        f"over {parts}, and each would update it from its own share where one process "
+        f"updates it from the whole batch, and train another run than one process. meshfit "
+        f"makes BatchNorm's statistics global, not this one (it cannot tell how its updates "
+        f"combine). " + fix
+    )
+
+
+def note_line(statistics: Statistics, plan: Any, parts: str) -> str | None:
+    """The start-up line on buffers updated from each part's share (None: none)."""
+    if not statistics.found:
+        return None
+    if statistics.read:  # trained on under sync_batchnorm=False
+        return (
+            f"{_named(statistics)} updated by the training forward from the samples it "
+            f"sees, and read by it; plan {plan} splits the batch over {parts} and "
+            f"sync_batchnorm=False lets each keep its own, so this is not the one-process run"
+        )
+    return (
+        f"{_named(statistics)} updated by the training forward from the samples it sees "
+        f"(the loss does not read it): plan {plan} splits the batch over {parts}, each "
+        f"updating it from its own share, so its values (saved, and read by evaluation) "
+        f"will differ from one process's"
+    )
+
+
+def before_pipeline_cut(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    plan: Any,
+    parts: str,
+    own_statistics: bool,
+    low_precision: bool,
+    world: dist.ProcessGroup | None,
+) -> str | None:
+    """Pipeline parallel's question, asked on the whole model before its cut (the probe
+    cannot run under a pipeline schedule, whose stages run whole micro-batches): the
+    model's forward alone on the example batch. Refuses a statistic the forward reads;
+    returns the start-up line on one it does not (None: none)."""
+    found = batch_statistics(
+        model,
+        forward_only(model),
+        _no_scope,
+        inputs,
+        inputs,
+        low_precision=low_precision,
+        world=world,
+        gathered=False,  # micro-batches: a stage runs them one after another
+    )
+    if found.read and not own_statistics:
+        raise MeshfitError(refusal_line(found, model, plan, parts, gathered=False))
+    return note_line(found, plan, parts)
+
+
+def _no_scope(**_: Any) -> contextlib.AbstractContextManager:
+    """No coupling scope: before the cut nothing is gathered."""
+    return contextlib.nullcontext()

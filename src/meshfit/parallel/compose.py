@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshfit.errors import MeshfitError
@@ -252,6 +253,8 @@ def _pipeline_cut(b: Build) -> None:
     from meshfit.parallel.pipeline import build_stage_module, split_model
 
     topology, model = b.topology, b.model
+    if topology.batch_parts > 1 and not b.values.meta and b.options.example_inputs is not None:
+        _ask_batch_statistics(b)
     # a model on meta counts its blocks' FLOPs on meta: shapes only, no memory
     where = "meta" if b.values.meta else topology.device
     example = map_tensors(b.options.example_inputs, lambda t: t.to(where))
@@ -283,19 +286,41 @@ def _pipeline_cut(b: Build) -> None:
     ]
 
 
+def _ask_batch_statistics(b: Build) -> None:
+    """Buffers the forward updates from its batch, asked on the whole model before the
+    cut where the plan splits the batch (coupling/statistics.py); a model on meta has no
+    values to run (not asked)."""
+    from meshfit.coupling.statistics import before_pipeline_cut, parts_named
+
+    topology = b.topology
+    line = before_pipeline_cut(
+        b.model,
+        map_tensors(b.options.example_inputs, lambda t: t.to(topology.device)),
+        plan=b.plan,
+        parts=parts_named(topology.dp_size, b.plan.num_microbatches),
+        own_statistics=not b.options.sync_batchnorm,
+        low_precision=b.plan.precision != "fp32",
+        world=dist.group.WORLD if dist.is_initialized() else None,
+    )
+    if line and topology.rank == 0:
+        print(f"meshfit: {line}", flush=True)
+
+
 def _data_parallel(b: Build) -> None:
     """FSDP2 or DDP over each part (the whole model, or each stage this rank runs); the
     values of a meta model given once FSDP2 has sharded it, or before DDP."""
+    from meshfit.parallel.ddp import skips_layers_at_random
+    from meshfit.parallel.experts import reach_every_expert, routed_experts
+
+    routed = routed_experts(b.model)  # one walk serves the FSDP units and the hooks
     if not b.parts:  # no pipeline: the whole model is the one part
         model = b.model
-        b.parts = [ModelPart(units=_blocks_or_none(model), make_module=lambda: model)]
-    from meshfit.parallel.ddp import skips_layers_at_random
-    from meshfit.parallel.experts import reach_every_expert
+        b.parts = [ModelPart(units=_blocks_or_none(model, routed), make_module=lambda: model)]
 
     placed = set(b.experts.parameters) if b.experts is not None else set()
     skips = skips_layers_at_random(b.model)
     if b.topology.mesh is not None and (b.plan.uses_fsdp or b.topology.grad_average_size > 1):
-        reach_every_expert(b.model)  # every rank reduces the same gradients
+        reach_every_expert(b.model, routed)  # every rank reduces the same gradients
     b.modules = apply_data_parallel(b.parts, b.topology, b.precision, b.values, placed, skips)
     if b.split is not None and b.plan.uses_fsdp and not b.plan.defers_stage_reduction:
         from meshfit.parallel.fsdp import reduced_per_block
@@ -459,9 +484,10 @@ def _gradient_sync(module: nn.Module, topology: Topology) -> GradientSync:
     return NoGradientSync()
 
 
-def _blocks_or_none(model: nn.Module) -> list[nn.Module]:
+def _blocks_or_none(model: nn.Module, routed: list[tuple[nn.Module, nn.Module]]) -> list[nn.Module]:
+    """The FSDP2 units of a whole model: its blocks, or none (one unit) where it has no
+    repeated blocks or they are routed experts (`routed`: experts.routed_experts)."""
     from meshfit.parallel.blocks import find_blocks
-    from meshfit.parallel.experts import routed_experts
 
     try:
         stack = find_blocks(model)
@@ -470,6 +496,6 @@ def _blocks_or_none(model: nn.Module) -> list[nn.Module]:
     # Experts that a rank's tokens may skip are no FSDP units: a unit all-gathers in its
     # forward, and a rank that skipped one left the others waiting in its all-gather (a
     # ModuleList of experts, the model's only repeated modules, hung under fsdp=2)
-    if any(stack.container is experts for _, experts in routed_experts(model)):
+    if any(stack.container is experts for _, experts in routed):
         return []
     return list(stack.blocks)

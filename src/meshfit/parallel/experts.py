@@ -278,7 +278,9 @@ def routed_experts(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return found
 
 
-def reach_every_expert(model: nn.Module) -> list[Any]:
+def reach_every_expert(
+    model: nn.Module, routed: list[tuple[nn.Module, nn.Module]] | None = None
+) -> list[Any]:
     """Hooks that put every parameter of the routed experts (`routed_experts`) in each
     forward's graph, times zero: the gradient of an expert no token of this rank reached
     is then zeros, not None. Without it the ranks reduced different sets of gradients:
@@ -286,9 +288,10 @@ def reach_every_expert(model: nn.Module) -> list[Any]:
     expected size": one rank reduced its experts' gradients, the other had none), as a
     mixture of your own with an nn.ModuleList of experts would. One element of each
     parameter is read (its gradient is still the whole tensor's zeros), on the module
-    that calls the experts, which runs whichever experts are reached."""
+    that calls the experts, which runs whichever experts are reached. `routed`:
+    `routed_experts(model)` where the caller has it already."""
     handles = []
-    for caller, experts in routed_experts(model):
+    for caller, experts in routed if routed is not None else routed_experts(model):
         # the parameters as the forward sees them (FSDP2 swaps in the unsharded ones)
         def touch(module: nn.Module, args: Any, output: Any, experts: nn.Module = experts) -> Any:
             first = output[0] if isinstance(output, tuple) else output

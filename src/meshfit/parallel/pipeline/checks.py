@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshfit.coupling.buffers import updates_discarded
 from meshfit.errors import MeshfitError
 from meshfit.parallel.blocks import BlockStack
 from meshfit.trees import tensors_in
@@ -22,9 +23,10 @@ from meshfit.trees import tensors_in
 def _side_effects_undone(model: nn.Module):
     """Run a forward without leaving a trace: BatchNorm layers do not update their
     running statistics (the metadata forward on uninitialised tensors made them NaN,
-    measured) and the random-number state (dropout) is put back afterwards. Buffers
-    are not copied back: torch keeps this forward's graph for a backward of its own,
-    and an in-place restore would break it."""
+    measured), any other buffer the forward updates is a copy thrown away after
+    (coupling/buffers.updates_discarded: swapped back, not copied back, as torch keeps
+    this forward's graph for a backward of its own) and the random-number state
+    (dropout) is put back afterwards."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
     tracking = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
@@ -33,7 +35,8 @@ def _side_effects_undone(model: nn.Module):
     for layer in tracking:
         layer.track_running_stats = False
     try:
-        yield
+        with updates_discarded(model):
+            yield
     finally:
         for layer in tracking:
             layer.track_running_stats = True
