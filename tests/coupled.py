@@ -5,6 +5,7 @@ with their load-balancing loss are in tests/zoo.py)."""
 from __future__ import annotations
 
 import contextlib
+import io
 from typing import Any
 
 import torch
@@ -319,10 +320,40 @@ def vq_loss(outputs: tuple, targets: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(reconstruction, targets) + 0.25 * commitment
 
 
+def ibert_masked_lm() -> nn.Module:
+    """I-BERT (quant_mode off, its default): QuantAct modules keep their activations'
+    ranges in buffers, updated by every training forward, read by nothing then."""
+    from transformers import IBertConfig, IBertForMaskedLM
+
+    config = IBertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return IBertForMaskedLM(config)
+
+
+def masked_batch(batch: int = 8, seed: int = 0) -> dict:
+    """A masked-LM collator's batch: ids, mask, one masked position per text (-100 elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 32, (batch, 8), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, 2] = ids[:, 2]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
 def vq_run(spec: dict) -> dict:
     """The VQ autoencoder (spec["gather"]: its update from the global batch; "model":
-    "stack", the codebook before a stack of blocks) under spec["plan"] for 3 SGD steps
-    on batches of 8 vectors (its targets its inputs)."""
+    "stack", the codebook before a stack of blocks; "ibert": ibert_masked_lm on
+    masked_batch) under spec["plan"] for 3 SGD steps on batches of 8 vectors (its
+    targets its inputs); "said": what rank 0 printed."""
+    if spec.get("model") == "ibert":
+        engine = mf.parallelize(ibert_masked_lm(), spec.get("plan"), loss_fn="model")
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            losses = [float(engine.step(masked_batch(seed=step))) for step in range(3)]
+        return {"losses": losses, "state": engine.full_state_dict(), "said": said.getvalue()}
     torch.manual_seed(0)
     stack = spec.get("model") == "stack"
     model = (VQStack() if stack else VQAutoencoder(gather=spec.get("gather", False))).double()

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshfit.errors import MeshfitError
@@ -100,6 +101,8 @@ class StageModule(nn.Module):
 
     def forward(self, hidden_or_inputs: Any, *carried: Any, model_inputs: Any = None) -> Any:
         if _in_torch_metadata_inference():
+            if not self.is_first:  # torch's stand-ins for what it would receive
+                hidden_or_inputs, carried = _made_up(hidden_or_inputs), _made_up(carried)
             with _side_effects_undone(self._model):
                 return self._forward(hidden_or_inputs, carried, model_inputs)
         return self._forward(hidden_or_inputs, carried, model_inputs)
@@ -189,6 +192,28 @@ def _sendable(output: Any) -> Any:
 # earlier releases: `_shape_inference`): a forward on the first micro-batch (on later
 # stages, on uninitialised tensors) to learn the shapes that travel between stages.
 _METADATA_INFERENCE = {"_forward_metadata_inference", "_shape_inference"}
+
+
+def _made_up(tree: Any) -> Any:
+    """Torch's metadata inference gives a later stage `torch.empty` tensors for what it
+    would receive: uninitialised memory, at times NaN, and a model that checks its
+    activations failed in its own code (I-BERT's QuantAct asserts "NaN detected when
+    computing min/max of the activation": I-BERT under pp=2 raised transformers'
+    AssertionError). Activations drawn from a normal distribution (a generator of its
+    own: the global random state untouched) and integers at zero have the shapes and
+    dtypes the inference is after, and values a model computes on (zeros would not do:
+    a norm without an epsilon divides by them)."""
+    g = torch.Generator().manual_seed(0)
+
+    def made_up(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):  # tp x pp: torch's own, as it made it
+            return t
+        if not t.is_floating_point():
+            return torch.zeros_like(t)
+        drawn = torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
+        return drawn.requires_grad_(t.requires_grad)
+
+    return map_tensors(tree, made_up)
 
 
 def _in_torch_metadata_inference() -> bool:
