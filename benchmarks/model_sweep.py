@@ -15,6 +15,7 @@ over `--max-params` as built, has no reference and is listed with why.
     python benchmarks/model_sweep.py [--plans "tp=2;pp=2;dp=2;fsdp=2"] [--types llama,gpt2]
     python benchmarks/model_sweep.py --plans "ep=2" --types mixtral,qwen3_moe
     python benchmarks/model_sweep.py --quick    # two types, dp=2 and pp=2
+    python benchmarks/model_sweep.py --task masked   # every masked LM, plain cross-entropy
 
 A "different" row is not yet a bug: a model that draws random numbers in training
 (residual dropout a config names otherwise, PhiMoE's Gumbel routing) cannot match, and
@@ -70,19 +71,24 @@ EXTRA: dict[str, dict] = {
 QUICK_TYPES, QUICK_PLANS = ("llama", "gpt2"), ("dp=2", "pp=2")
 
 
-def build(model_type: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build(model_type: str, task: str = "causal") -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
     torch.manual_seed(1234)
     config = AutoConfig.for_model(model_type, **{**SMALL, **EXTRA.get(model_type, {})})
     for key, value in EXPERTS.items():
         if hasattr(config, key):
             setattr(config, key, value)
-    return AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForMaskedLM if task == "masked" else AutoModelForCausalLM
+    return auto.from_config(config)
 
 
-def batch(step: int) -> tuple[dict, torch.Tensor]:
-    """A collator's batch: right-padded ids and mask, -100 on the prompt and padding."""
+def batch(step: int, task: str = "causal") -> tuple[dict, torch.Tensor]:
+    """A collator's batch: right-padded ids and mask, -100 on the prompt and padding
+    (masked: -100 but on about 15% of the real tokens, each replaced by a mask id, as
+    DataCollatorForLanguageModeling does)."""
+    if task == "masked":
+        return masked_batch(step)
     g = torch.Generator().manual_seed(30_000 + step)
     ids = torch.zeros(BATCH, LENGTH, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -96,26 +102,42 @@ def batch(step: int) -> tuple[dict, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
+def masked_batch(step: int) -> tuple[dict, torch.Tensor]:
+    g = torch.Generator().manual_seed(40_000 + step)
+    ids = torch.zeros(BATCH, LENGTH, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i in range(BATCH):
+        n = int(torch.randint(4, LENGTH + 1, (), generator=g))
+        ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, :n] = 1
+        picked = torch.randperm(n, generator=g)[: max(1, n * 15 // 100)]
+        labels[i, picked] = ids[i, picked]
+        ids[i, picked] = 3  # the mask token's id in this small vocabulary
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
 def train(spec: dict) -> dict:
     """3 SGD steps of spec["type"] under spec["plan"] (None: one process): its losses
     and final weights, {"refused": meshfit's line} or {"error": what else was raised}."""
     torch.set_num_threads(1)
     try:
+        task = spec.get("task", "causal")
         with torch.device("meta"):
-            size = sum(p.numel() for p in build(spec["type"]).parameters())
+            size = sum(p.numel() for p in build(spec["type"], task).parameters())
         if size > spec["max_params"]:
             return {"error": f"{size:,} parameters as built (over --max-params)"}
         dtype = getattr(torch, spec["dtype"])
-        model = build(spec["type"]).to(dtype)
-        first = batch(0)[0]
+        model = build(spec["type"], task).to(dtype)
+        first = batch(0, task)[0]
         engine = mf.parallelize(
             model,
             spec["plan"],
-            loss_fn=mf.losses.cross_entropy(shift=True),
+            loss_fn=mf.losses.cross_entropy(shift=task == "causal"),
             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             example_inputs=mf.trees.slice_rows(first, 0, 2),
         )
-        losses = [float(engine.step(batch(s))) for s in range(STEPS)]
+        losses = [float(engine.step(batch(s, task))) for s in range(STEPS)]
         return {"losses": losses, "state": engine.full_state_dict()}
     except mf.MeshfitError as refusal:
         return {"refused": str(refusal)}
@@ -130,10 +152,11 @@ def train_each(specs: list[dict]) -> list[dict]:
         return [train(spec) for spec in specs]
 
 
-def reference(model_type: str, dtype: str | None, max_params: int) -> dict:
+def reference(model_type: str, dtype: str | None, max_params: int, task: str) -> dict:
     """The one-process run, float64 first (float32 where its kernels refuse float64)."""
     for tried in (dtype,) if dtype else ("float64", "float32"):
         spec = {"type": model_type, "plan": None, "dtype": tried, "max_params": max_params}
+        spec["task"] = task
         got = train_each([spec])[0]
         if "losses" in got or "parameters as built" in got.get("error", ""):
             break
@@ -163,18 +186,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", default="", help="','-separated (default: every one)")
     parser.add_argument("--dtype", choices=("float64", "float32"), default=None)
     parser.add_argument("--max-params", type=int, default=3_000_000)
+    parser.add_argument("--task", choices=("causal", "masked"), default="causal")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto
 
-    types = args.types.split(",") if args.types else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    names = (
+        modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        if args.task == "masked"
+        else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    types = args.types.split(",") if args.types else sorted(names)
     plans = args.plans.split(";")
     if args.quick:
         types, plans = list(QUICK_TYPES), list(QUICK_PLANS)
     torch.set_num_threads(1)
     start = time.time()
-    refs = {t: reference(t, args.dtype, args.max_params) for t in types}
+    refs = {t: reference(t, args.dtype, args.max_params, args.task) for t in types}
     built = [t for t in types if "losses" in refs[t]]
     print(f"one process: {len(built)} of {len(types)} types trained ({time.time() - start:.0f} s)")
     rows = [
@@ -185,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     for plan in plans:
         specs = [
             {"type": t, "plan": plan, "dtype": refs[t]["dtype"], "max_params": args.max_params}
+            | {"task": args.task}
             for t in built
         ]
         results = mf.launch(train_each, nproc=workers(plan), args=(specs,))
@@ -204,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print("verdicts:", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"plans": plans, "types": types, "counts": counts, "rows": rows}, f, indent=1)
+            results = {"task": args.task, "plans": plans, "types": types, "counts": counts}
+            json.dump({**results, "rows": rows}, f, indent=1)
     return 0
 
 
