@@ -26,6 +26,7 @@ from meshfit.coupling.statistics import (
     Statistics,
     batch_statistics,
     note_line,
+    parts_named,
     refusal_line,
 )
 from meshfit.errors import MeshfitError
@@ -165,7 +166,7 @@ class BatchCoupling:
             gathered=gathered,
         )
         if self.statistics.read and not self.own_statistics:
-            parts = " x ".join(self._parts())
+            parts = self._parts()
             plan = self.topology.plan
             raise MeshfitError(refusal_line(self.statistics, model, plan, parts, gathered))
         if verdict is None:
@@ -241,23 +242,18 @@ class BatchCoupling:
         sites = "; ".join(draws[:2]) + ("; ..." if draws[2:] else "")
         return (
             f"the model draws random numbers in its training forward ({sites}): plan "
-            f"{self.topology.plan} splits the batch over {' x '.join(self._parts())}, each "
+            f"{self.topology.plan} splits the batch over {self._parts()}, each "
             f"drawing its own, so this run matches one process's in distribution, not "
             f"number for number (as with dropout)"
         )
 
     def statistics_note(self) -> str | None:
         """A start-up line on buffers updated from each part's share (None: none)."""
-        return note_line(self.statistics, self.topology.plan, " x ".join(self._parts()))
+        return note_line(self.statistics, self.topology.plan, self._parts())
 
-    def _parts(self) -> list[str]:
-        plan = self.topology.plan
-        parts = []
-        if self.topology.dp_size > 1:
-            parts.append(f"{self.topology.dp_size} data-parallel ranks")
-        if plan.num_microbatches > 1:
-            parts.append(f"{plan.num_microbatches} micro-batches")
-        return parts
+    def _parts(self) -> str:
+        """What the plan splits the batch over: `2 data-parallel ranks x 2 micro-batches`."""
+        return parts_named(self.topology.dp_size, self.topology.plan.num_microbatches)
 
     def _refusal(self, verdict: Verdict) -> str:
         plan = self.topology.plan
@@ -280,8 +276,7 @@ class BatchCoupling:
             f"{verdict.samples} samples of the first batch it is {together} "
             f"together but {apart} as plan {plan} combines its halves "
             f"(relative difference {verdict.difference:.1e}){where}. Plan {plan} splits the "
-            f"batch over {' x '.join(parts)}, so it would train another run than one process. "
-            + self._fix()
+            f"batch over {parts}, so it would train another run than one process. " + self._fix()
         )
 
     def _fix(self) -> str:
