@@ -30,10 +30,10 @@ def test_a_codebook_updated_from_the_batch_is_refused_naming_it() -> None:
     """One process with micro-batches splits the batch as ranks do: the codebook's
     averages (read by the next forward) would follow each micro-batch's share. Refused
     before any update, naming the buffers and the fixes (not mf.gather_batch, which
-    crosses ranks, not micro-batches run one after another), and the model's buffers left as
-    they were: the probe restores even the one the forward replaces (`cluster_size`),
-    which copying into the saved tensors did not. The step count is no statistic of the
-    batch and is not named."""
+    crosses ranks, not micro-batches run one after another), and the model's buffers
+    left as they were: the probe restores even the one the forward replaces
+    (`cluster_size`), which copying into the saved tensors did not. The step count is no
+    statistic of the batch and is not named."""
     torch.manual_seed(0)
     model = VQAutoencoder().double()
     before = {name: b.clone() for name, b in model.named_buffers()}
@@ -72,7 +72,7 @@ def test_a_statistic_the_loss_does_not_read_is_said_at_start_up() -> None:
 
 
 @pytest.mark.slow
-def test_batch_statistics_under_dp_and_fsdp() -> None:
+def test_batch_statistics_under_dp_fsdp_and_pp() -> None:
     """The codebook under dp=2 and fsdp=2: refused as it stands; with its update computed
     from mf.gather_batch (the refusal's fix) the one-process run, buffers included; and
     under sync_batchnorm=False (each rank keeps its own, as asked) another run than one
