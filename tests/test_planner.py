@@ -918,3 +918,24 @@ def test_the_pp_check_refuses_a_residual_around_the_blocks_or_the_loop() -> None
     audio = {k: v for k, v in wav2vec2_batch(2).items() if k != "labels"}
     weighted = profile_model(classifier, audio).pp_error
     assert "'wav2vec2.encoder.layer_norm' runs before the blocks" in weighted, weighted
+
+
+def test_a_statistic_of_the_batch_the_forward_reads_is_planned_whole():
+    """A VQ codebook kept by moving averages (tests/coupled.py): parallelize refuses a
+    plan that splits its batch (tests/test_statistics.py), so plan="auto" must not
+    choose one. The planner asks the same question of the forward: every ranked plan
+    runs the batch whole (here pp=2 under GPipe with one micro-batch), the others are
+    dropped naming the buffer, and the model's buffers are as they were."""
+    from coupled import VQStack, vectors
+
+    torch.manual_seed(0)
+    model = VQStack().double()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    p = profile_model(model, vectors()[0])
+    assert all(torch.equal(before[name], b) for name, b in model.named_buffers())
+    assert p.statistics_error and "buffer 'vq.embed'" in p.statistics_error
+    result = plan_search(p, 2, batch_size=8, hardware="cpu")
+    assert result.ranked
+    assert all(e.plan.data_parallel_size == 1 for e in result.ranked)
+    assert all(e.plan.num_microbatches == 1 for e in result.ranked)
+    assert any("buffer 'vq.embed'" in d.reason for d in result.dropped)

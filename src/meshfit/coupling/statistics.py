@@ -252,7 +252,22 @@ def before_pipeline_cut(
     cannot run under a pipeline schedule, whose stages run whole micro-batches): the
     model's forward alone on the example batch. Refuses a statistic the forward reads;
     returns the start-up line on one it does not (None: none)."""
-    found = batch_statistics(
+    found = read_by_forward(model, inputs, low_precision=low_precision, world=world)
+    if found.read and not own_statistics:
+        raise MeshfitError(refusal_line(found, model, plan, parts, gathered=False))
+    return note_line(found, plan, parts)
+
+
+def read_by_forward(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    low_precision: bool = False,
+    world: dist.ProcessGroup | None = None,
+) -> Statistics:
+    """The question asked of the model's forward alone (no loss, nothing gathered: the
+    parts are micro-batches, or unknown to the planner, which asks it too)."""
+    return batch_statistics(
         model,
         forward_only(model),
         _no_scope,
@@ -260,11 +275,21 @@ def before_pipeline_cut(
         inputs,
         low_precision=low_precision,
         world=world,
-        gathered=False,  # micro-batches: a stage runs them one after another
+        gathered=False,
     )
-    if found.read and not own_statistics:
-        raise MeshfitError(refusal_line(found, model, plan, parts, gathered=False))
-    return note_line(found, plan, parts)
+
+
+def splitting_refused(model: nn.Module, inputs: Any) -> str | None:
+    """The planner's reason to drop every plan that splits the batch (ranks or
+    micro-batches): a statistic of the batch the forward reads; None: none."""
+    found = read_by_forward(model, inputs)
+    if not found.read:
+        return None
+    return (
+        f"buffer {found.names[0]!r} is updated by the training forward from its batch and "
+        f"read by it: a plan that splits the batch (ranks or micro-batches) would train "
+        f"another run"
+    )
 
 
 def _no_scope(**_: Any) -> contextlib.AbstractContextManager:

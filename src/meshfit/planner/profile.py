@@ -112,6 +112,7 @@ class ModelProfile:
     pp_error: str | None = None  # why meshfit's pipeline cut refuses it
     own_weights_error: str | None = None  # why FSDP2 (and tp) cannot replace its weights
     has_batchnorm: bool = False  # micro-batches would each be normalised alone
+    statistics_error: str | None = None  # a batch statistic the forward reads (no split)
     cp_error: str | None = None  # why context parallel cannot cut its sequences
     max_tp: int = 1 << 30  # head counts and widths tp must divide
     block_kind: str = ""
@@ -166,6 +167,10 @@ def profile_model(
         profile.notes.append(f"profiled on {_device_of(model)}: its forward cannot run on meta")
     stack = _blocks_or_none(model)
     profile.has_batchnorm = any(isinstance(m, _BatchNorm) for m in model.modules())
+    if _device_of(model).type != "meta":  # on meta no buffer holds a value to compare
+        from meshfit.coupling.statistics import splitting_refused
+
+        profile.statistics_error = splitting_refused(model, example_inputs)
     profile.cp_error = why_not_cut(model)
     profile.built_on_meta = _device_of(model).type == "meta"
     profile.largest_param = max((p.numel() for p in model.parameters()), default=0)
@@ -543,21 +548,16 @@ def _first_samples(inputs: Any, n: int) -> Any:
     return slice_rows(inputs, 0, n)
 
 
+# the PartCost fields that grow with the samples (the rest are per model)
+_PER_SAMPLE = (
+    "flops", "attention_flops", "saved", "saved_split", "kept_selective",
+    "kept_selective_split", "input_bytes", "attention_kv_bytes", "dispatch_bytes",
+    "expert_flops", "expert_saved_split", "expert_kept_split",
+)  # fmt: skip
+
+
 def _per_sample(part: PartCost, samples: int) -> PartCost:
-    for name in (
-        "flops",
-        "attention_flops",
-        "saved",
-        "saved_split",
-        "kept_selective",
-        "kept_selective_split",
-        "input_bytes",
-        "attention_kv_bytes",
-        "dispatch_bytes",
-        "expert_flops",
-        "expert_saved_split",
-        "expert_kept_split",
-    ):
+    for name in _PER_SAMPLE:
         setattr(part, name, getattr(part, name) / samples)
     return part
 
