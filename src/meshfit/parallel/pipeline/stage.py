@@ -210,7 +210,7 @@ def _made_up(tree: Any) -> Any:
             return t
         if not t.is_floating_point():
             return torch.zeros_like(t)
-        drawn = torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
+        drawn = torch.randn(t.shape, generator=g).to(dtype=t.dtype, device=t.device)
         return drawn.requires_grad_(t.requires_grad)
 
     return map_tensors(tree, made_up)
