@@ -45,6 +45,7 @@ def test_a_codebook_updated_from_the_batch_is_refused_naming_it() -> None:
     assert message.startswith("buffer 'vq.embed' (and 2 more: vq.cluster_size, vq.embed_avg)")
     assert "and the forward reads it" in message and "2 micro-batches" in message
     assert "sync_batchnorm=False" in message
+    assert "Use microbatches=1 (or a plan that keeps the batch whole" in message
     assert "mf.gather_batch" not in message  # it crosses ranks, not micro-batches
     assert "vq.updates" not in message
     after = dict(model.named_buffers())

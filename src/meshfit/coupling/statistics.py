@@ -194,6 +194,8 @@ def refusal_line(
     reads, with the fixes (an edit only where the code is the user's; mf.gather_batch
     only where the parts are ranks: `gathered`)."""
     whole = "a plan that keeps the batch whole (tp=N, or pp=N,microbatches=1,schedule=gpipe)"
+    if all(getattr(plan, degree, 1) == 1 for degree in ("dp", "fsdp", "pp")):
+        whole = f"microbatches=1 (or {whole})"  # micro-batches alone split it: the one fix
     own = "sync_batchnorm=False to let each rank keep its own (not the one-process run)"
     names = statistics.names
     owner = model.get_submodule(names[0].rpartition(".")[0]) if names else model
