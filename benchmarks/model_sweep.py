@@ -87,9 +87,8 @@ def batch(step: int, task: str = "causal") -> tuple[dict, torch.Tensor]:
     """A collator's batch: right-padded ids and mask, -100 on the prompt and padding
     (masked: -100 but on about 15% of the real tokens, each replaced by a mask id, as
     DataCollatorForLanguageModeling does)."""
-    if task == "masked":
-        return masked_batch(step)
-    g = torch.Generator().manual_seed(30_000 + step)
+    masked = task == "masked"
+    g = torch.Generator().manual_seed((40_000 if masked else 30_000) + step)
     ids = torch.zeros(BATCH, LENGTH, dtype=torch.long)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
@@ -97,23 +96,13 @@ def batch(step: int, task: str = "causal") -> tuple[dict, torch.Tensor]:
         n = int(torch.randint(4, LENGTH + 1, (), generator=g))
         ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
         mask[i, :n] = 1
-        prompt = int(torch.randint(1, n - 1, (), generator=g))
-        labels[i, prompt:n] = ids[i, prompt:n]
-    return {"input_ids": ids, "attention_mask": mask}, labels
-
-
-def masked_batch(step: int) -> tuple[dict, torch.Tensor]:
-    g = torch.Generator().manual_seed(40_000 + step)
-    ids = torch.zeros(BATCH, LENGTH, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i in range(BATCH):
-        n = int(torch.randint(4, LENGTH + 1, (), generator=g))
-        ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, :n] = 1
-        picked = torch.randperm(n, generator=g)[: max(1, n * 15 // 100)]
-        labels[i, picked] = ids[i, picked]
-        ids[i, picked] = 3  # the mask token's id in this small vocabulary
+        if masked:
+            picked = torch.randperm(n, generator=g)[: max(1, n * 15 // 100)]
+            labels[i, picked] = ids[i, picked]
+            ids[i, picked] = 3  # the mask token's id in this small vocabulary
+        else:
+            prompt = int(torch.randint(1, n - 1, (), generator=g))
+            labels[i, prompt:n] = ids[i, prompt:n]
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 

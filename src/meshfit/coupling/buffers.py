@@ -22,17 +22,22 @@ def is_broadcast(t: torch.Tensor) -> bool:
     return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
 
 
+def _writable(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(module's name, module, buffer's name, buffer) for every buffer that can be written."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not is_broadcast(buffer):
+                yield module_name, module, name, buffer
+
+
 class SavedBuffers:
     """Every writable buffer of `model` by qualified name, saved at construction."""
 
     def __init__(self, model: nn.Module) -> None:
         self._slots: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = {}
-        for module_name, module in model.named_modules():
-            for name, buffer in module._buffers.items():
-                if buffer is None or is_broadcast(buffer):
-                    continue
-                qualified = f"{module_name}.{name}" if module_name else name
-                self._slots[qualified] = (module, name, buffer, buffer.detach().clone())
+        for module_name, module, name, buffer in _writable(model):
+            qualified = f"{module_name}.{name}" if module_name else name
+            self._slots[qualified] = (module, name, buffer, buffer.detach().clone())
 
     def saved(self) -> dict[str, torch.Tensor]:
         """The saved values, by name."""
@@ -74,14 +79,11 @@ def updates_discarded(model: nn.Module) -> Iterator[None]:
     two modules gets one copy."""
     slots = []
     copies: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is None or is_broadcast(buffer):
-                continue
-            if id(buffer) not in copies:
-                copies[id(buffer)] = buffer.detach().clone()
-            slots.append((module, name, buffer))
-            module._buffers[name] = copies[id(buffer)]
+    for _, module, name, buffer in _writable(model):
+        if id(buffer) not in copies:
+            copies[id(buffer)] = buffer.detach().clone()
+        slots.append((module, name, buffer))
+        module._buffers[name] = copies[id(buffer)]
     try:
         yield
     finally:

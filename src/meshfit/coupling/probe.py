@@ -158,8 +158,7 @@ def probe(
     this rank's share, or a batch the halves could not run alike: nothing to tell).
     `owner`: the module whose `loss_function` computes the model's own loss, tried
     gathered over the batch where nothing else explains the coupling."""
-    n = batch_rows(inputs)
-    samples = 4 if n >= 4 else 2 if n >= 2 else 0
+    samples = probe_samples(inputs)
     if samples == 0:
         return None
     x = slice_rows(inputs, 0, samples)
@@ -190,6 +189,13 @@ def probe(
         gathered.own_loss = dims
         return gathered
     return verdict
+
+
+def probe_samples(inputs: Any) -> int:
+    """How many of this rank's first samples a probe compares: four, or two (0: fewer
+    than two, nothing to compare)."""
+    n = batch_rows(inputs)
+    return 4 if n >= 4 else 2 if n >= 2 else 0
 
 
 def _everywhere(flag: bool, world: dist.ProcessGroup | None) -> bool:

@@ -41,10 +41,12 @@ from meshfit.coupling.probe import (
     OpenScope,
     Replay,
     RunLoss,
+    _fingerprint,
     held_still,
+    probe_samples,
 )
 from meshfit.errors import MeshfitError
-from meshfit.trees import batch_rows, call_model, slice_rows, tensors_in
+from meshfit.trees import call_model, slice_rows, tensors_in
 
 # libraries whose models bring their own code (not the user's to edit)
 LIBRARIES = {"transformers", "diffusers", "timm", "torchvision", "peft"}
@@ -75,8 +77,7 @@ def batch_statistics(
     agreed over every rank (each takes the same path). `gathered`: each half's pass
     sees what meshfit gathers over the whole (mf.gather_batch crosses ranks); False
     where the parts are micro-batches, run one after another (nothing crosses them)."""
-    n = batch_rows(inputs)
-    samples = 4 if n >= 4 else 2 if n >= 2 else 0
+    samples = probe_samples(inputs)
     names: list[str] = []
     read = False
     if samples:
@@ -163,10 +164,8 @@ def forward_only(model: nn.Module) -> RunLoss:
         outputs = [t for t in tensors_in(call_model(model, inputs)) if t.is_floating_point()]
         if not outputs:
             return torch.zeros((), dtype=torch.float64), None
-        flat = outputs[0].detach().reshape(-1).double()
-        g = torch.Generator().manual_seed(1234)
-        direction = torch.randn(flat.numel(), generator=g, dtype=torch.float64)
-        return flat @ direction.to(flat.device), None
+        projected = _fingerprint(outputs[0].detach(), 0)[1]  # the probe's own projection
+        return torch.tensor(projected, dtype=torch.float64), None
 
     return run
 

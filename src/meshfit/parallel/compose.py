@@ -253,8 +253,9 @@ def _pipeline_cut(b: Build) -> None:
     from meshfit.parallel.pipeline import build_stage_module, split_model
 
     topology, model = b.topology, b.model
-    if topology.batch_parts > 1 and not b.values.meta and b.options.example_inputs is not None:
-        _ask_batch_statistics(b)
+    valued = map_tensors(b.options.example_inputs, lambda t: t.to(topology.device))
+    if topology.batch_parts > 1 and not b.values.meta and valued is not None:
+        _ask_batch_statistics(b, valued)
     # a model on meta counts its blocks' FLOPs on meta: shapes only, no memory
     where = "meta" if b.values.meta else topology.device
     example = map_tensors(b.options.example_inputs, lambda t: t.to(where))
@@ -265,7 +266,7 @@ def _pipeline_cut(b: Build) -> None:
         split=b.options.pp_split,
         example_inputs=example,
         ends_group=topology.pipeline_ends_group,
-        valued_inputs=map_tensors(b.options.example_inputs, lambda t: t.to(topology.device)),
+        valued_inputs=valued,
     )
     if b.plan.uses_fsdp:
         _refuse_enclosing_owners(model, split)
@@ -286,16 +287,16 @@ def _pipeline_cut(b: Build) -> None:
     ]
 
 
-def _ask_batch_statistics(b: Build) -> None:
+def _ask_batch_statistics(b: Build, example: Any) -> None:
     """Buffers the forward updates from its batch, asked on the whole model before the
-    cut where the plan splits the batch (coupling/statistics.py); a model on meta has no
-    values to run (not asked)."""
+    cut where the plan splits the batch (coupling/statistics.py), on `example` (the
+    example inputs on the device); a model on meta has no values to run (not asked)."""
     from meshfit.coupling.statistics import before_pipeline_cut, parts_named
 
     topology = b.topology
     line = before_pipeline_cut(
         b.model,
-        map_tensors(b.options.example_inputs, lambda t: t.to(topology.device)),
+        example,
         plan=b.plan,
         parts=parts_named(topology.dp_size, b.plan.num_microbatches),
         own_statistics=not b.options.sync_batchnorm,
