@@ -566,16 +566,22 @@ def test_the_planner_refuses_exactly_the_zoo_cells_meshfit_refuses():
 @pytest.mark.slow
 def test_plan_auto_on_two_workers_trains_the_one_process_run():
     """Both workers plan on their own and must arrive at the same plan (or the run
-    could not start); the run it trains is the one-process run."""
+    could not start); the run it trains is the one-process run. With a loss that
+    couples the samples where meshfit cannot make it global (the batch's worst
+    sequence), the planner keeps the batch whole: before, it chose data parallel,
+    whose first step refused the loss."""
     from helpers import assert_same_run
-    from workers import fit_run
+    from workers import fit_run, fit_runs
 
     spec = {"model": "gpt4", "steps": 4, "batch": 8, "samples": 32}
-    ref = fit_run({**spec, "plan": "dp=1"})
-    got = mf.launch(fit_run, nproc=2, args=({**spec, "plan": "auto"},))
-    assert Plan.parse(got["planned"]["plan"]).world_size == 2
-    assert got["planned"]["measured_step_time_s"] > 0
-    assert_same_run(got, ref)
+    worst = {**spec, "loss": "worst_sequence"}
+    refs = [fit_run({**s, "plan": "dp=1"}) for s in (spec, worst)]
+    got = mf.launch(fit_runs, nproc=2, args=([{**s, "plan": "auto"} for s in (spec, worst)],))
+    for run, ref in zip(got, refs, strict=True):
+        assert Plan.parse(run["planned"]["plan"]).world_size == 2
+        assert run["planned"]["measured_step_time_s"] > 0
+        assert_same_run(run, ref)
+    assert Plan.parse(got[1]["planned"]["plan"]).data_parallel_size == 1, got[1]["planned"]
 
 
 @pytest.mark.slow
@@ -933,9 +939,39 @@ def test_a_statistic_of_the_batch_the_forward_reads_is_planned_whole():
     before = {name: b.clone() for name, b in model.named_buffers()}
     p = profile_model(model, vectors()[0])
     assert all(torch.equal(before[name], b) for name, b in model.named_buffers())
-    assert p.statistics_error and "buffer 'vq.embed'" in p.statistics_error
+    assert p.split_error and "buffer 'vq.embed'" in p.split_error
     result = plan_search(p, 2, batch_size=8, hardware="cpu")
     assert result.ranked
     assert all(e.plan.data_parallel_size == 1 for e in result.ranked)
     assert all(e.plan.num_microbatches == 1 for e in result.ranked)
     assert any("buffer 'vq.embed'" in d.reason for d in result.dropped)
+
+
+def test_a_loss_that_couples_the_samples_is_planned_whole():
+    """The batch's largest sample loss couples the samples where meshfit cannot make it
+    global: the first step of a plan that splits the batch refuses it
+    (tests/test_coupling.py), so plan="auto" must not choose one. The planner asks the
+    coupling probe's question of the loss_fn it is given: every ranked plan keeps the
+    batch whole, the others are dropped saying why. A mean over the samples, and
+    in-batch negatives (which meshfit gathers over the ranks), keep data parallel."""
+    from coupled import FAMILIES, ResidualMLP, in_batch_negatives, vectors, worst_sample_loss
+
+    x, y = vectors()
+    model = ResidualMLP().double()
+    coupled = profile_model(model, x, loss_fn=worst_sample_loss, example_targets=y)
+    assert coupled.split_error.startswith("the loss couples the samples of a batch")
+    result = plan_search(coupled, 2, batch_size=8, hardware="cpu")
+    assert result.ranked
+    assert all(e.plan.data_parallel_size == 1 for e in result.ranked)
+    assert all(e.plan.num_microbatches == 1 for e in result.ranked)
+    assert any("the loss couples the samples" in d.reason for d in result.dropped)
+    mean = profile_model(model, x, loss_fn=F.cross_entropy, example_targets=y)
+    assert mean.split_error is None
+    ranked = plan_search(mean, 2, batch_size=8, hardware="cpu").ranked
+    assert any(e.plan.data_parallel_size == 2 for e in ranked)
+    pairs = FAMILIES["sentence_pairs"]
+    inputs, targets = pairs.batch(8, 0)
+    found = profile_model(
+        pairs.build(), inputs, loss_fn=in_batch_negatives, example_targets=targets
+    )
+    assert found.split_error is None

@@ -393,6 +393,8 @@ def dataset(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def fit_run(spec: dict) -> dict:
     """Train with mf.fit; stop_after simulates a run cut short (it checkpoints there)."""
     model, loss_fn = build(spec["model"])
+    if spec.get("loss") == "worst_sequence":
+        loss_fn = worst_sequence_loss
     kwargs = dict(
         plan=spec.get("plan"),
         loss_fn=loss_fn,
@@ -420,6 +422,17 @@ def fit_run(spec: dict) -> dict:
         "state": state,
         "planned": history.planned,
     }
+
+
+def fit_runs(specs: list[dict]) -> list[dict]:
+    return [fit_run(spec) for spec in specs]
+
+
+def worst_sequence_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The batch's worst sequence (its mean token loss): couples the samples where
+    meshfit cannot make it global (neither a mean nor a sum of theirs)."""
+    tokens = F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction="none")
+    return tokens.view(targets.shape).mean(1).max()
 
 
 def _keep_busy() -> None:

@@ -9,6 +9,7 @@ splits the batch, and sets the load-balancing scale of each step (`count_step`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfit.coupling import own_loss
-from meshfit.coupling.moe import find_load_balancing, pipeline_refusal
+from meshfit.coupling.moe import LoadBalancing, find_load_balancing, pipeline_refusal
 from meshfit.coupling.probe import Verdict, probe
 from meshfit.coupling.products import InBatchProducts
 from meshfit.coupling.scope import Scope, active
@@ -28,8 +29,11 @@ from meshfit.coupling.statistics import (
     note_line,
     parts_named,
     refusal_line,
+    splitting_refused,
 )
 from meshfit.errors import MeshfitError
+from meshfit.losses import split_loss
+from meshfit.trees import call_model
 
 if TYPE_CHECKING:
     from meshfit.losses import ModelOwnLoss
@@ -176,31 +180,9 @@ class BatchCoupling:
             own_loss.install(self.loss_owner)
             self.scope.own_loss = verdict.own_loss
 
-    @contextlib.contextmanager
-    def _probe_scope(
-        self,
-        *,
-        replay: Any,
-        rows: int,
-        parts: int,
-        targets: Any,
-        products: bool,
-        own_loss: dict | None = None,
-    ) -> Iterator[Scope]:
+    def _probe_scope(self, **kwargs: Any) -> contextlib.AbstractContextManager[Scope]:
         """A scope local to this rank (no groups): the probe's halves stand for ranks."""
-        scale: torch.Tensor | float = 1.0
-        if self.load_balancing.found and self.model_loss is not None and self.model_loss.sums:
-            scale = self.model_loss.count(targets).to(torch.float64) / parts
-        scope = Scope(
-            rows=rows, aux_scale=scale, products=products, replay=replay, own_loss=own_loss
-        )
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(active(scope))
-            if self.load_balancing.found:
-                stack.enter_context(self.load_balancing.global_in_steps())
-            if products:
-                stack.enter_context(InBatchProducts(scope))
-            yield scope
+        return probe_scope(self.load_balancing, self.model_loss, **kwargs)
 
     def note(self) -> str | None:
         """A start-up line on what was made global (None: nothing coupled)."""
@@ -292,6 +274,80 @@ class BatchCoupling:
             "Gather what couples with mf.gather_batch(x) (the global batch's rows, gradients "
             f"flowing back) or sum it with mf.batch_sum(x), or use {whole}"
         )
+
+
+@contextlib.contextmanager
+def probe_scope(
+    load_balancing: LoadBalancing,
+    model_loss: ModelOwnLoss | None,
+    *,
+    replay: Any,
+    rows: int,
+    parts: int,
+    targets: Any,
+    products: bool,
+    own_loss: dict | None = None,
+) -> Iterator[Scope]:
+    """The scope of one probe pass, local to this process (no groups): the probe's
+    halves stand for ranks, a load-balancing loss is formed over each pass's samples."""
+    scale: torch.Tensor | float = 1.0
+    if load_balancing.found and model_loss is not None and model_loss.sums:
+        scale = model_loss.count(targets).to(torch.float64) / parts
+    scope = Scope(rows=rows, aux_scale=scale, products=products, replay=replay, own_loss=own_loss)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(active(scope))
+        if load_balancing.found:
+            stack.enter_context(load_balancing.global_in_steps())
+        if products:
+            stack.enter_context(InBatchProducts(scope))
+        yield scope
+
+
+def planned_refusal(
+    model: nn.Module, inputs: Any, loss_fn: Any = None, targets: Any = None
+) -> str | None:
+    """The planner's reason to drop every plan that splits the batch (ranks or
+    micro-batches), asked of one process before anything is built, as the first step
+    asks it: a loss that couples the samples where meshfit cannot make it global (asked
+    for a `loss_fn` you pass, with targets; the model's own loss is asked at the first
+    step), then a statistic of the batch kept in a buffer the forward reads
+    (statistics.py). None: neither, or nothing to ask on (fewer than two samples)."""
+    if callable(loss_fn) and targets is not None:
+
+        def run_loss(x: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return split_loss(loss_fn(call_model(model, x), y))
+
+        balancing = find_load_balancing(model)
+        try:
+            verdict = probe(
+                model,
+                run_loss,
+                functools.partial(probe_scope, balancing, None),
+                inputs,
+                targets,
+                low_precision=_low_precision(model),
+                world=None,
+            )
+        except Exception:  # noqa: BLE001 - the first step asks again and says what failed
+            verdict = None
+        if verdict is not None and verdict.coupled:
+            where = (
+                f"the first module whose output for a sample depends on the others is "
+                f"{verdict.where}"
+                if verdict.where
+                else "every module's output is per sample, so the loss function mixes them"
+            )
+            return (
+                f"the loss couples the samples of a batch and meshfit cannot make it global "
+                f"({where}): a plan that splits the batch (ranks or micro-batches) would "
+                f"train another run (mf.gather_batch(x) in the loss would make it global)"
+            )
+    return splitting_refused(model, inputs)
+
+
+def _low_precision(model: nn.Module) -> bool:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 def distinct(a: float, b: float) -> tuple[str, str]:

@@ -112,7 +112,7 @@ class ModelProfile:
     pp_error: str | None = None  # why meshfit's pipeline cut refuses it
     own_weights_error: str | None = None  # why FSDP2 (and tp) cannot replace its weights
     has_batchnorm: bool = False  # micro-batches would each be normalised alone
-    statistics_error: str | None = None  # a batch statistic the forward reads (no split)
+    split_error: str | None = None  # why no plan may split the batch (a coupled loss, ...)
     cp_error: str | None = None  # why context parallel cannot cut its sequences
     max_tp: int = 1 << 30  # head counts and widths tp must divide
     block_kind: str = ""
@@ -168,9 +168,9 @@ def profile_model(
     stack = _blocks_or_none(model)
     profile.has_batchnorm = any(isinstance(m, _BatchNorm) for m in model.modules())
     if _device_of(model).type != "meta":  # on meta no buffer holds a value to compare
-        from meshfit.coupling.statistics import splitting_refused
+        from meshfit.coupling.batch import planned_refusal
 
-        profile.statistics_error = splitting_refused(model, example_inputs)
+        profile.split_error = planned_refusal(model, example_inputs, loss_fn, example_targets)
     profile.cp_error = why_not_cut(model)
     profile.built_on_meta = _device_of(model).type == "meta"
     profile.largest_param = max((p.numel() for p in model.parameters()), default=0)

@@ -131,8 +131,9 @@ class ModelLimits:
     pp_error: str | None = None
     fsdp_error: str | None = None  # FSDP2 cannot replace its weights
     batchnorm: bool = False  # one micro-batch only (meshfit refuses more)
-    # a statistic of the batch the forward reads: no data parallel, one micro-batch
-    statistics_error: str | None = None
+    # a coupled loss or a statistic of the batch the forward reads (coupling/batch.py's
+    # planned_refusal): no data parallel, one micro-batch
+    split_error: str | None = None
     cp_error: str | None = None  # why context parallel cannot cut its sequences
     sequence: int = 1  # tokens per sample (1: no token sequence to cut)
     experts: int = 0  # experts per MoE layer (0: nothing for expert parallel to place)
@@ -151,7 +152,7 @@ class ModelLimits:
             pp_error=profile.pp_error,
             fsdp_error=profile.own_weights_error,
             batchnorm=profile.has_batchnorm,
-            statistics_error=profile.statistics_error,
+            split_error=profile.split_error,
             cp_error=profile.cp_error,
             sequence=profile.tokens_per_sample,
             experts=profile.experts,
@@ -232,8 +233,8 @@ def _refusal(plan: Plan, limits: ModelLimits, per_node: int) -> str:
         return _too_few_starts(plan.pp, limits)
     if limits.fsdp_error and plan.uses_fsdp:
         return f"refused: {limits.fsdp_error}"
-    if limits.statistics_error and plan.data_parallel_size > 1:
-        return f"refused: {limits.statistics_error}"
+    if limits.split_error and plan.data_parallel_size > 1:
+        return f"refused: {limits.split_error}"
     if plan.cp > 1 and limits.cp_error:
         return f"refused: {limits.cp_error} (cp)"
     if plan.cp > 1 and limits.sequence % (2 * plan.cp):
@@ -253,8 +254,8 @@ def why_refused(plan: Plan, limits: ModelLimits, devices_per_node: int = 8) -> s
     # a pipeline plan left open runs BatchNorm as one micro-batch under GPipe (prepare)
     if limits.batchnorm and plan.num_microbatches > 1 and not plan.leaves_pipeline_open:
         return "refused: BatchNorm would normalise each micro-batch on its own"
-    if limits.statistics_error and plan.num_microbatches > 1:
-        return f"refused: {limits.statistics_error}"
+    if limits.split_error and plan.num_microbatches > 1:
+        return f"refused: {limits.split_error}"
     return None
 
 
@@ -266,9 +267,9 @@ def _variants(base: Plan, offload: bool, limits: ModelLimits):
             for off in offloads:
                 yield dataclasses.replace(base, checkpointing=ckpt, offload=off)
         return
-    # BatchNorm, or a statistic of the batch the forward reads: the one micro-batch
-    # GPipe runs whole
-    if limits.batchnorm or limits.statistics_error:
+    # BatchNorm, a coupled loss, or a statistic of the batch the forward reads: the one
+    # micro-batch GPipe runs whole
+    if limits.batchnorm or limits.split_error:
         for ckpt in recomputation:
             yield dataclasses.replace(base, microbatches=1, schedule="gpipe", checkpointing=ckpt)
         return
