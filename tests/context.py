@@ -6,6 +6,7 @@ written by hand (refused), and packed documents."""
 from __future__ import annotations
 
 import contextlib
+import io
 from typing import Any
 
 import torch
@@ -212,6 +213,40 @@ class _HandBlock(nn.Module):
         return x + self.out(torch.einsum("bts,bsd->btd", scores.softmax(-1), v))
 
 
+class TokenStatisticsLM(nn.Module):
+    """A causal LM (F.scaled_dot_product_attention, positions from torch.arange) that
+    keeps a statistic of the tokens it sees in buffers: `kind="codebook"`, a VQ
+    bottleneck over its tokens kept by moving averages (coupled.EMACodebook; read by the
+    next forward); `kind="observed"`, the largest activation it has seen (an observer's
+    range, read by nothing)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        from coupled import EMACodebook
+
+        width = 16
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, width)
+        self.position = nn.Embedding(2 * LENGTH, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.vq = EMACodebook(codes=8, dim=width) if kind == "codebook" else None
+        self.register_buffer("seen_max", torch.zeros(()))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        batch, length = idx.shape
+        x = self.embed(idx) + self.position(torch.arange(length, device=idx.device))
+        q, k, v = self.qkv(x).view(batch, length, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(batch, length, 16))
+        if self.vq is not None:
+            x = self.vq(x.reshape(batch * length, 16))[0].view(batch, length, 16)
+        if self.training and self.kind == "observed":
+            self.seen_max = torch.maximum(self.seen_max, x.detach().abs().max())
+        return self.head(x)
+
+
 def qwen3_moe() -> nn.Module:  # a mixture of experts, its load-balancing loss on
     from experts import qwen3_moe
 
@@ -291,6 +326,8 @@ BUILDS = {
     "olmo3": olmo3,
     "lfm2": lfm2,
     "qwen3_next": qwen3_next,
+    "codebook": lambda: TokenStatisticsLM("codebook"),
+    "observed": lambda: TokenStatisticsLM("observed"),
 }
 
 
@@ -308,6 +345,18 @@ def _tokens(batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels, mask
 
 
+# models given (ids, next tokens) rather than a collator's dict
+NEXT_TOKENS = (
+    "nanogpt",
+    "gpt",
+    "hand_attention",
+    "hand_blocks",
+    "gemma2_ids",
+    "codebook",
+    "observed",
+)
+
+
 def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
     """A batch as the family's users give it, for `loss` ("pair": mf.losses
     cross_entropy(shift=True) on (inputs, labels); "model": the model's own loss on a
@@ -318,7 +367,7 @@ def batch_of(model: str, loss: str, step: int, batch: int = 8) -> Any:
         chosen &= mask.bool()
         labels = ids.masked_fill(~chosen, -100)
         ids = ids.masked_fill(chosen, MASK)
-    if model in ("nanogpt", "gpt", "hand_attention", "hand_blocks", "gemma2_ids"):
+    if model in NEXT_TOKENS:
         data = torch.cat([ids, ids[:, :1]], dim=1)
         x, y = data[:, :-1], data[:, 1:].clone()
         if loss == "masked_mean":  # the collator's -100 where its labels have them
@@ -364,7 +413,7 @@ def loss_of(model: str, loss: str) -> Any:
         return mf.losses.cross_entropy()  # the targets are the next tokens already
     if model == "nanogpt":
         return lambda outputs, targets: outputs[1]  # the loss its forward computed
-    if model in ("gpt", "hand_attention", "hand_blocks"):
+    if model in ("gpt", "hand_attention", "hand_blocks", "codebook", "observed"):
         return lambda outputs, targets: F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
     return "model" if loss == "model" else mf.losses.cross_entropy(shift=True)
 
@@ -381,12 +430,14 @@ def cp_run(spec: dict) -> dict:
     first step, its loss the first of the losses ("only": no step after it); "retry": a
     first step refused is tried again (and must be refused again); "float32": the model
     in float32 instead; "options": more keywords for mf.parallelize; "meta": the model
-    built on meta (its values from options' weights=)."""
+    built on meta (its values from options' weights=); "said": what rank 0 printed."""
     torch.manual_seed(1234)
     with torch.device("meta") if spec.get("meta") else contextlib.nullcontext():
         model = BUILDS[spec["model"]]().to(torch.float32 if spec.get("float32") else torch.float64)
     loss = spec.get("loss", "pair")
+    said = io.StringIO()  # what rank 0 printed (start-up lines)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(said))
         if spec.get("undone_on_rank1"):
             stack.enter_context(_contiguous_on_rank1())
         metrics = {
@@ -419,7 +470,8 @@ def cp_run(spec: dict) -> dict:
                 batch = batch_of(spec["model"], loss, step)
             losses.append(float(engine.step(batch)))
             accuracies += [float(v) for v in engine.last_metrics.values()]
-    return {"losses": losses, "state": engine.full_state_dict(), "metrics": accuracies}
+    state = engine.full_state_dict()
+    return {"losses": losses, "state": state, "metrics": accuracies, "said": said.getvalue()}
 
 
 def token_mean_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -132,6 +132,17 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
         # an encoder-decoder: refused from its config in one line (before, at the first
         # step's probe, naming a module of its encoder)
         {"model": "t5", "plan": "cp=2", "loss": "model"},
+        # a statistic of the tokens kept in buffers (parallel/context/statistics.py): a VQ
+        # codebook the next forward reads, refused naming it (before, refused as a cut
+        # that breaks the model, naming the LM head, with the fix for attention); under
+        # sync_batchnorm=False each rank keeps its own: another run, said; an observed
+        # range read by nothing: the one-process weights, said at start-up
+        {"model": "codebook", "plan": "cp=2"},
+        # asked at the first training step, after an evaluation too (whose forward
+        # updates no buffer: asked only there, it found none)
+        {"model": "codebook", "plan": "cp=2", "evaluate_first": True},
+        {"model": "codebook", "plan": "cp=2", "options": {"sync_batchnorm": False}},
+        {"model": "observed", "plan": "cp=2"},
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -141,7 +152,28 @@ def test_cp2_trains_the_one_process_run_on_every_kind_of_model() -> None:
     hand, undone, predict, masked_mean, shifted_here, mean_metric, evaluated, retried, *rest = (
         results[len(specs) :]
     )
-    *state, speech, wrong_dtype, t5 = rest
+    *state, speech, wrong_dtype, t5, codebook, evaluated_codebook, own_codebook, observed = rest
+    assert codebook.get("refused", "").startswith(
+        "context parallel cannot cut this model's sequences: buffer 'vq.embed' (and 2 more"
+    ), codebook
+    assert "from the tokens it sees, and the forward reads it" in codebook["refused"]
+    assert "attention" not in codebook["refused"] and "head" not in codebook["refused"]
+    assert evaluated_codebook.get("refused") == codebook["refused"], evaluated_codebook
+    reference = cp_run({"model": "codebook"})
+    assert distance(own_codebook, reference)[1] > 1e-3  # each rank's own codebook
+    assert (
+        "buffer 'vq.embed'" in own_codebook["said"]
+        and "not the one-process run" in (own_codebook["said"])
+    )
+    reference = cp_run({"model": "observed"})
+    assert (
+        "buffer 'seen_max' is updated by the training forward from the tokens" in (observed["said"])
+    ), observed.get("said", observed)
+    assert observed["state"]["seen_max"] < reference["state"]["seen_max"]  # a rank's tokens
+    weights = {k: v for k, v in reference["state"].items() if k != "seen_max"}
+    assert_same(
+        {"model": "observed"}, {**observed, "state": weights}, {**reference, "state": weights}
+    )
     assert "T5ForConditionalGeneration is an encoder-decoder" in t5.get("refused", ""), t5
     cut = "cp=2 cuts the second dimension of input_values, attention_mask (1600 long)"
     assert cut in speech.get("refused", "") and "\n" not in speech["refused"], speech

@@ -52,6 +52,19 @@ def test_a_codebook_updated_from_the_batch_is_refused_naming_it() -> None:
     assert all(torch.equal(after[name], b) for name, b in before.items())
 
 
+def test_an_evaluation_first_leaves_the_question_to_the_first_training_step() -> None:
+    """An evaluation's forward updates no buffer: asked there (the coupling probe runs at
+    the first step or evaluation, whichever comes first), the question found nothing,
+    and the codebook then trained each micro-batch's updates with no word. It is asked
+    at the first training step."""
+    torch.manual_seed(0)
+    engine = mf.parallelize(VQAutoencoder().double(), "microbatches=2", loss_fn=vq_loss)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    engine.evaluate((x, x))
+    with pytest.raises(mf.MeshfitError, match="^buffer 'vq.embed' .* and the forward reads it"):
+        engine.step((x, x))
+
+
 def test_a_statistic_the_loss_does_not_read_is_said_at_start_up() -> None:
     """I-BERT (quant_mode off, its default) keeps the range of its activations in its
     QuantAct modules' buffers, updated in every training forward and read by nothing

@@ -137,8 +137,9 @@ class Engine:
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
         self._batch_checked = False  # until a training step has worked
-        # the coupling probe ran (at the first step or evaluation, whichever came first)
-        self._coupling_checked = False
+        # the coupling probe ran; the statistics question was asked (_check_coupling)
+        self._coupling_checked = self._statistics_asked = False
+        self._said: set[str] = set()  # the probe's start-up lines, said once
         self._evaluated = False  # until an evaluation has worked
         # the global item count of the last evaluation of a (sum, count) loss (None for
         # a mean): what weighs its batch in a mean over several (fit's eval loss)
@@ -346,21 +347,26 @@ class Engine:
         """The coupling probe on this rank's first samples (coupling/probe.py): a loss
         that couples the samples of the batch is made global or refused before training;
         what was made global is said once. Once per engine: at the first step or the
-        first evaluation, whichever comes first."""
-        if self._coupling_checked:
+        first evaluation, whichever comes first; the statistics question (buffers updated
+        from the batch) at the first training step, as an evaluation's forward updates none."""
+        training = what == "training step"
+        if self._coupling_checked and (self._statistics_asked or not training):
             return
         loss_of = self.runner.probe_loss()
         if loss_of is None:
             return
         low = self.plan.precision != "fp32" or self._model_dtype in (torch.bfloat16, torch.float16)
         with explain_first_failure(True, what, inputs, targets, self._model_dtype):
-            self.coupling.check_first_batch(self.user_model, loss_of, inputs, targets, low)
+            asked = {"loss": not self._coupling_checked, "statistics": training}
+            self.coupling.check_first_batch(self.user_model, loss_of, inputs, targets, low, **asked)
         self._coupling_checked = True
+        self._statistics_asked = self._statistics_asked or training
         if self.coupling.verdict is not None and self.coupling.verdict.summed:
             self.sample_sum.on = True
         for note in self.coupling.notes():
-            if self.rank == 0:
+            if self.rank == 0 and note not in self._said:
                 print(f"meshfit: {note}", flush=True)
+            self._said.add(note)
 
     def _optimizer_step(self) -> None:
         if self._measure_gradients:

@@ -136,14 +136,33 @@ class BatchCoupling:
         inputs: Any,
         targets: Any,
         low_precision: bool,
+        *,
+        loss: bool = True,
+        statistics: bool = True,
     ) -> None:
         """The coupling probe on this rank's first samples (a plan that splits the batch
         only): a loss that couples samples where meshfit makes it global trains on; one
         whose coupling the in-batch products explain has them gathered from now on; any
-        other is refused in one line."""
+        other is refused in one line. `statistics`: then the statistics question (at a
+        training step: an evaluation's forward updates no buffer); `loss`: False where the
+        probe ran already (at an evaluation before the first step)."""
         if not self.splits_batch:
             return
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if loss:
+            self._probe(model, run_loss, inputs, targets, low_precision, world)
+        if statistics:
+            self._ask_statistics(model, run_loss, inputs, targets, low_precision, world)
+
+    def _probe(
+        self,
+        model: nn.Module,
+        run_loss: Any,
+        inputs: Any,
+        targets: Any,
+        low_precision: bool,
+        world: dist.ProcessGroup | None,
+    ) -> None:
         verdict = probe(
             model,
             run_loss,
@@ -157,6 +176,22 @@ class BatchCoupling:
         self.verdict = verdict
         if verdict is not None and verdict.coupled:
             raise MeshfitError(self._refusal(verdict))
+        if verdict is None:
+            return
+        self.scope.products = verdict.products
+        if verdict.own_loss and self.loss_owner is not None:
+            own_loss.install(self.loss_owner)
+            self.scope.own_loss = verdict.own_loss
+
+    def _ask_statistics(
+        self,
+        model: nn.Module,
+        run_loss: Any,
+        inputs: Any,
+        targets: Any,
+        low_precision: bool,
+        world: dist.ProcessGroup | None,
+    ) -> None:
         # mf.gather_batch crosses ranks, not micro-batches (run one after another)
         gathered = self.topology.plan.num_microbatches == 1
         self.statistics = batch_statistics(
@@ -173,12 +208,6 @@ class BatchCoupling:
             parts = self._parts()
             plan = self.topology.plan
             raise MeshfitError(refusal_line(self.statistics, model, plan, parts, gathered))
-        if verdict is None:
-            return
-        self.scope.products = verdict.products
-        if verdict.own_loss and self.loss_owner is not None:
-            own_loss.install(self.loss_owner)
-            self.scope.own_loss = verdict.own_loss
 
     def _probe_scope(self, **kwargs: Any) -> contextlib.AbstractContextManager[Scope]:
         """A scope local to this rank (no groups): the probe's halves stand for ranks."""

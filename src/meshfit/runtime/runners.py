@@ -141,6 +141,7 @@ class LocalRunner:
         # this rank's tokens, its forward run with attention over the whole sequence
         self.sequence = sequence
         self._sequence_checked = sequence is None
+        self._statistics_asked = sequence is None  # at the first training step (cp)
         # expert parallel (parallel/experts.py): its experts' gradients, reduced once the
         # step's last backward is done
         self.experts = experts
@@ -156,14 +157,19 @@ class LocalRunner:
     def _check_the_sequence_cut(self, inputs: Any, targets: Any) -> None:
         """Context parallel: the cut must keep the loss (parallel/context/probe.py), at
         the first step or the first evaluation, whichever comes first."""
-        if self._sequence_checked:
+        training = self.model.training  # statistics of the tokens: asked in training
+        if self._sequence_checked and (self._statistics_asked or not training):
             return
         from meshfit.parallel.context.probe import check_sequence_split
+        from meshfit.parallel.context.statistics import said_token_statistics
 
         left_out = self.coupling.balancing_left_out() if self.coupling is not None else None
-        check_sequence_split(
+        statistics = check_sequence_split(
             self.model, self.sequence, self.probe_loss(), inputs, targets, left_out
         )
+        if training:  # an evaluation's forward updates no buffer: asked again in training
+            said_token_statistics(statistics, self.sequence.cp, self.coupling)
+            self._statistics_asked = True
         self._sequence_checked = True  # not before: a refused step tried again is refused
 
     def _train(self, inputs: Any, targets: Any) -> LocalLoss:

@@ -38,6 +38,7 @@ from torch import nn
 from meshfit.coupling.probe import held_still
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
+from meshfit.parallel.context.statistics import TokenStatistics, TokenStatisticsSeen
 from meshfit.runtime.batch_errors import collective_failed
 from meshfit.trees import map_tensors, slice_rows, tensors_in
 
@@ -73,19 +74,26 @@ def check_sequence_split(
     inputs: Any,
     targets: Any,
     left_out: Any = None,
-) -> None:
+) -> TokenStatistics:
     """Refuse (one line, on every rank alike) a model whose loss the sequence cut changes.
     `run_loss(inputs, targets)` is the runner's forward and loss of one micro-batch;
     `left_out`, a context both runs go in (a load-balancing loss as zero: meshfit's own,
-    coupling/moe.py)."""
+    coupling/moe.py). Returns the buffers the forward updates from a rank's tokens
+    (statistics.py: the runner refuses or says them); each pass starts from the same
+    buffers."""
     found: list[_Found] = []
     departures: list[_Departure] = []
-    with held_still(model), left_out or contextlib.nullcontext():
-        for row in _windows(sequence, inputs, targets):
+    windows = _windows(sequence, inputs, targets)
+    with held_still(model) as buffers, left_out or contextlib.nullcontext():
+        seen_statistics = TokenStatisticsSeen(buffers)
+        first = None
+        for row in windows:
             recorded = _outputs_recorded(model)
             seen = _outputs_recorded(model)
             with recorded:
                 whole = _whole_window(run_loss, row, inputs, targets, sequence.cp)
+            first = first or whole
+            seen_statistics.whole_done()
             local_in, local_targets = sequence.local(*row)
             with seen, sequence.running():
                 try:
@@ -94,13 +102,20 @@ def check_sequence_split(
                     if collective_failed(exc):
                         raise
                     raise _cut_refused(inputs, sequence.cp, local_in, exc) from exc
+            seen_statistics.cut_done()
             difference = _difference(whole, part, sequence.group)
             departures.append(_departure(recorded, seen, sequence))
             if _has_targets(whole):
                 found.append(_Found(difference, whole[0].dtype, None, _masked_mean(whole, row)))
+        statistics = seen_statistics.agreed(
+            first[0] if first is not None else torch.zeros(()),
+            lambda: run_loss(*windows[0])[0],
+            _ROUNDING.get(first[0].dtype, 1e-2) if first is not None else 1e-2,
+        )
     verdict = found[0] if found else _Found()
     verdict.moved(model, _earliest(departures))  # every window's modules tell
     _verdict(verdict)
+    return statistics
 
 
 def check_staged_sequence_split(
