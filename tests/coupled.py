@@ -346,8 +346,9 @@ def masked_batch(batch: int = 8, seed: int = 0) -> dict:
 def vq_run(spec: dict) -> dict:
     """The VQ autoencoder (spec["gather"]: its update from the global batch; "model":
     "stack", the codebook before a stack of blocks; "ibert": ibert_masked_lm on
-    masked_batch) under spec["plan"] for 3 SGD steps on batches of 8 vectors (its
-    targets its inputs); "said": what rank 0 printed."""
+    masked_batch; "eval": the model handed over in evaluation mode) under spec["plan"]
+    for 3 SGD steps on batches of 8 vectors (its targets its inputs); "said": what rank
+    0 printed."""
     if spec.get("model") == "ibert":
         engine = mf.parallelize(ibert_masked_lm(), spec.get("plan"), loss_fn="model")
         said = io.StringIO()
@@ -357,6 +358,8 @@ def vq_run(spec: dict) -> dict:
     torch.manual_seed(0)
     stack = spec.get("model") == "stack"
     model = (VQStack() if stack else VQAutoencoder(gather=spec.get("gather", False))).double()
+    if spec.get("eval"):  # as from_pretrained returns a model: in evaluation mode
+        model.eval()
     options = spec.get("options", {})
     loss_fn = F.mse_loss if stack else vq_loss
     engine = mf.parallelize(

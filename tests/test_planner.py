@@ -940,6 +940,8 @@ def test_a_statistic_of_the_batch_the_forward_reads_is_planned_whole():
     p = profile_model(model, vectors()[0])
     assert all(torch.equal(before[name], b) for name, b in model.named_buffers())
     assert p.split_error and "buffer 'vq.embed'" in p.split_error
+    # in evaluation mode (as from_pretrained returns a model): asked in training mode
+    assert profile_model(VQStack().double().eval(), vectors()[0]).split_error == p.split_error
     result = plan_search(p, 2, batch_size=8, hardware="cpu")
     assert result.ranked
     assert all(e.plan.data_parallel_size == 1 for e in result.ranked)

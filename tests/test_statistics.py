@@ -104,6 +104,7 @@ def test_batch_statistics_under_dp_fsdp_and_pp() -> None:
         {"plan": "pp=2,microbatches=1,schedule=gpipe", "model": "stack"},
         {"plan": "pp=2", "model": "stack", "options": {"sync_batchnorm": False}},
         {"plan": "pp=2", "model": "ibert"},
+        {"plan": "pp=2", "model": "stack", "eval": True},
     ]
     results = mf.launch(many_vq_runs, nproc=2, args=(specs,))
     for result in results[:2]:
@@ -134,6 +135,9 @@ def test_batch_statistics_under_dp_fsdp_and_pp() -> None:
         return {**run, "state": {k: v for k, v in run["state"].items() if k in weights}}
 
     assert_same_run(trained(results[8]), trained(ibert), rtol=1e-5)
+    # a model handed over in evaluation mode (as from_pretrained returns it): asked in
+    # training mode (before, the forward updated nothing and the question found nothing)
+    assert results[9]["refused"] == results[5]["refused"], results[9]
 
 
 def test_a_buffer_of_infinities_left_alone_is_not_a_statistic() -> None:

@@ -26,6 +26,7 @@ from meshfit.coupling.statistics import (
     LIBRARIES,
     Statistics,
     batch_statistics,
+    in_training,
     note_line,
     parts_named,
     refusal_line,
@@ -348,15 +349,16 @@ def planned_refusal(
 
         balancing = find_load_balancing(model)
         try:
-            verdict = probe(
-                model,
-                run_loss,
-                functools.partial(probe_scope, balancing, None),
-                inputs,
-                targets,
-                low_precision=_low_precision(model),
-                world=None,
-            )
+            with in_training(model):  # as a training step runs it (from_pretrained: eval)
+                verdict = probe(
+                    model,
+                    run_loss,
+                    functools.partial(probe_scope, balancing, None),
+                    inputs,
+                    targets,
+                    low_precision=_low_precision(model),
+                    world=None,
+                )
         except Exception:  # noqa: BLE001 - the first step asks again and says what failed
             verdict = None
         if verdict is not None and verdict.coupled:

@@ -28,6 +28,7 @@ after a half, so neither is named.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,17 +268,32 @@ def read_by_forward(
     world: dist.ProcessGroup | None = None,
 ) -> Statistics:
     """The question asked of the model's forward alone (no loss, nothing gathered: the
-    parts are micro-batches, or unknown to the planner, which asks it too)."""
-    return batch_statistics(
-        model,
-        forward_only(model),
-        _no_scope,
-        inputs,
-        inputs,
-        low_precision=low_precision,
-        world=world,
-        gathered=False,
-    )
+    parts are micro-batches, or unknown to the planner, which asks it too), in training
+    mode whatever mode the model is in (`from_pretrained` returns it in evaluation mode,
+    whose forward updates no buffer; training steps put it in training mode)."""
+    with in_training(model):
+        return batch_statistics(
+            model,
+            forward_only(model),
+            _no_scope,
+            inputs,
+            inputs,
+            low_precision=low_precision,
+            world=world,
+            gathered=False,
+        )
+
+
+@contextlib.contextmanager
+def in_training(model: nn.Module) -> Iterator[None]:
+    """`model` in training mode inside; every module's own mode back after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def splitting_refused(model: nn.Module, inputs: Any) -> str | None:
