@@ -24,9 +24,18 @@ class BatchCentered(nn.Module):
         return x - x.mean(0, keepdim=True)
 
 
-def centered_mlp() -> nn.Module:
+class TrainingCentered(BatchCentered):
+    """BatchCentered in training only (as a batch-level step written for training is):
+    evaluation's forward keeps the samples apart."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.training else x
+
+
+def centered_mlp(in_training_only: bool = False) -> nn.Module:
     torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(8, 16), BatchCentered(), nn.Tanh(), nn.Linear(16, 5)).double()
+    centered = TrainingCentered() if in_training_only else BatchCentered()
+    return nn.Sequential(nn.Linear(8, 16), centered, nn.Tanh(), nn.Linear(16, 5)).double()
 
 
 def plain_mlp(dropout: float = 0.0, batchnorm: bool = False) -> nn.Module:

@@ -116,6 +116,18 @@ def test_a_module_that_mixes_samples_is_refused_naming_it() -> None:
         assert torch.equal(value, before[name]), name
 
 
+def test_a_coupling_in_training_only_is_found_after_an_evaluation() -> None:
+    """The probe runs at the first evaluation if one comes first, in evaluation mode,
+    where this module keeps the samples apart; it runs again at the first training step
+    (before, it ran once: the module's training forward then mixed each micro-batch's
+    samples with no word, another run than one process)."""
+    engine = mf.parallelize(centered_mlp(in_training_only=True), "microbatches=2",
+                            loss_fn=F.cross_entropy)  # fmt: skip
+    engine.evaluate(vectors())
+    with pytest.raises(mf.MeshfitError, match="first module whose output .* 1 .TrainingCentered"):
+        engine.step(vectors())
+
+
 def test_a_loss_that_is_neither_a_mean_nor_a_sum_of_its_samples_is_refused() -> None:
     engine = mf.parallelize(plain_mlp(), "microbatches=2", loss_fn=worst_sample_loss)
     with pytest.raises(mf.MeshfitError, match="the loss function mixes them"):

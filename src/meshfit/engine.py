@@ -137,8 +137,7 @@ class Engine:
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
         self._batch_checked = False  # until a training step has worked
-        # the coupling probe ran; the statistics question was asked (_check_coupling)
-        self._coupling_checked = self._statistics_asked = False
+        self._coupling_checked = self._checked_in_training = False  # (_check_coupling)
         self._said: set[str] = set()  # the probe's start-up lines, said once
         self._evaluated = False  # until an evaluation has worked
         # the global item count of the last evaluation of a (sum, count) loss (None for
@@ -346,21 +345,22 @@ class Engine:
     def _check_coupling(self, inputs: Any, targets: Any, what: str = "training step") -> None:
         """The coupling probe on this rank's first samples (coupling/probe.py): a loss
         that couples the samples of the batch is made global or refused before training;
-        what was made global is said once. Once per engine: at the first step or the
-        first evaluation, whichever comes first; the statistics question (buffers updated
-        from the batch) at the first training step, as an evaluation's forward updates none."""
+        what was made global is said once. At the first evaluation if one comes first, in
+        evaluation mode, and at the first training step with the statistics question: a
+        training forward may couple samples or update buffers where evaluation's does not."""
         training = what == "training step"
-        if self._coupling_checked and (self._statistics_asked or not training):
+        if self._checked_in_training or (self._coupling_checked and not training):
             return
         loss_of = self.runner.probe_loss()
         if loss_of is None:
             return
         low = self.plan.precision != "fp32" or self._model_dtype in (torch.bfloat16, torch.float16)
         with explain_first_failure(True, what, inputs, targets, self._model_dtype):
-            asked = {"loss": not self._coupling_checked, "statistics": training}
-            self.coupling.check_first_batch(self.user_model, loss_of, inputs, targets, low, **asked)
+            self.coupling.check_first_batch(
+                self.user_model, loss_of, inputs, targets, low, statistics=training
+            )
         self._coupling_checked = True
-        self._statistics_asked = self._statistics_asked or training
+        self._checked_in_training = training
         if self.coupling.verdict is not None and self.coupling.verdict.summed:
             self.sample_sum.on = True
         for note in self.coupling.notes():

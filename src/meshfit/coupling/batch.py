@@ -138,20 +138,17 @@ class BatchCoupling:
         targets: Any,
         low_precision: bool,
         *,
-        loss: bool = True,
         statistics: bool = True,
     ) -> None:
         """The coupling probe on this rank's first samples (a plan that splits the batch
         only): a loss that couples samples where meshfit makes it global trains on; one
         whose coupling the in-batch products explain has them gathered from now on; any
         other is refused in one line. `statistics`: then the statistics question (at a
-        training step: an evaluation's forward updates no buffer); `loss`: False where the
-        probe ran already (at an evaluation before the first step)."""
+        training step: an evaluation's forward updates no buffer)."""
         if not self.splits_batch:
             return
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        if loss:
-            self._probe(model, run_loss, inputs, targets, low_precision, world)
+        self._probe(model, run_loss, inputs, targets, low_precision, world)
         if statistics:
             self._ask_statistics(model, run_loss, inputs, targets, low_precision, world)
 
