@@ -188,20 +188,22 @@ def wav2vec2_batch(batch: int = 8, seed: int = 0) -> dict:
 
 
 class ResidualBlock(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, centered: bool = False) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
+        self.centered = BatchCentered() if centered else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
+        return x + torch.tanh(self.centered(self.fc(x)))
 
 
 class ResidualMLP(nn.Module):
     """Blocks with their residual inside (as nanoGPT's Block), or, with
     `residual_in_loop`, added by the forward's loop (`x = x + block(x)`); with
-    `loops=2` the forward runs its whole stack twice (a recurrent-depth model)."""
+    `loops=2` the forward runs its whole stack twice (a recurrent-depth model); with
+    `centered`, its third block subtracts the batch's mean (BatchCentered)."""
 
-    def __init__(self, residual_in_loop: bool = False, loops: int = 1) -> None:
+    def __init__(self, residual_in_loop: bool = False, loops: int = 1, centered: bool = False):
         super().__init__()
         torch.manual_seed(5)
         self.residual_in_loop = residual_in_loop
@@ -212,7 +214,7 @@ class ResidualMLP(nn.Module):
                 nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)
             )
         else:
-            self.blocks = nn.ModuleList(ResidualBlock(16) for _ in range(4))
+            self.blocks = nn.ModuleList(ResidualBlock(16, centered and i == 2) for i in range(4))
         self.head = nn.Linear(16, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -386,3 +388,26 @@ def many_vq_runs(specs: list[dict]) -> list[dict]:
 
     torch.set_num_threads(1)
     return runs_or_refusals(vq_run, specs)
+
+
+def pipeline_coupled_run(spec: dict) -> dict:
+    """ResidualMLP (spec["centered"]: a block that subtracts the batch's mean) under
+    spec["plan"] for 3 SGD steps on batches of 8 vectors, with spec["loss"] ("worst":
+    worst_sample_loss, else the cross-entropy); "eager": built on example inputs given
+    to parallelize (no targets known before the cut)."""
+    torch.manual_seed(0)
+    model = ResidualMLP(centered=spec.get("centered", False)).double()
+    loss_fn = worst_sample_loss if spec.get("loss") == "worst" else F.cross_entropy
+    example = {"example_inputs": vectors()[0]} if spec.get("eager") else {}
+    engine = mf.parallelize(
+        model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer, **example
+    )
+    losses = [float(engine.step(vectors(seed=step))) for step in range(3)]
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def many_pipeline_coupled_runs(specs: list[dict]) -> list[dict]:
+    from workers import runs_or_refusals
+
+    torch.set_num_threads(1)
+    return runs_or_refusals(pipeline_coupled_run, specs)

@@ -21,6 +21,8 @@ from coupled import (  # noqa: E402
     centered_mlp,
     coupled_run,
     many_coupled_runs,
+    many_pipeline_coupled_runs,
+    pipeline_coupled_run,
     plain_mlp,
     round_order,
     summed_loss,
@@ -498,3 +500,33 @@ def test_losses_that_sum_their_samples_train_the_one_process_run_under_every_pla
     # LayerDrop: each rank skips other layers at random (no one-process run to match);
     # DDP finds the unused parameters from the start, and the probe's passes draw alike
     assert "refused" not in layerdrop and all(map(math.isfinite, layerdrop["losses"])), layerdrop
+
+
+@pytest.mark.slow
+def test_under_pp_a_coupling_is_found_before_the_cut() -> None:
+    """The probe cannot run under a pipeline schedule (its stages run whole
+    micro-batches): before, a block that subtracts the batch's mean and a loss of the
+    batch's worst sample trained each micro-batch on its own under pp=2 (4 micro-batches)
+    with no word, another run than one process. The question is asked on the whole
+    model before the cut, with the loss where the first batch's targets are known, the
+    forward alone where the model is built on example inputs: refused in one line. With
+    one micro-batch under GPipe the batch runs whole: the one-process run."""
+    specs = [
+        {"plan": "pp=2", "centered": True},
+        {"plan": "pp=2", "loss": "worst"},
+        {"plan": "pp=2", "centered": True, "eager": True},
+        {"plan": "pp=2,microbatches=1,schedule=gpipe", "loss": "worst"},
+        {"plan": "pp=2,microbatches=1,schedule=gpipe", "centered": True},
+        {"plan": "pp=2"},  # control: a mean over the samples trains
+    ]
+    results = mf.launch(many_pipeline_coupled_runs, nproc=2, args=(specs,))
+    centered, worst, eager = results[:3]
+    assert "first module whose output for a sample depends on the others is blocks.2" in (
+        centered.get("refused", "")
+    ), centered
+    assert "over 4 micro-batches" in centered["refused"] and "\n" not in centered["refused"]
+    assert "pp=N,microbatches=1,schedule=gpipe" in centered["refused"]
+    assert "so the loss function mixes them" in worst.get("refused", ""), worst
+    assert "blocks.2" in eager.get("refused", ""), eager
+    for spec, got in zip(specs[3:], results[3:], strict=True):
+        assert_same_run(got, pipeline_coupled_run({**spec, "plan": None}))

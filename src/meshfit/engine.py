@@ -53,7 +53,7 @@ from meshfit.state.checkpoint import (
     save_checkpoint,
 )
 from meshfit.topology import Topology
-from meshfit.trees import slice_rows
+from meshfit.trees import batch_rows, slice_rows
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -147,9 +147,9 @@ class Engine:
         self._measure_gradients = False
 
     # ---- the split model, built on the example or the first batch ---------------------
-    def _build(self, example_inputs: Any) -> _Built:
+    def _build(self, inputs: Any, targets: Any = None) -> _Built:
         if self._built is None:
-            forms = replace(self._forms, example_inputs=example_inputs)
+            forms = replace(self._forms, example_inputs=inputs, example_targets=targets)
             with watchdog.phase("setup", "setup (the model's split, on the first batch)"):
                 parts = apply_plan(
                     self.user_model, self.topology, self.precision, forms, self.coupling
@@ -159,15 +159,16 @@ class Engine:
             self._built = _Built(*parts, optimizer, scheduler)
         return self._built
 
-    def _build_on(self, inputs: Any) -> None:
-        """Build on the first global batch's `inputs`: the micro-batch pp times its
-        blocks on, two samples for tp's trace (prepare.forms_example), the same on every
-        rank since every rank holds the global batch."""
+    def _build_on(self, inputs: Any, targets: Any = None) -> None:
+        """Build on the first global batch (every rank holds it): the micro-batch pp
+        times its blocks on, two samples for tp's trace (prepare.forms_example), and
+        their targets where known (pp's coupling question: parallel/compose.py)."""
         if self._built is not None:
             return
-        size = batch_size(inputs, "inputs")
         first = lambda n: (slice_rows(inputs, 0, n), None)  # noqa: E731
-        self._build(forms_example(self.topology, Examples(first, size)))
+        example = forms_example(self.topology, Examples(first, batch_size(inputs, "inputs")))
+        kept = None if example is None or targets is None else batch_rows(example)
+        self._build(example, None if kept is None else slice_rows(targets, 0, kept))
 
     @property
     def parallel_model(self) -> nn.Module:
@@ -238,7 +239,7 @@ class Engine:
         loss_fn="model": the mapping the model takes, labels included); returns the
         global mean loss as a 0-dim tensor (the same on every rank; `float(loss)`
         reads it, which waits for the device)."""
-        self._build_on(self.split_batch(batch)[0])
+        self._build_on(*self.split_batch(batch))
         inputs, targets = self.local_share(batch, self.plan.num_microbatches)
         return self.step_local(inputs, targets)
 
@@ -343,11 +344,10 @@ class Engine:
         return result
 
     def _check_coupling(self, inputs: Any, targets: Any, what: str = "training step") -> None:
-        """The coupling probe on this rank's first samples (coupling/probe.py): a loss
-        that couples the samples of the batch is made global or refused before training;
-        what was made global is said once. At the first evaluation if one comes first, in
-        evaluation mode, and at the first training step with the statistics question: a
-        training forward may couple samples or update buffers where evaluation's does not."""
+        """The coupling probe on this rank's first samples (coupling/probe.py): a coupled
+        loss is made global or refused before training, what was made global said once. At
+        the first evaluation if one comes first, and at the first training step with the
+        statistics question: a training forward may couple samples or update buffers."""
         training = what == "training step"
         if self._checked_in_training or (self._coupling_checked and not training):
             return
@@ -386,7 +386,7 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch: Any) -> torch.Tensor:
         """Mean loss over the GLOBAL batch without training; the same on every rank."""
-        self._build_on(self.split_batch(batch)[0])
+        self._build_on(*self.split_batch(batch))
         inputs, targets = self.local_share(batch, self.runner.eval_microbatches)
         return self.evaluate_local(inputs, targets)
 

@@ -34,7 +34,7 @@ from meshfit.coupling.statistics import (
 )
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
-from meshfit.trees import call_model
+from meshfit.trees import batch_rows, call_model, tensors_in
 
 if TYPE_CHECKING:
     from meshfit.losses import ModelOwnLoss
@@ -371,6 +371,81 @@ def planned_refusal(
                 f"train another run (mf.gather_batch(x) in the loss would make it global)"
             )
     return splitting_refused(model, inputs)
+
+
+def pipeline_coupling_refusal(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Any,
+    *,
+    plan: Any,
+    parts: str,
+    low_precision: bool,
+    world: dist.ProcessGroup | None,
+) -> str | None:
+    """Pipeline parallel's coupling question, asked on the whole model before its cut
+    (the probe cannot run under a pipeline schedule, whose stages run whole micro-batches:
+    before, a module that mixed the samples, or a loss of the batch's worst sample,
+    trained each micro-batch on its own with no word): on `inputs` (the first
+    micro-batch) with the loss where it can run here (a loss_fn of the outputs, given the
+    targets; the model's own loss and a build before any batch run the forward alone, a
+    fixed random projection of its output standing for the loss). The one line refusing
+    a coupling meshfit cannot make global (in-batch products are gathered under pp too),
+    or None; compose raises it once the cut's own checks have passed (their refusals
+    name the model's structure, the first thing to fix)."""
+    own = getattr(loss_fn, "model_kwargs", None) is not None  # the model's own loss
+    if callable(loss_fn) and targets is not None and not own:
+
+        def run_loss(x: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return split_loss(loss_fn(call_model(model, x), y))
+
+    else:
+        run_loss, targets = _per_sample_projection(model), inputs
+    scope = functools.partial(probe_scope, find_load_balancing(model), None)
+    with in_training(model):
+        verdict = probe(
+            model, run_loss, scope, inputs, targets, low_precision=low_precision, world=world
+        )
+    if verdict is None or not verdict.coupled:
+        return None
+    together, apart = distinct(verdict.together, verdict.apart)
+    where = (
+        f"; the first module whose output for a sample depends on the others is {verdict.where}"
+        if verdict.where
+        else "; every module's output is per sample, so the loss function mixes them"
+    )
+    return (
+        f"the loss couples the samples of a batch and meshfit cannot make it global: on "
+        f"{verdict.samples} samples of the first micro-batch it is {together} together but "
+        f"{apart} as their halves combine (relative difference {verdict.difference:.1e})"
+        f"{where}. Plan {plan} splits the batch over {parts}, so it would train another run "
+        f"than one process. Use a plan that keeps the batch whole "
+        f"(pp=N,microbatches=1,schedule=gpipe, or tp=N)"
+    )
+
+
+def _per_sample_projection(model: nn.Module) -> Any:
+    """A probe pass without a loss: the mean over the samples of each sample's output
+    squared under fixed positive random weights (the first floating output holding one
+    row per sample): a mean of per-sample losses wherever the forward keeps the samples
+    apart, so the probe's halves combine to it; squares, so no cancellation amplifies
+    rounding; in the output's dtype, so the probe judges it by that dtype's rounding."""
+
+    def run(inputs: Any, _targets: Any) -> tuple[torch.Tensor, None]:
+        rows = batch_rows(inputs)
+        outputs = tensors_in(call_model(model, inputs))
+        found = [t for t in outputs if t.is_floating_point() and t.ndim >= 1]
+        out = next((t for t in found if t.shape[0] == rows), None)
+        if out is None:  # nothing per sample to compare: nothing to tell
+            return torch.zeros((), dtype=torch.float64), None
+        dtype, out = out.dtype, out.detach().double()
+        weights = torch.rand(out.shape[1:], generator=torch.Generator().manual_seed(0),
+                             dtype=torch.float64) + 0.5  # fmt: skip
+        per_sample = (out.square() * weights.to(out.device)).reshape(rows, -1).sum(1)
+        return per_sample.mean().to(dtype), None
+
+    return run
 
 
 def _low_precision(model: nn.Module) -> bool:

@@ -78,6 +78,7 @@ class FormOptions:
     tp_plan: TPPlan | None = None
     pp_split: list[int] | None = None
     example_inputs: Any = None
+    example_targets: Any = None  # beside them where known (pp's coupling question)
     sync_batchnorm: bool = True
     compile: bool = False
     init: Any = None
@@ -254,8 +255,14 @@ def _pipeline_cut(b: Build) -> None:
 
     topology, model = b.topology, b.model
     valued = map_tensors(b.options.example_inputs, lambda t: t.to(topology.device))
+    refused = None
     if topology.batch_parts > 1 and not b.values.meta and valued is not None:
-        _ask_batch_statistics(b, valued)
+        refused = _ask_before_the_cut(b, valued)
+
+    def before_pruning() -> None:  # the cut's own checks passed: a coupling refuses now
+        if refused:
+            raise MeshfitError(refused)
+
     # a model on meta counts its blocks' FLOPs on meta: shapes only, no memory
     where = "meta" if b.values.meta else topology.device
     example = map_tensors(b.options.example_inputs, lambda t: t.to(where))
@@ -267,6 +274,7 @@ def _pipeline_cut(b: Build) -> None:
         example_inputs=example,
         ends_group=topology.pipeline_ends_group,
         valued_inputs=valued,
+        before_pruning=before_pruning,
     )
     if b.plan.uses_fsdp:
         _refuse_enclosing_owners(model, split)
@@ -287,24 +295,43 @@ def _pipeline_cut(b: Build) -> None:
     ]
 
 
-def _ask_batch_statistics(b: Build, example: Any) -> None:
-    """Buffers the forward updates from its batch, asked on the whole model before the
-    cut where the plan splits the batch (coupling/statistics.py), on `example` (the
-    example inputs on the device); a model on meta has no values to run (not asked)."""
+def _ask_before_the_cut(b: Build, example: Any) -> str | None:
+    """Where the plan splits the batch, asked on the whole model before the cut (the
+    probe cannot run under a pipeline schedule), on `example` (the example inputs on
+    the device; a model on meta has no values to run: not asked): a loss or module that
+    couples the samples (coupling/batch.py: its refusal returned, raised after the
+    cut's own checks), then buffers the forward updates from its batch
+    (coupling/statistics.py)."""
+    from meshfit.coupling.batch import pipeline_coupling_refusal
     from meshfit.coupling.statistics import before_pipeline_cut, parts_named
 
     topology = b.topology
-    line = before_pipeline_cut(
-        b.model,
-        example,
-        plan=b.plan,
-        parts=parts_named(topology.dp_size, b.plan.num_microbatches),
-        own_statistics=not b.options.sync_batchnorm,
-        low_precision=b.plan.precision != "fp32",
-        world=dist.group.WORLD if dist.is_initialized() else None,
-    )
+    asked = {
+        "plan": b.plan,
+        "parts": parts_named(topology.dp_size, b.plan.num_microbatches),
+        "low_precision": b.plan.precision != "fp32",
+        "world": dist.group.WORLD if dist.is_initialized() else None,
+    }
+    targets = map_tensors(b.options.example_targets, lambda t: t.to(topology.device))
+    loss_fn = _users_loss(b.options.loss_fn)
+    refused = pipeline_coupling_refusal(b.model, example, targets, loss_fn, **asked)
+    own = not b.options.sync_batchnorm
+    line = before_pipeline_cut(b.model, example, own_statistics=own, **asked)
     if line and topology.rank == 0:
         print(f"meshfit: {line}", flush=True)
+    return refused
+
+
+def _users_loss(loss_fn: Any) -> Any:
+    """The loss as given (the model's own, or the user's), out of the wrappers the
+    runner calls: SampleSum decides on its first call under pp (its own question, on
+    the last stage), and MetricTap records metrics."""
+    from meshfit.losses import SampleSum
+    from meshfit.metrics import MetricTap
+
+    while isinstance(loss_fn, (SampleSum, MetricTap)):
+        loss_fn = loss_fn.loss_fn
+    return loss_fn
 
 
 def _data_parallel(b: Build) -> None:

@@ -170,6 +170,7 @@ def split_model(
     example_inputs: Any = None,
     ends_group: Callable[[], dist.ProcessGroup | None] | None = None,
     valued_inputs: Any = None,
+    before_pruning: Callable[[], None] | None = None,
 ) -> PipelineSplit:
     """Choose the cut points over `mesh` (a 1-D pp mesh) and prune `model` in place to
     this rank's stages (blocks kept under their original names; head/tail parameters
@@ -178,7 +179,9 @@ def split_model(
     `ends_group` makes the group of each pipeline's first and last rank, where a tied
     weight's two copies live (Topology.pipeline_ends_group; default: the pp group,
     which is that group for pp=2). `valued_inputs`: the example with its values, where
-    `example_inputs` is on meta beside a model on meta (arguments_on_meta reads them)."""
+    `example_inputs` is on meta beside a model on meta (arguments_on_meta reads them).
+    `before_pruning`: called once the cut is chosen and checked, before the model is
+    pruned (a refusal there leaves the model whole)."""
     if valued_inputs is None:
         valued_inputs = example_inputs
     pp = mesh.size()
@@ -270,6 +273,8 @@ def split_model(
         },
     )
 
+    if before_pruning is not None:
+        before_pruning()
     owned = {k for s in mine for k in stage_keys[s]}
     for key in list(stack.keys):
         if key not in owned:
