@@ -1075,12 +1075,14 @@ def hang_run(
     if collective_timeout_s:
         os.environ["MESHFIT_TIMEOUT_S"] = str(collective_timeout_s)
     model, loss_fn = build("deep_mlp")
-    calls = {"forward": 0, "loss": 0}
+    # the steps begun: the stall is in step 3's call (the first step's checks and pp's
+    # question before its cut call the forward and loss too)
+    steps = {"begun": 0, "stalled": False}
     rank = int(os.environ.get("RANK", "0"))
 
     def stall_inside(kind: str) -> None:
-        calls[kind] += 1
-        if how == kind and rank == stall_rank and calls[kind] == 3:
+        if how == kind and rank == stall_rank and steps["begun"] == 3 and not steps["stalled"]:
+            steps["stalled"] = True
             with open(os.path.join(dump_dir, f"stalled-{rank}"), "w") as f:
                 f.write(repr(time.time()))
             slow_user_code(60)
@@ -1095,6 +1097,7 @@ def hang_run(
     # meets the peers' next one of another size (an error, not a hang)
     extra = torch.distributed.new_group() if how == "mismatch" else None
     for step in range(4):
+        steps["begun"] = step + 1
         engine.step(make_batch("deep_mlp", 8, step))
         if how == "mismatch" and rank == stall_rank and step == 1:
             torch.distributed.all_reduce(torch.zeros(1), group=extra)  # its peers skip it

@@ -340,35 +340,13 @@ def planned_refusal(
     step), then a statistic of the batch kept in a buffer the forward reads
     (statistics.py). None: neither, or nothing to ask on (fewer than two samples)."""
     if callable(loss_fn) and targets is not None:
-
-        def run_loss(x: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return split_loss(loss_fn(call_model(model, x), y))
-
-        balancing = find_load_balancing(model)
-        try:
-            with in_training(model):  # as a training step runs it (from_pretrained: eval)
-                verdict = probe(
-                    model,
-                    run_loss,
-                    functools.partial(probe_scope, balancing, None),
-                    inputs,
-                    targets,
-                    low_precision=_low_precision(model),
-                    world=None,
-                )
-        except Exception:  # noqa: BLE001 - the first step asks again and says what failed
-            verdict = None
+        verdict = _probed_whole(model, _loss_of(model, loss_fn), inputs, targets, None)
         if verdict is not None and verdict.coupled:
-            where = (
-                f"the first module whose output for a sample depends on the others is "
-                f"{verdict.where}"
-                if verdict.where
-                else "every module's output is per sample, so the loss function mixes them"
-            )
             return (
                 f"the loss couples the samples of a batch and meshfit cannot make it global "
-                f"({where}): a plan that splits the batch (ranks or micro-batches) would "
-                f"train another run (mf.gather_batch(x) in the loss would make it global)"
+                f"({_where(verdict)}): a plan that splits the batch (ranks or micro-batches) "
+                f"would train another run (mf.gather_batch(x) in the loss would make it "
+                f"global)"
             )
     return splitting_refused(model, inputs)
 
@@ -389,43 +367,71 @@ def pipeline_coupling_refusal(
     before, a module that mixed the samples, or a loss of the batch's worst sample,
     trained each micro-batch on its own with no word): on `inputs` (the first
     micro-batch) with the loss where it can run here (a loss_fn of the outputs, given the
-    targets; the model's own loss and a build before any batch run the forward alone, a
-    fixed random projection of its output standing for the loss). The one line refusing
-    a coupling meshfit cannot make global (in-batch products are gathered under pp too),
-    or None; compose raises it once the cut's own checks have passed (their refusals
-    name the model's structure, the first thing to fix)."""
+    targets; for the model's own loss, or a build before any batch, the forward alone,
+    each sample's output standing for its loss: `_per_sample_output`). The one line
+    refusing a coupling meshfit cannot make global (in-batch products are gathered under
+    pp too), or None; compose raises it once the cut's own checks have passed (their
+    refusals name the model's structure, the first thing to fix)."""
     own = getattr(loss_fn, "model_kwargs", None) is not None  # the model's own loss
     if callable(loss_fn) and targets is not None and not own:
-
-        def run_loss(x: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return split_loss(loss_fn(call_model(model, x), y))
-
+        run_loss = _loss_of(model, loss_fn)
     else:
-        run_loss, targets = _per_sample_projection(model), inputs
-    scope = functools.partial(probe_scope, find_load_balancing(model), None)
-    with in_training(model):
-        verdict = probe(
-            model, run_loss, scope, inputs, targets, low_precision=low_precision, world=world
-        )
+        run_loss, targets = _per_sample_output(model), inputs
+    verdict = _probed_whole(model, run_loss, inputs, targets, world, low_precision)
     if verdict is None or not verdict.coupled:
         return None
     together, apart = distinct(verdict.together, verdict.apart)
-    where = (
-        f"; the first module whose output for a sample depends on the others is {verdict.where}"
-        if verdict.where
-        else "; every module's output is per sample, so the loss function mixes them"
-    )
     return (
         f"the loss couples the samples of a batch and meshfit cannot make it global: on "
         f"{verdict.samples} samples of the first micro-batch it is {together} together but "
-        f"{apart} as their halves combine (relative difference {verdict.difference:.1e})"
-        f"{where}. Plan {plan} splits the batch over {parts}, so it would train another run "
-        f"than one process. Use a plan that keeps the batch whole "
+        f"{apart} as their halves combine (relative difference {verdict.difference:.1e}); "
+        f"{_where(verdict)}. Plan {plan} splits the batch over {parts}, so it would train "
+        f"another run than one process. Use a plan that keeps the batch whole "
         f"(pp=N,microbatches=1,schedule=gpipe, or tp=N)"
     )
 
 
-def _per_sample_projection(model: nn.Module) -> Any:
+def _loss_of(model: nn.Module, loss_fn: Any) -> Any:
+    def run_loss(x: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return split_loss(loss_fn(call_model(model, x), y))
+
+    return run_loss
+
+
+def _probed_whole(
+    model: nn.Module,
+    run_loss: Any,
+    inputs: Any,
+    targets: Any,
+    world: dist.ProcessGroup | None,
+    low_precision: bool | None = None,
+) -> Verdict | None:
+    """The probe on the whole model in this process, in training mode whatever the
+    model's (from_pretrained returns it in evaluation mode), as a training step runs it.
+    None where it cannot run (every rank holds the same batch and fails alike; the
+    first step or the cut's check forward says what failed)."""
+    if low_precision is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        low_precision = dtype in (torch.bfloat16, torch.float16)
+    scope = functools.partial(probe_scope, find_load_balancing(model), None)
+    try:
+        with in_training(model):
+            return probe(
+                model, run_loss, scope, inputs, targets, low_precision=low_precision, world=world
+            )
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
+def _where(verdict: Verdict) -> str:
+    if verdict.where:
+        return (
+            f"the first module whose output for a sample depends on the others is {verdict.where}"
+        )
+    return "every module's output is per sample, so the loss function mixes them"
+
+
+def _per_sample_output(model: nn.Module) -> Any:
     """A probe pass without a loss: the mean over the samples of each sample's output
     squared under fixed positive random weights (the first floating output holding one
     row per sample): a mean of per-sample losses wherever the forward keeps the samples
@@ -446,11 +452,6 @@ def _per_sample_projection(model: nn.Module) -> Any:
         return per_sample.mean().to(dtype), None
 
     return run
-
-
-def _low_precision(model: nn.Module) -> bool:
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return dtype in (torch.bfloat16, torch.float16)
 
 
 def distinct(a: float, b: float) -> tuple[str, str]:

@@ -156,7 +156,8 @@ class LocalRunner:
 
     def _check_the_sequence_cut(self, inputs: Any, targets: Any) -> None:
         """Context parallel: the cut must keep the loss (parallel/context/probe.py), at
-        the first step or the first evaluation, whichever comes first."""
+        the first step or the first evaluation, whichever comes first; at the first step
+        after an evaluation again, with the statistics of the tokens (statistics.py)."""
         training = self.model.training  # statistics of the tokens: asked in training
         if self._sequence_checked and (self._statistics_asked or not training):
             return
