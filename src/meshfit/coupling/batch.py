@@ -148,19 +148,6 @@ class BatchCoupling:
         if not self.splits_batch:
             return
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        self._probe(model, run_loss, inputs, targets, low_precision, world)
-        if statistics:
-            self._ask_statistics(model, run_loss, inputs, targets, low_precision, world)
-
-    def _probe(
-        self,
-        model: nn.Module,
-        run_loss: Any,
-        inputs: Any,
-        targets: Any,
-        low_precision: bool,
-        world: dist.ProcessGroup | None,
-    ) -> None:
         verdict = probe(
             model,
             run_loss,
@@ -174,22 +161,13 @@ class BatchCoupling:
         self.verdict = verdict
         if verdict is not None and verdict.coupled:
             raise MeshfitError(self._refusal(verdict))
-        if verdict is None:
+        if verdict is not None:
+            self.scope.products = verdict.products
+            if verdict.own_loss and self.loss_owner is not None:
+                own_loss.install(self.loss_owner)
+                self.scope.own_loss = verdict.own_loss
+        if not statistics:
             return
-        self.scope.products = verdict.products
-        if verdict.own_loss and self.loss_owner is not None:
-            own_loss.install(self.loss_owner)
-            self.scope.own_loss = verdict.own_loss
-
-    def _ask_statistics(
-        self,
-        model: nn.Module,
-        run_loss: Any,
-        inputs: Any,
-        targets: Any,
-        low_precision: bool,
-        world: dist.ProcessGroup | None,
-    ) -> None:
         # mf.gather_batch crosses ranks, not micro-batches (run one after another)
         gathered = self.topology.plan.num_microbatches == 1
         self.statistics = batch_statistics(
