@@ -357,7 +357,8 @@ def masked_batch(batch: int = 8, seed: int = 0) -> dict:
 def vq_run(spec: dict) -> dict:
     """The VQ autoencoder (spec["gather"]: its update from the global batch; "model":
     "stack", the codebook before a stack of blocks; "ibert": ibert_masked_lm on
-    masked_batch; "eval": the model handed over in evaluation mode) under spec["plan"]
+    masked_batch; "eval": the model handed over in evaluation mode; "meta": built on
+    meta, its codebook from codebook_init) under spec["plan"]
     for 3 SGD steps on batches of 8 vectors (its targets its inputs); "said": what rank
     0 printed."""
     if spec.get("model") == "ibert":
@@ -368,10 +369,14 @@ def vq_run(spec: dict) -> dict:
         return {"losses": losses, "state": engine.full_state_dict(), "said": said.getvalue()}
     torch.manual_seed(0)
     stack = spec.get("model") == "stack"
-    model = (VQStack() if stack else VQAutoencoder(gather=spec.get("gather", False))).double()
+    with torch.device("meta") if spec.get("meta") else contextlib.nullcontext():
+        model = VQStack() if stack else VQAutoencoder(gather=spec.get("gather", False))
+    model = model.double()
     if spec.get("eval"):  # as from_pretrained returns a model: in evaluation mode
         model.eval()
-    options = spec.get("options", {})
+    options = dict(spec.get("options", {}))
+    if spec.get("meta"):  # the codebook's values, as a model's own init gives them
+        options.update(init=codebook_init, example_inputs=vectors()[0].double())
     loss_fn = F.mse_loss if stack else vq_loss
     engine = mf.parallelize(
         model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer, **options
@@ -381,6 +386,16 @@ def vq_run(spec: dict) -> dict:
         x, _ = vectors(seed=step)
         losses.append(float(engine.step((x, x))))
     return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def codebook_init(module: nn.Module) -> None:
+    """The values EMACodebook's constructor draws, for one built on meta."""
+    if isinstance(module, EMACodebook):
+        embed = torch.randn(module.embed.shape, generator=torch.Generator().manual_seed(3))
+        module.embed.copy_(embed)
+        module.embed_avg.copy_(embed)
+        module.cluster_size.fill_(1.0)
+        module.updates.zero_()
 
 
 def many_vq_runs(specs: list[dict]) -> list[dict]:
@@ -394,14 +409,27 @@ def pipeline_coupled_run(spec: dict) -> dict:
     """ResidualMLP (spec["centered"]: a block that subtracts the batch's mean) under
     spec["plan"] for 3 SGD steps on batches of 8 vectors, with spec["loss"] ("worst":
     worst_sample_loss, else the cross-entropy); "eager": built on example inputs given
-    to parallelize (no targets known before the cut)."""
+    to parallelize (no targets known before the cut); "meta": built on meta, given the
+    same example inputs (no values before the cut)."""
     torch.manual_seed(0)
-    model = ResidualMLP(centered=spec.get("centered", False)).double()
+    with torch.device("meta") if spec.get("meta") else contextlib.nullcontext():
+        model = ResidualMLP(centered=spec.get("centered", False)).double()
     loss_fn = worst_sample_loss if spec.get("loss") == "worst" else F.cross_entropy
-    example = {"example_inputs": vectors()[0]} if spec.get("eager") else {}
+    eager = spec.get("eager") or spec.get("meta")
+    example = {"example_inputs": vectors()[0]} if eager else {}
     engine = mf.parallelize(
         model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer, **example
     )
+    if spec.get("again"):  # a refused step, then the weights, then the step again
+        before = engine.full_state_dict()
+        try:
+            engine.step(vectors(seed=0))
+        except mf.MeshfitError as refusal:
+            kept = all(torch.equal(v, engine.full_state_dict()[k]) for k, v in before.items())
+            try:
+                engine.step(vectors(seed=0))
+            except mf.MeshfitError as again:
+                return {"refused": str(refusal), "kept": kept, "again": str(again)}
     losses = [float(engine.step(vectors(seed=step))) for step in range(3)]
     return {"losses": losses, "state": engine.full_state_dict()}
 

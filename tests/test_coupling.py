@@ -509,18 +509,32 @@ def test_under_pp_a_coupling_is_found_before_the_cut() -> None:
     batch's worst sample trained each micro-batch on its own under pp=2 (4 micro-batches)
     with no word, another run than one process. The question is asked on the whole
     model before the cut, with the loss where the first batch's targets are known, the
-    forward alone where the model is built on example inputs: refused in one line. With
-    one micro-batch under GPipe the batch runs whole: the one-process run."""
+    forward alone where the model is built on example inputs: refused in one line. Where
+    that question cannot see it (the loss of a model built on example inputs, before any
+    target; anything in a model built on meta, which has no values before the cut), the
+    first pass asks what its stages ran (coupling/stages.py): the loss on the last
+    stage, each stage module of a meta model. With one micro-batch under GPipe the batch
+    runs whole: the one-process run."""
     specs = [
         {"plan": "pp=2", "centered": True},
         {"plan": "pp=2", "loss": "worst"},
         {"plan": "pp=2", "centered": True, "eager": True},
+        {"plan": "pp=2", "loss": "worst", "eager": True},
+        {"plan": "pp=2", "centered": True, "meta": True},
+        {"plan": "pp=2", "loss": "worst", "meta": True, "again": True},
         {"plan": "pp=2,microbatches=1,schedule=gpipe", "loss": "worst"},
         {"plan": "pp=2,microbatches=1,schedule=gpipe", "centered": True},
         {"plan": "pp=2"},  # control: a mean over the samples trains
+        {"plan": "pp=2", "meta": True},  # control: the meta model's stages ask, and train
     ]
     results = mf.launch(many_pipeline_coupled_runs, nproc=2, args=(specs,))
-    centered, worst, eager = results[:3]
+    centered, worst, eager, eager_worst, meta_centered, meta_worst = results[:6]
+    for got in (eager_worst, meta_worst):
+        assert "so the loss function mixes them" in got.get("refused", ""), got
+        assert "the weights are as they were" in got["refused"], got
+    assert "is blocks.2.centered (BatchCentered)" in meta_centered.get("refused", ""), meta_centered
+    # refused after the pass, before the optimizer step; the step tried again asks again
+    assert meta_worst["kept"] and meta_worst["again"] == meta_worst["refused"], meta_worst
     assert "first module whose output for a sample depends on the others is blocks.2" in (
         centered.get("refused", "")
     ), centered
@@ -528,5 +542,5 @@ def test_under_pp_a_coupling_is_found_before_the_cut() -> None:
     assert "pp=N,microbatches=1,schedule=gpipe" in centered["refused"]
     assert "so the loss function mixes them" in worst.get("refused", ""), worst
     assert "blocks.2" in eager.get("refused", ""), eager
-    for spec, got in zip(specs[3:], results[3:], strict=True):
+    for spec, got in zip(specs[6:], results[6:], strict=True):
         assert_same_run(got, pipeline_coupled_run({**spec, "plan": None}))

@@ -91,7 +91,7 @@ def test_batch_statistics_under_dp_fsdp_and_pp() -> None:
     from mf.gather_batch (the refusal's fix) the one-process run, buffers included; and
     under sync_batchnorm=False (each rank keeps its own, as asked) another run than one
     process's: what the refusal guards against. Under pp=2 the same, asked before the
-    cut."""
+    cut, or, for a model built on meta, of each stage at the first pass."""
     reference, stacked = vq_run({}), vq_run({"model": "stack"})
     ibert = vq_run({"model": "ibert"})
     specs = [
@@ -105,6 +105,8 @@ def test_batch_statistics_under_dp_fsdp_and_pp() -> None:
         {"plan": "pp=2", "model": "stack", "options": {"sync_batchnorm": False}},
         {"plan": "pp=2", "model": "ibert"},
         {"plan": "pp=2", "model": "stack", "eval": True},
+        {"plan": "pp=2", "model": "stack", "meta": True},
+        {"plan": "pp=2,microbatches=1,schedule=gpipe", "model": "stack", "meta": True},
     ]
     results = mf.launch(many_vq_runs, nproc=2, args=(specs,))
     for result in results[:2]:
@@ -138,6 +140,13 @@ def test_batch_statistics_under_dp_fsdp_and_pp() -> None:
     # a model handed over in evaluation mode (as from_pretrained returns it): asked in
     # training mode (before, the forward updated nothing and the question found nothing)
     assert results[9]["refused"] == results[5]["refused"], results[9]
+    # built on meta (no values before the cut): the first pass asks each stage module
+    # (coupling/stages.py); before, each micro-batch updated the codebook with no word
+    assert results[10]["refused"].startswith("buffer 'vq.embed'"), results[10]
+    assert "over 4 micro-batches" in results[10]["refused"], results[10]
+    meta_stacked = vq_run({"model": "stack", "meta": True})
+    assert_same_run(results[11], meta_stacked)
+    assert torch.equal(results[11]["state"]["vq.updates"], meta_stacked["state"]["vq.updates"])
 
 
 def test_a_buffer_of_infinities_left_alone_is_not_a_statistic() -> None:

@@ -318,11 +318,11 @@ def planned_refusal(
     step), then a statistic of the batch kept in a buffer the forward reads
     (statistics.py). None: neither, or nothing to ask on (fewer than two samples)."""
     if callable(loss_fn) and targets is not None:
-        verdict = _probed_whole(model, _loss_of(model, loss_fn), inputs, targets, None)
+        verdict = probed_whole(model, _loss_of(model, loss_fn), inputs, targets, None)
         if verdict is not None and verdict.coupled:
             return (
                 f"the loss couples the samples of a batch and meshfit cannot make it global "
-                f"({_where(verdict)}): a plan that splits the batch (ranks or micro-batches) "
+                f"({mixing_named(verdict)}): a plan that splits the batch (ranks or micro-batches) "
                 f"would train another run (mf.gather_batch(x) in the loss would make it "
                 f"global)"
             )
@@ -346,7 +346,7 @@ def pipeline_coupling_refusal(
     trained each micro-batch on its own with no word): on `inputs` (the first
     micro-batch) with the loss where it can run here (a loss_fn of the outputs, given the
     targets; for the model's own loss, or a build before any batch, the forward alone,
-    each sample's output standing for its loss: `_per_sample_output`). The one line
+    each sample's output standing for its loss: `per_sample_output`). The one line
     refusing a coupling meshfit cannot make global (in-batch products are gathered under
     pp too), or None; compose raises it once the cut's own checks have passed (their
     refusals name the model's structure, the first thing to fix)."""
@@ -354,8 +354,8 @@ def pipeline_coupling_refusal(
     if callable(loss_fn) and targets is not None and not own:
         run_loss = _loss_of(model, loss_fn)
     else:
-        run_loss, targets = _per_sample_output(model), inputs
-    verdict = _probed_whole(model, run_loss, inputs, targets, world, low_precision)
+        run_loss, targets = per_sample_output(model), inputs
+    verdict = probed_whole(model, run_loss, inputs, targets, world, low_precision)
     if verdict is None or not verdict.coupled:
         return None
     together, apart = distinct(verdict.together, verdict.apart)
@@ -363,7 +363,7 @@ def pipeline_coupling_refusal(
         f"the loss couples the samples of a batch and meshfit cannot make it global: on "
         f"{verdict.samples} samples of the first micro-batch it is {together} together but "
         f"{apart} as their halves combine (relative difference {verdict.difference:.1e}); "
-        f"{_where(verdict)}. Plan {plan} splits the batch over {parts}, so it would train "
+        f"{mixing_named(verdict)}. Plan {plan} splits the batch over {parts}, so it would train "
         f"another run than one process. Use a plan that keeps the batch whole "
         f"(pp=N,microbatches=1,schedule=gpipe, or tp=N)"
     )
@@ -376,7 +376,7 @@ def _loss_of(model: nn.Module, loss_fn: Any) -> Any:
     return run_loss
 
 
-def _probed_whole(
+def probed_whole(
     model: nn.Module,
     run_loss: Any,
     inputs: Any,
@@ -401,7 +401,7 @@ def _probed_whole(
         return None
 
 
-def _where(verdict: Verdict) -> str:
+def mixing_named(verdict: Verdict) -> str:
     if verdict.where:
         return (
             f"the first module whose output for a sample depends on the others is {verdict.where}"
@@ -409,19 +409,29 @@ def _where(verdict: Verdict) -> str:
     return "every module's output is per sample, so the loss function mixes them"
 
 
-def _per_sample_output(model: nn.Module) -> Any:
+def per_sample_output(model: nn.Module) -> Any:
     """A probe pass without a loss: the mean over the samples of each sample's output
     squared under fixed positive random weights (the first floating output holding one
-    row per sample): a mean of per-sample losses wherever the forward keeps the samples
+    row per sample on the first pass, over all the samples, and the same output on the
+    halves': a pipeline's last stage also returns the model's own loss as one row,
+    which a pass over one sample took for the sample's output): a mean of per-sample losses wherever the forward keeps the samples
     apart, so the probe's halves combine to it; squares, so no cancellation amplifies
     rounding; in the output's dtype, so the probe judges it by that dtype's rounding."""
+
+    chosen: list[int] = []  # the output's place, found on the first pass (all samples)
 
     def run(inputs: Any, _targets: Any) -> tuple[torch.Tensor, None]:
         rows = batch_rows(inputs)
         outputs = tensors_in(call_model(model, inputs))
-        found = [t for t in outputs if t.is_floating_point() and t.ndim >= 1]
-        out = next((t for t in found if t.shape[0] == rows), None)
-        if out is None:  # nothing per sample to compare: nothing to tell
+        if not chosen:
+            per_sample = (
+                i
+                for i, t in enumerate(outputs)
+                if t.is_floating_point() and t.ndim >= 1 and t.shape[0] == rows
+            )
+            chosen.append(next(per_sample, -1))
+        out = outputs[chosen[0]] if 0 <= chosen[0] < len(outputs) else None
+        if out is None or out.shape[0] != rows:  # nothing per sample to compare
             return torch.zeros((), dtype=torch.float64), None
         dtype, out = out.dtype, out.detach().double()
         weights = torch.rand(out.shape[1:], generator=torch.Generator().manual_seed(0),

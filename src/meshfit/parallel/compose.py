@@ -322,6 +322,38 @@ def _ask_before_the_cut(b: Build, example: Any) -> str | None:
     return refused
 
 
+def _questions_of_the_first_pass(b: Build) -> Any:
+    """Where the plan splits the batch: the coupling question the pipeline's first pass
+    asks of what its stages ran (coupling/stages.py), of the user's loss on the last
+    stage, and of every stage for a model built on meta (no values before the cut).
+    Not under cp (its probe through the stages asks about the sequence's cut)."""
+    from meshfit.coupling.stages import StageQuestions
+    from meshfit.coupling.statistics import parts_named
+    from meshfit.parallel.pipeline.schedule import _unwrapped
+
+    if b.topology.batch_parts == 1 or b.sequence is not None:
+        return None
+    loss_fn = _users_loss(b.options.loss_fn)
+    own = getattr(loss_fn, "model_kwargs", None) is not None  # the model's own loss
+    # chunked_loss: the loss computes the LM head from deferred outputs it holds by
+    # reference, which a call outside the schedule's order spoils (measured: NaN losses)
+    asked = not own and callable(loss_fn) and not b.head_deferred
+    # the stages of a model built on meta; not under tp or ep, whose stage forwards
+    # and buffers (DTensors) run collectives the question's own passes would have to
+    # keep in step across ranks (measured: Llama on meta under pp=2,tp=2 hung in it)
+    asks_stages = b.values.meta and b.plan.tp == 1 and b.experts is None
+    stages = [_unwrapped(m) for m in b.modules] if asks_stages else []
+    return StageQuestions(
+        loss_fn if asked else None,
+        stages,
+        b.model,
+        plan=b.plan,
+        parts=parts_named(b.topology.dp_size, b.plan.num_microbatches),
+        low_precision=True if b.plan.precision != "fp32" else None,  # None: the dtype's
+        own_statistics=not b.options.sync_batchnorm,
+    )
+
+
 def _users_loss(loss_fn: Any) -> Any:
     """The loss as given (the model's own, or the user's), out of the wrappers the
     runner calls: SampleSum decides on its first call under pp (its own question, on
@@ -374,6 +406,7 @@ def _runner(b: Build) -> None:
             sequence=b.sequence,
             experts=b.experts,
             head_deferred=b.head_deferred,
+            questions=_questions_of_the_first_pass(b),
         )
         b.modules = [b.model]  # what runs forward: this rank's pruned model
         return

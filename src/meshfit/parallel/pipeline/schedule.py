@@ -20,11 +20,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_map_only
 
 from meshfit.coupling.batch import BatchCoupling
+from meshfit.coupling.stages import StageQuestions
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
 from meshfit.parallel.pipeline.costs import StageCosts, stage_costs_of
 from meshfit.parallel.pipeline.cut import PipelineSplit
-from meshfit.parallel.pipeline.stage import OutputForm
+from meshfit.parallel.pipeline.stage import OutputForm, _in_torch_metadata_inference
 from meshfit.parallel.pipeline.tied import TiedWeights
 from meshfit.plan import SCHEDULE_TABLE
 from meshfit.runtime.runners import LocalLoss
@@ -217,6 +218,8 @@ class PipelineRunner:
             summary[0] = values.sum() if counts else values.mean()
             summary[1] = torch.stack(counts).sum() if counts else -1
         dist.broadcast(summary, src=self.last_rank, group=self.group)
+        if self.stage_loss.questions is not None:  # before the optimizer steps
+            self.stage_loss.questions.settle()
         if self.pair_loss is None:  # learnt once (one host sync), then fixed for the run
             self.pair_loss = bool(summary[1] >= 0)
         return summary[0].to(reported_dtype(self.model)), summary[1] if self.pair_loss else None
@@ -234,15 +237,17 @@ def build_pipeline(
     sequence: Any = None,
     experts: Any = None,
     head_deferred: bool = False,
+    questions: StageQuestions | None = None,
 ) -> PipelineRunner:
     """The PipelineStages of this rank's `stage_modules` (one per stage in split.mine,
-    already replicated or sharded) and the schedule that runs them."""
+    already replicated or sharded) and the schedule that runs them; `questions`: the
+    coupling question its first pass asks (coupling/stages.py)."""
     stages = [
         _Stage(module, s, split.num_stages, device, group=split.group)
         for s, module in zip(split.mine, stage_modules, strict=True)
     ]
     forms = [_unwrapped(m).output_form for m in stage_modules]
-    checked_loss = _StageLoss(loss_fn, forms)
+    checked_loss = _StageLoss(loss_fn, forms, questions)
     # the table's entry (plan.SCHEDULE_TABLE; Plan.validate checked its micro-batch rule):
     # torch's class, given one stage or, for the interleaved ones, the rank's stages
     entry = SCHEDULE_TABLE[split.schedule]
@@ -308,16 +313,24 @@ class _StageLoss:
     object (restored from the stage's tensors), returning what is backpropagated (a mean,
     or the sum of a (sum, count) pair, whose count is kept for the runner)."""
 
-    def __init__(self, loss_fn: Callable[[Any, Any], Any], output_forms: list[OutputForm]):
+    def __init__(
+        self,
+        loss_fn: Callable[[Any, Any], Any],
+        output_forms: list[OutputForm],
+        questions: StageQuestions | None = None,
+    ):
         self.loss_fn = loss_fn
         self.output_forms = output_forms
         self.counts: list[torch.Tensor] = []
         self.predicting = False  # engine.predict: outputs only, no loss
+        self.questions = questions  # the coupling question of the first pass (stages.py)
 
     def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
         if self.predicting:
             return torch.zeros((), device=tensors_in(outputs)[0].device)
         form = self.output_forms[-1]  # the last stage's (only the last computes a loss)
+        if self.questions is not None and not _in_torch_metadata_inference():
+            self.questions.ask_loss(outputs, targets, form.restore)
         loss, count = split_loss(self.loss_fn(form.restore(outputs), targets))
         if count is not None:
             self.counts.append(count)

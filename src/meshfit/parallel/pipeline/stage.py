@@ -191,7 +191,12 @@ def _sendable(output: Any) -> Any:
 # What torch's PipelineStage calls its first forward in (2.13: `_forward_metadata_inference`;
 # earlier releases: `_shape_inference`): a forward on the first micro-batch (on later
 # stages, on uninitialised tensors) to learn the shapes that travel between stages.
-_METADATA_INFERENCE = {"_forward_metadata_inference", "_shape_inference"}
+# (the backward's calls the loss on the last stage, on outputs of made-up inputs)
+_METADATA_INFERENCE = {
+    "_forward_metadata_inference",
+    "_backward_metadata_inference",
+    "_shape_inference",
+}
 
 
 def _made_up(tree: Any) -> Any:
