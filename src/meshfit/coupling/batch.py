@@ -402,6 +402,7 @@ def probed_whole(
 
 
 def mixing_named(verdict: Verdict) -> str:
+    """Where the probe found the samples mixing, as a refusal says it."""
     if verdict.where:
         return (
             f"the first module whose output for a sample depends on the others is {verdict.where}"
@@ -414,9 +415,10 @@ def per_sample_output(model: nn.Module) -> Any:
     squared under fixed positive random weights (the first floating output holding one
     row per sample on the first pass, over all the samples, and the same output on the
     halves': a pipeline's last stage also returns the model's own loss as one row,
-    which a pass over one sample took for the sample's output): a mean of per-sample losses wherever the forward keeps the samples
-    apart, so the probe's halves combine to it; squares, so no cancellation amplifies
-    rounding; in the output's dtype, so the probe judges it by that dtype's rounding."""
+    which a pass over one sample took for the sample's output): a mean of per-sample
+    losses wherever the forward keeps the samples apart, so the probe's halves combine
+    to it; squares, so no cancellation amplifies rounding; in the output's dtype, so the
+    probe judges it by that dtype's rounding."""
 
     chosen: list[int] = []  # the output's place, found on the first pass (all samples)
 

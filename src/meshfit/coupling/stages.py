@@ -1,4 +1,4 @@
-"""The coupling question a pipeline asks at its first step, of what the stages ran.
+"""The coupling question a pipeline asks at its first pass, of what the stages ran.
 
 The probe cannot run under a pipeline schedule (its stages run whole micro-batches), so
 pp asks it of the whole model before the cut (batch.pipeline_coupling_refusal). Two
@@ -15,8 +15,8 @@ Here the last stage asks the loss alone, on its first micro-batch's outputs and 
 (the loss of outputs already computed: no model runs), and, for a model built on meta,
 every stage asks its own module on its first micro-batch's inputs, each sample's output
 squared standing for its loss (batch.per_sample_output). The answer is agreed over
-every rank once the schedule's first pass is over, before the optimizer steps: a
-refusal leaves the weights as they were.
+every rank once the schedule's first pass (a step, or an evaluation that comes first)
+is over, before the optimizer steps: a refusal leaves the weights as they were.
 """
 
 from __future__ import annotations
