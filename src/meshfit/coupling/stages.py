@@ -3,8 +3,10 @@
 The probe cannot run under a pipeline schedule (its stages run whole micro-batches), so
 pp asks it of the whole model before the cut (batch.pipeline_coupling_refusal). Two
 runs had no whole model to ask, and trained each micro-batch on its own with no word
-where one process trains the batch (measured: ResidualMLP under pp=2 with 2
-micro-batches, losses 2.21, 2.28, 2.76 against one process's 2.03, 4.66, 2.57):
+where one process trains the batch (measured: ResidualMLP with a loss of the batch's
+worst sample under pp=2 with 2 micro-batches, built on example inputs: losses 2.03,
+4.66, 2.57 where one process has 2.28, 9.79, 4.95; built on meta: 2.21, 2.28, 2.76
+where one process has 2.51, 2.46, 4.32):
 
 - a loss of the user's that couples the samples (a loss of the batch's worst sample)
   where the model is built on `example_inputs` before any batch: the question before
