@@ -245,11 +245,7 @@ class BatchCoupling:
     def _refusal(self, verdict: Verdict) -> str:
         plan = self.topology.plan
         parts = self._parts()
-        where = (
-            f"; the first module whose output for a sample depends on the others is {verdict.where}"
-            if verdict.where
-            else "; every module's output is per sample, so the loss function mixes them"
-        )
+        where = f"; {mixing_named(verdict)}"
         if not verdict.where and getattr(self.model_loss, "scaled", False):
             where += (
                 " (loss_fn='model' takes the model's own masked-LM loss for a mean over its "
@@ -333,7 +329,7 @@ def pipeline_coupling_refusal(
     model: nn.Module,
     inputs: Any,
     targets: Any,
-    loss_fn: Any,
+    loss_fn: Any | None,
     *,
     plan: Any,
     parts: str,
@@ -344,20 +340,25 @@ def pipeline_coupling_refusal(
     (the probe cannot run under a pipeline schedule, whose stages run whole micro-batches:
     before, a module that mixed the samples, or a loss of the batch's worst sample,
     trained each micro-batch on its own with no word): on `inputs` (the first
-    micro-batch) with the loss where it can run here (a loss_fn of the outputs, given the
-    targets; for the model's own loss, or a build before any batch, the forward alone,
-    each sample's output standing for its loss: `per_sample_output`). The one line
-    refusing a coupling meshfit cannot make global (in-batch products are gathered under
-    pp too), or None; compose raises it once the cut's own checks have passed (their
-    refusals name the model's structure, the first thing to fix)."""
-    own = getattr(loss_fn, "model_kwargs", None) is not None  # the model's own loss
-    if callable(loss_fn) and targets is not None and not own:
+    micro-batch) with the loss where it can run here (`loss_fn`, the user's, given the
+    targets; None for the model's own loss: for that, or a build before any batch, the
+    forward alone, each sample's output standing for its loss: `per_sample_output`). The
+    one line refusing a coupling meshfit cannot make global (in-batch products are
+    gathered under pp too), or None; compose raises it once the cut's own checks have
+    passed (their refusals name the model's structure, the first thing to fix)."""
+    if loss_fn is not None and targets is not None:
         run_loss = _loss_of(model, loss_fn)
     else:
         run_loss, targets = per_sample_output(model), inputs
     verdict = probed_whole(model, run_loss, inputs, targets, world, low_precision)
     if verdict is None or not verdict.coupled:
         return None
+    return pipeline_refusal_line(verdict, plan, parts)
+
+
+def pipeline_refusal_line(verdict: Verdict, plan: Any, parts: str) -> str:
+    """The one line refusing a coupling pp found on its first micro-batch, before the
+    cut (above) or at the first pass (stages.py)."""
     together, apart = distinct(verdict.together, verdict.apart)
     return (
         f"the loss couples the samples of a batch and meshfit cannot make it global: on "

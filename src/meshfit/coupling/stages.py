@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfit.coupling.batch import distinct, mixing_named, per_sample_output, probed_whole
+from meshfit.coupling.batch import per_sample_output, pipeline_refusal_line, probed_whole
 from meshfit.coupling.probe import Verdict
 from meshfit.coupling.statistics import note_line, read_by_forward, refusal_line
 from meshfit.errors import MeshfitError
@@ -150,16 +150,8 @@ class StageQuestions:
         return where.removeprefix(_PREFIX)
 
     def _refusal(self, verdict: Verdict) -> str:
-        together, apart = distinct(verdict.together, verdict.apart)
-        return (
-            f"the loss couples the samples of a batch and meshfit cannot make it global: on "
-            f"{verdict.samples} samples of the first micro-batch it is {together} together "
-            f"but {apart} as their halves combine (relative difference "
-            f"{verdict.difference:.1e}); {mixing_named(verdict)}. Plan {self.plan} splits the "
-            f"batch over {self.parts}, so it would train another run than one process. Use "
-            f"a plan that keeps the batch whole (pp=N,microbatches=1,schedule=gpipe, or "
-            f"tp=N); the weights are as they were"
-        )
+        line = pipeline_refusal_line(verdict, self.plan, self.parts)
+        return f"{line}; the weights are as they were"
 
 
 _PREFIX = "model."  # _StageCall's name for the user's model

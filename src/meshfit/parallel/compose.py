@@ -334,10 +334,9 @@ def _questions_of_the_first_pass(b: Build) -> Any:
     if b.topology.batch_parts == 1 or b.sequence is not None:
         return None
     loss_fn = _users_loss(b.options.loss_fn)
-    own = getattr(loss_fn, "model_kwargs", None) is not None  # the model's own loss
     # chunked_loss: the loss computes the LM head from deferred outputs it holds by
     # reference, which a call outside the schedule's order spoils (measured: NaN losses)
-    asked = not own and callable(loss_fn) and not b.head_deferred
+    asked = loss_fn is not None and not b.head_deferred
     # the stages of a model built on meta; not under tp or ep, whose stage forwards
     # and buffers (DTensors) run collectives the question's own passes would have to
     # keep in step across ranks (measured: Llama on meta under pp=2,tp=2 hung in it:
@@ -358,15 +357,15 @@ def _questions_of_the_first_pass(b: Build) -> Any:
 
 
 def _users_loss(loss_fn: Any) -> Any:
-    """The loss as given (the model's own, or the user's), out of the wrappers the
-    runner calls: SampleSum decides on its first call under pp (its own question, on
-    the last stage), and MetricTap records metrics."""
-    from meshfit.losses import SampleSum
+    """The user's loss function out of the wrappers the runner calls (SampleSum decides
+    on its first call under pp, its own question on the last stage; MetricTap records
+    metrics), or None for the model's own loss, whose questions run the forward alone."""
+    from meshfit.losses import ModelOwnLoss, SampleSum
     from meshfit.metrics import MetricTap
 
     while isinstance(loss_fn, (SampleSum, MetricTap)):
         loss_fn = loss_fn.loss_fn
-    return loss_fn
+    return None if isinstance(loss_fn, ModelOwnLoss) or not callable(loss_fn) else loss_fn
 
 
 def _data_parallel(b: Build) -> None:
