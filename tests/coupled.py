@@ -225,6 +225,38 @@ class ResidualMLP(nn.Module):
         return self.head(x)
 
 
+class MLPBlock(nn.Module):
+    """nanoGPT's MLP with its residual (a pair tensor parallel splits: `fc` by its
+    outputs, `proj` by its inputs); with `centered`, its output less the batch's mean."""
+
+    def __init__(self, width: int, centered: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+        self.centered = BatchCentered() if centered else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.centered(self.proj(F.gelu(self.fc(x))))
+
+
+class MLPStack(nn.Module):
+    """ResidualMLP's shape with MLPBlocks: something for tp to split in every block;
+    with `centered`, the third block subtracts the batch's mean."""
+
+    def __init__(self, centered: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(MLPBlock(16, centered and i == 2) for i in range(4))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def sum_loss_run(spec: dict) -> dict:
     """3 SGD steps of spec["model"] under spec["plan"] (None: one process): its losses
     and final weights, or {"refused": message}."""
@@ -406,14 +438,16 @@ def many_vq_runs(specs: list[dict]) -> list[dict]:
 
 
 def pipeline_coupled_run(spec: dict) -> dict:
-    """ResidualMLP (spec["centered"]: a block that subtracts the batch's mean) under
-    spec["plan"] for 3 SGD steps on batches of 8 vectors, with spec["loss"] ("worst":
-    worst_sample_loss, else the cross-entropy); "eager": built on example inputs given
-    to parallelize (no targets known before the cut); "meta": built on meta, given the
-    same example inputs (no values before the cut)."""
+    """ResidualMLP, or MLPStack where spec["model"] is "mlp" (spec["centered"]: a block
+    that subtracts the batch's mean), under spec["plan"] for 3 SGD steps on batches of 8
+    vectors, with spec["loss"] ("worst": worst_sample_loss, else the cross-entropy);
+    "eager": built on example inputs given to parallelize (no targets known before the
+    cut); "meta": built on meta, given the same example inputs (no values before the
+    cut)."""
     torch.manual_seed(0)
     with torch.device("meta") if spec.get("meta") else contextlib.nullcontext():
-        model = ResidualMLP(centered=spec.get("centered", False)).double()
+        kind = MLPStack if spec.get("model") == "mlp" else ResidualMLP
+        model = kind(centered=spec.get("centered", False)).double()
     loss_fn = worst_sample_loss if spec.get("loss") == "worst" else F.cross_entropy
     eager = spec.get("eager") or spec.get("meta")
     example = {"example_inputs": vectors()[0]} if eager else {}

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from coupled import pipeline_coupled_run
 from helpers import assert_same_run, tolerance
 from workers import (
     checkpoint_weights_run,
@@ -15,6 +16,7 @@ from workers import (
     many_meta_runs,
     meta_model,
     meta_run,
+    mixed_runs,
     save_sharded_run,
 )
 
@@ -341,9 +343,20 @@ def test_meta_models_match_one_process_under_2d_plans(tmp_path) -> None:
         # (derive._shared_kv_projections), derived on the one-block twin
         {"model": "llama", "plan": "tp=4"},
     ]
+    # A user's model on meta under pp=2,tp=2 (something for tp to split in every block):
+    # with a block that subtracts the batch's mean, refused at the first pass (each
+    # stage asked beside tp: before, not asked, and each micro-batch trained on its
+    # own); without it, the one-process run.
+    coupled = [{"model": "mlp", "plan": "pp=2,tp=2", "meta": True, "centered": c} for c in (1, 0)]
+    runs = [(meta_run, s) for s in [*specs, pretrained]]
+    runs += [(pipeline_coupled_run, s) for s in coupled]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = mf.launch(many_meta_runs, nproc=4, args=([*specs, pretrained],))
+        results = mf.launch(mixed_runs, nproc=4, args=(runs,))
+    *results, centered, plain = results
+    assert "is blocks.2.centered (BatchCentered)" in centered.get("refused", ""), centered
+    assert "the weights are as they were" in centered["refused"], centered
+    assert_same_run(plain, pipeline_coupled_run({**coupled[1], "plan": None}))
     _check(specs, results[:-1])
     got = results[-1]  # every rank read its part of FSDP2's shard of tp's split
     assert "refused" not in got, got

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -1050,6 +1051,12 @@ def runs_or_refusals(run, specs: list[dict]) -> list[dict]:
         except mf.MeshfitError as refusal:
             results.append({"refused": str(refusal)})
     return results
+
+
+def mixed_runs(runs: list[tuple[Callable[[dict], dict], dict]]) -> list[dict]:
+    """run(spec) for each (run, spec), refusals kept, in one set of workers: cells of
+    several kinds that need the same world share its launch."""
+    return [runs_or_refusals(run, [spec])[0] for run, spec in runs]
 
 
 def many_lm_runs(specs: list[dict]) -> list[dict]:

@@ -143,7 +143,14 @@ def _statistics(
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal, or within rounding for floating point (a mean over other kernel blockings);
-    equal infinities and NaNs are the same (a mask of -inf kept in a buffer)."""
+    equal infinities and NaNs are the same (a mask of -inf kept in a buffer). A buffer
+    tensor parallel split (a DTensor) is compared whole: its shards compared one by one,
+    one rank found its shard unchanged and returned while its peer went on to a
+    collective (measured: a Llama on meta under pp=2,tp=2 hung here). Every tp peer
+    gathers the same buffers in the same order (the same names, the same answers)."""
+    from torch.distributed.tensor import DTensor
+
+    a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if torch.equal(a, b):

@@ -337,13 +337,11 @@ def _questions_of_the_first_pass(b: Build) -> Any:
     # chunked_loss: the loss computes the LM head from deferred outputs it holds by
     # reference, which a call outside the schedule's order spoils (measured: NaN losses)
     asked = loss_fn is not None and not b.head_deferred
-    # the stages of a model built on meta; not under tp or ep, whose stage forwards
-    # and buffers (DTensors) run collectives the question's own passes would have to
-    # keep in step across ranks (measured: Llama on meta under pp=2,tp=2 hung in it:
-    # statistics._same compared a tp-split DTensor buffer shard by shard, one rank found
-    # its shard equal and returned while the other went on to a collective; comparing
-    # full_tensor()s, that run trained: a next step, with a test that finds a coupling)
-    asks_stages = b.values.meta and b.plan.tp == 1 and b.experts is None
+    # the stages of a model built on meta; beside tp too (each tp peer asks the same
+    # questions of the same micro-batch, so their collectives keep in step: a buffer tp
+    # split is compared whole, statistics._same); not beside ep, whose stage forwards
+    # exchange tokens with ranks that hold other samples
+    asks_stages = b.values.meta and b.experts is None
     stages = [_unwrapped(m) for m in b.modules] if asks_stages else []
     return StageQuestions(
         loss_fn if asked else None,
