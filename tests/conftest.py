@@ -30,9 +30,16 @@ def two_hosts() -> Iterator[Cluster]:
 # start-up; a test process computing on one core), so two tests at a time fill them.
 # A test marked `alone` holds the machine by itself: its verdict depends on timing that a
 # neighbour's load would change (a 1-3 s hang timeout, a main thread's CPU share, a step
-# timed against a period). The others share it. A readers-writer lock over every worker of the run (flock on files in
-# the temp directory), with a gate so a waiting `alone` test is not starved: it takes
-# the gate, then the lock exclusively; the others pass the gate, then share the lock.
+# timed against a period). A test marked `quiet` times such a wait too but computes
+# little (a hang watchdog's tests sleep out their timeouts): it runs beside another
+# `quiet` test, never beside a busy one (measured: the watchdog's tests, alone one after
+# another, were about 140 s of the run with a core idle). The others share the machine.
+# Locks over every worker of the run (flock on files in the temp directory): a
+# readers-writer lock that `alone` takes exclusively and every other test shares; a
+# `busy-<worker>` file each worker holds exclusively while it runs a test that is
+# neither, which a `quiet` test takes shared for every other worker (so it waits for
+# their busy tests, and they for it); and a gate, taken while taking the others, so a
+# waiting test is not starved.
 
 
 LOCKS_ENV = "MESHFIT_TEST_LOCKS"  # the run's lock directory, made by the controller
@@ -42,6 +49,10 @@ def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
         "alone: runs with no other test beside it under -n 2 (its verdict depends on timing)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "quiet: runs beside other quiet tests only (it times a wait, and computes little)",
     )
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         # the xdist workers it starts inherit the variable
@@ -54,37 +65,60 @@ def pytest_unconfigure(config) -> None:
 
 
 @contextlib.contextmanager
-def _turn(alone: bool) -> Iterator[None]:
+def _turn(kind: str) -> Iterator[None]:
+    """This test's turn on the machine: `kind` is "alone", "quiet" or "busy" (above)."""
     locks = os.environ.get(LOCKS_ENV)
-    if not locks:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not locks or not worker:
         yield
         return
-    with (
-        open(os.path.join(locks, "gate"), "a") as gate,
-        open(os.path.join(locks, "lock"), "a") as lock,
-    ):
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    busy = {f"gw{i}": os.path.join(locks, f"busy-gw{i}") for i in range(count)}
+    with contextlib.ExitStack() as held:
+        gate = held.enter_context(open(os.path.join(locks, "gate"), "a"))
+        lock = held.enter_context(open(os.path.join(locks, "lock"), "a"))
+        if kind == "busy":
+            taken = [(held.enter_context(open(busy[worker], "a")), fcntl.LOCK_EX)]
+        elif kind == "quiet":
+            others = [name for name in busy if name != worker]
+            taken = [(held.enter_context(open(busy[name], "a")), fcntl.LOCK_SH) for name in others]
+        else:
+            taken = []
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            fcntl.flock(lock, fcntl.LOCK_EX if kind == "alone" else fcntl.LOCK_SH)
+            for file, mode in taken:
+                fcntl.flock(file, mode)
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
         try:
             yield
         finally:
+            for file, _ in taken:
+                fcntl.flock(file, fcntl.LOCK_UN)
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _kind(item) -> str:  # noqa: ANN001 - a pytest item
+    for kind in ("alone", "quiet"):
+        if item.get_closest_marker(kind) is not None:
+            return kind
+    return "busy"
+
+
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest's hook
-    """The slow tests first, the everyday ones next, the `alone` ones last (each group in
-    file order; pytest-xdist hands tests out in this order). An `alone` test waits for the
-    test beside it to end before it starts: measured in the suite, 134 s of such waits
-    (a 7.6 s test waited 60 s for a neighbour's 2-minute compile) while its worker idled.
-    Last, the tests beside them are short everyday ones or other `alone` ones."""
-    order = {"slow": 0, "everyday": 1, "alone": 2}
+    """The slow tests first, the everyday ones next, the `alone` ones, then the `quiet`
+    ones last (each group in file order; pytest-xdist hands tests out in this order). An
+    `alone` test waits for the test beside it to end before it starts: measured in the
+    suite, 134 s of such waits (a 7.6 s test waited 60 s for a neighbour's 2-minute
+    compile) while its worker idled. Last, the tests beside them are short everyday ones
+    or other `alone` ones, and the `quiet` ones run two at a time."""
+    order = {"slow": 0, "everyday": 1, "alone": 2, "quiet": 3}
 
     def group(item) -> int:  # noqa: ANN001
-        if item.get_closest_marker("alone") is not None:
-            return order["alone"]
+        kind = _kind(item)
+        if kind != "busy":
+            return order[kind]
         return order["slow" if item.get_closest_marker("slow") is not None else "everyday"]
 
     items.sort(key=group)  # stable: file order within each group
@@ -93,7 +127,7 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pyte
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201 - pytest's hook
     # around setup, call and teardown, so the wait is in no test's reported duration
-    with _turn(item.get_closest_marker("alone") is not None):
+    with _turn(_kind(item)):
         yield
 
 

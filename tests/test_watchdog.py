@@ -16,9 +16,10 @@ import meshfit as mf
 from meshfit.launch import watchdog
 from meshfit.launch.watchdog import RankState, describe, stuck_ranks
 
-# hang timeouts of 1-2 s and a main thread's CPU share decide these verdicts: no other
-# test runs beside them (tests/conftest.py)
-pytestmark = pytest.mark.alone
+# hang timeouts of 1-2 s and a main thread's CPU share decide these verdicts: nothing
+# busy runs beside them, only another of these (they sleep out their timeouts, and use
+# about a sixth of a core: tests/conftest.py)
+pytestmark = pytest.mark.quiet
 
 
 def _state(rank: int, **fields) -> RankState:
