@@ -33,7 +33,7 @@ def two_hosts() -> Iterator[Cluster]:
 # timed against a period). A test marked `quiet` times such a wait too but computes
 # little (a hang watchdog's tests sleep out their timeouts): it runs beside another
 # `quiet` test, never beside a busy one (measured: the watchdog's tests, alone one after
-# another, were about 140 s of the run with a core idle). The others share the machine.
+# another, were 112 s of the run with a core idle). The others share the machine.
 # Locks over every worker of the run (flock on files in the temp directory): a
 # readers-writer lock that `alone` takes exclusively and every other test shares; a
 # `busy-<worker>` file each worker holds exclusively while it runs a test that is

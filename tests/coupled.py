@@ -197,34 +197,6 @@ class ResidualBlock(nn.Module):
         return x + torch.tanh(self.centered(self.fc(x)))
 
 
-class ResidualMLP(nn.Module):
-    """Blocks with their residual inside (as nanoGPT's Block), or, with
-    `residual_in_loop`, added by the forward's loop (`x = x + block(x)`); with
-    `loops=2` the forward runs its whole stack twice (a recurrent-depth model); with
-    `centered`, its third block subtracts the batch's mean (BatchCentered)."""
-
-    def __init__(self, residual_in_loop: bool = False, loops: int = 1, centered: bool = False):
-        super().__init__()
-        torch.manual_seed(5)
-        self.residual_in_loop = residual_in_loop
-        self.loops = loops
-        self.embed = nn.Linear(8, 16)
-        if residual_in_loop:
-            self.blocks = nn.ModuleList(
-                nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)
-            )
-        else:
-            self.blocks = nn.ModuleList(ResidualBlock(16, centered and i == 2) for i in range(4))
-        self.head = nn.Linear(16, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for _ in range(self.loops):
-            for block in self.blocks:
-                x = x + block(x) if self.residual_in_loop else block(x)
-        return self.head(x)
-
-
 class MLPBlock(nn.Module):
     """nanoGPT's MLP with its residual (a pair tensor parallel splits: `fc` by its
     outputs, `proj` by its inputs); with `centered`, its output less the batch's mean."""
@@ -239,21 +211,39 @@ class MLPBlock(nn.Module):
         return x + self.centered(self.proj(F.gelu(self.fc(x))))
 
 
-class MLPStack(nn.Module):
-    """ResidualMLP's shape with MLPBlocks: something for tp to split in every block;
-    with `centered`, the third block subtracts the batch's mean."""
+class ResidualMLP(nn.Module):
+    """Blocks with their residual inside (as nanoGPT's Block), or, with
+    `residual_in_loop`, added by the forward's loop (`x = x + block(x)`); with
+    `loops=2` the forward runs its whole stack twice (a recurrent-depth model); with
+    `centered`, its third block subtracts the batch's mean (BatchCentered); with `mlp`,
+    the blocks are MLPBlocks (something for tp to split in every block)."""
 
-    def __init__(self, centered: bool = False) -> None:
+    def __init__(
+        self,
+        residual_in_loop: bool = False,
+        loops: int = 1,
+        centered: bool = False,
+        mlp: bool = False,
+    ) -> None:
         super().__init__()
         torch.manual_seed(5)
+        self.residual_in_loop = residual_in_loop
+        self.loops = loops
         self.embed = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(MLPBlock(16, centered and i == 2) for i in range(4))
+        if residual_in_loop:
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)
+            )
+        else:
+            block = MLPBlock if mlp else ResidualBlock
+            self.blocks = nn.ModuleList(block(16, centered and i == 2) for i in range(4))
         self.head = nn.Linear(16, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
+        for _ in range(self.loops):
+            for block in self.blocks:
+                x = x + block(x) if self.residual_in_loop else block(x)
         return self.head(x)
 
 
@@ -438,16 +428,16 @@ def many_vq_runs(specs: list[dict]) -> list[dict]:
 
 
 def pipeline_coupled_run(spec: dict) -> dict:
-    """ResidualMLP, or MLPStack where spec["model"] is "mlp" (spec["centered"]: a block
-    that subtracts the batch's mean), under spec["plan"] for 3 SGD steps on batches of 8
+    """ResidualMLP (spec["centered"]: a block that subtracts the batch's mean; MLPBlocks
+    where spec["model"] is "mlp") under spec["plan"] for 3 SGD steps on batches of 8
     vectors, with spec["loss"] ("worst": worst_sample_loss, else the cross-entropy);
     "eager": built on example inputs given to parallelize (no targets known before the
     cut); "meta": built on meta, given the same example inputs (no values before the
     cut)."""
     torch.manual_seed(0)
     with torch.device("meta") if spec.get("meta") else contextlib.nullcontext():
-        kind = MLPStack if spec.get("model") == "mlp" else ResidualMLP
-        model = kind(centered=spec.get("centered", False)).double()
+        mlp = spec.get("model") == "mlp"
+        model = ResidualMLP(centered=spec.get("centered", False), mlp=mlp).double()
     loss_fn = worst_sample_loss if spec.get("loss") == "worst" else F.cross_entropy
     eager = spec.get("eager") or spec.get("meta")
     example = {"example_inputs": vectors()[0]} if eager else {}
