@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -1012,6 +1013,10 @@ def lm_run(spec: dict) -> dict:
             engine.runner.tied.sum_gradients = lambda: None
         if spec.get("early"):  # the engine's parts read before any batch: built with none
             engine.runner  # noqa: B018
+        warned = []
+        if spec.get("said"):  # what the steps warned of, returned
+            warned = stack.enter_context(warnings.catch_warnings(record=True))
+            warnings.simplefilter("always")
         losses = [
             float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
             for step in range(spec.get("steps", 3))
@@ -1020,6 +1025,7 @@ def lm_run(spec: dict) -> dict:
     if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
         engine.save(spec["save"])
     result = {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}
+    result["warned"] = [str(w.message) for w in warned]
     if engine.plan.tp > 1:  # what fit's start-up line says tp split
         result["tp_split"] = engine.tp_report and engine.tp_report.describe()
     return result

@@ -361,8 +361,7 @@ class Engine:
             )
         self._coupling_checked = True
         self._checked_in_training = training
-        if self.coupling.verdict is not None and self.coupling.verdict.summed:
-            self.sample_sum.on = True
+        self.sample_sum.take(self.coupling.verdict)  # a sum or a mean over real targets
         for note in self.coupling.notes():
             if self.rank == 0 and note not in self._said:
                 print(f"meshfit: {note}", flush=True)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from meshfit.trees import batch_rows, map_tensors, slice_rows
+from meshfit.trees import batch_rows, map_tensors, slice_rows, tensors_in
 
 if TYPE_CHECKING:
     from meshfit.topology import Topology
@@ -233,6 +233,20 @@ class SampleSum:
         self.on = False
         self.global_rows = 1
         self.undecided = decide_from_halves
+        # a mean over the real (not -100) targets, known from the coupling probe: each
+        # call returns (mean x its real targets, its real targets), which the runners sum
+        # over ranks and micro-batches and divide by the global count, as one process
+        # takes the mean over the whole batch's real targets. Before, each part's mean
+        # weighed its own count and the run differed from one process (warned of only)
+        self.token_mean = False
+
+    def take(self, verdict: Any) -> None:
+        """What the coupling probe found (coupling/probe.py's Verdict, or None)."""
+        if verdict is not None:
+            self.on = self.on or verdict.summed
+            # the model's own loss is counted by ModelOwnLoss (read on its forward's code)
+            own = isinstance(self.loss_fn, ModelOwnLoss)
+            self.token_mean = verdict.token_mean and not own
 
     def __getattr__(self, name: str) -> Any:  # the wrapped loss's own attributes
         return getattr(self.__dict__["loss_fn"], name)
@@ -242,6 +256,8 @@ class SampleSum:
         if self.undecided:
             self.undecided = False
             self.on = _adds_up_over_samples(self.loss_fn, outputs, targets, value)
+        if self.token_mean and not self.on:
+            return _times_real_targets(value, targets)
         if not self.on:
             return value
         loss, count = split_loss(value)
@@ -249,6 +265,20 @@ class SampleSum:
             return value
         rows = batch_rows(targets) or batch_rows(outputs)
         return loss * self.global_rows, torch.tensor(float(rows), device=loss.device)
+
+
+def _times_real_targets(value: Any, targets: Any) -> Any:
+    """A mean over the real (not -100) entries of the first integer targets as the pair
+    (mean x count, count); a part with none counts 0 (its mean, 0/0, is left out)."""
+    loss, count = split_loss(value)
+    if count is not None:
+        return value
+    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
+    real = (found[0] != -100).sum().to(loss.device) if found else None
+    if real is None:
+        return value
+    total = torch.where(real > 0, loss * real, torch.zeros_like(loss))
+    return total, real
 
 
 def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) -> bool:

@@ -70,6 +70,10 @@ class Verdict:
     # a plain mean of the samples although their targets hold unequal numbers of -100
     # entries (CTC's mean over each transcript): no token weighting to warn of
     per_sample: bool = False
+    # a mean over the targets that are not -100 (F.cross_entropy(ignore_index=-100)): the
+    # halves combined by their counts of real targets give the whole, their plain mean
+    # does not. Trained as (mean x count, count) pairs (losses.SampleSum): exact
+    token_mean: bool = False
     met: frozenset[str] = frozenset()
     where: str | None = None
     # the model's own loss function gathered over the batch (coupling/own_loss.py):
@@ -289,8 +293,9 @@ def _compare(
         together, parts = (torch.zeros(()), None), []
     difference, value_together, value_apart = _difference(together, parts, y, half)
     summed, plain, uneven = _as_a_mean(together, parts, y, half, value_together, value_apart)
+    by_count = _off_by_count(together, parts, y, half, value_together, plain)
     verdict = torch.tensor(
-        [difference, float(failed[0]), summed, plain, uneven], dtype=torch.float64
+        [difference, float(failed[0]), summed, plain, uneven, by_count], dtype=torch.float64
     )
     if world is not None:  # agreed: every rank takes the same path
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=world)
@@ -309,6 +314,10 @@ def _compare(
         met=frozenset(met),
         summed=adds_up,
         per_sample=bool(verdict[3] <= limit) and bool(verdict[4] > 0),
+        token_mean=bool(verdict[4] > 0)
+        and bool(verdict[5] <= limit)
+        and bool(verdict[3] > limit)
+        and not adds_up,
     )
 
 
@@ -333,6 +342,22 @@ def _as_a_mean(
     uneven = float(real is not None and bool(real[:half].sum() != real[half:].sum()))
     scale = max(abs(whole), 1e-12)
     return abs(2 * apart - whole) / scale, abs(apart - whole) / scale, uneven
+
+
+def _off_by_count(
+    together: LossPair, parts: list[LossPair], targets: Any, half: int, whole: float, plain: float
+) -> float:
+    """How far (relative) the halves' means combined by their counts of real (not -100)
+    targets are from the whole: 0 for a mean over the real targets. Where this rank's
+    targets hold no -100 the counts are even and the plain mean's distance stands (the
+    ranks agree on the largest)."""
+    if not parts or together[1] is not None:
+        return 1.0
+    (a, _), (b, _) = parts
+    weighted = _weighted_by_real_targets(a, b, targets, half)
+    if weighted is None:
+        return plain
+    return abs(float(weighted) - whole) / max(abs(whole), 1e-12)
 
 
 def _difference(
