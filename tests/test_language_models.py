@@ -92,11 +92,14 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # F.cross_entropy(ignore_index=-100) does: the coupling probe finds it and meshfit
     # trains it as (mean x count, count). Before, each rank's mean weighed its own count
     # (warned of, and a different run: these were negative controls).
-    specs += [{"model": m, "plan": "dp=2", "mean": True, "said": True} for m in ("seq_lm", "llama")]
-    # Negative controls in the same launch: a per-micro-batch mean of the token loss under
-    # pp (where the probe does not run: warned of), and the model's own loss without the
-    # global count (num_items_in_batch not passed: its per-rank mean), must train a
-    # different run.
+    # Under pp the last stage asks the loss alone on its first micro-batch's halves.
+    means = [("seq_lm", "dp=2"), ("llama", "dp=2"), ("llama", "pp=2,microbatches=2,schedule=gpipe")]
+    specs += [{"model": m, "plan": p, "mean": True, "said": True} for m, p in means]
+    # Negative controls in the same launch: the mean under pp with 4 micro-batches, whose
+    # first one's halves (one sample each) hold 7 real targets each, so a mean over them
+    # cannot be told from a plain mean (warned of: the run differs), and the model's own
+    # loss without the global count (num_items_in_batch not passed: its per-rank mean),
+    # must train a different run.
     controls = [
         {"model": "llama", "plan": "pp=2,microbatches=4", "mean": True, "said": True},
         {"model": "gpt2", "plan": "dp=2", "model_mean": True},
@@ -118,11 +121,10 @@ def test_language_models_match_one_process_on_two_workers() -> None:
         ref = lm_run({"model": control["model"]})
         with pytest.raises(AssertionError):
             assert_same_run(got, ref, _rtol(control["model"]))
-    # the mean under pp differs as it says (rank 0's first stage sees the targets too)
+    # the undecided mean says so; the others have nothing to warn of
     assert any("Return a pair" in w for w in results[len(specs)]["warned"]), results[len(specs)]
-    # and the means under dp have nothing to say
     means = [got for spec, got in zip(specs, results, strict=False) if spec.get("mean")]
-    assert len(means) == 2 and not any("-100" in w for got in means for w in got["warned"])
+    assert len(means) == 3 and not any("-100" in w for got in means for w in got["warned"])
 
 
 @pytest.mark.slow
@@ -340,10 +342,9 @@ def test_t5_under_pp_sends_its_position_bias_across_the_cut() -> None:
 def test_a_mean_over_ignored_targets_trains_the_one_process_run_or_is_refused() -> None:
     """A loss_fn returning the mean over the real (not -100) targets trains the one-process
     run under micro-batches, with nothing to warn of (before: warned of, and each
-    micro-batch's mean weighed its own count). One whose divisor is not their count
-    (class weights: the sum of the targets' weights) is refused in one line at the first
-    step. Under pp, where the probe does not run, it is still warned of (the 2-worker
-    test's control)."""
+    micro-batch's mean weighed its own count; dp and pp: the 2-worker test's cells). One
+    whose divisor is not their count (class weights: the sum of the targets' weights) is
+    refused in one line at the first step."""
     from workers import LM_VOCAB, build_lm, optimizer_factory
 
     def mean_loss(outputs, targets):

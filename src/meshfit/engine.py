@@ -94,13 +94,14 @@ class Engine:
         self.model_loss = ModelOwnLoss(model) if options.loss_fn == "model" else None
         # a transformers model that keeps a cache unless told (use_cache in its config)
         self._keeps_cache = bool(getattr(getattr(model, "config", None), "use_cache", False))
-        # a loss that sums over the samples is trained as a sum (losses.SampleSum): known
-        # from the model, the coupling probe, or under pp the loss function on its own
+        # a sum over the samples, or a user's mean over real targets: made exact (SampleSum)
         self.sample_sum = SampleSum(
             self.model_loss or options.loss_fn,
             decide_from_halves=self.plan.pp > 1
             and topology.batch_parts > 1
             and self.model_loss is None,  # a user's loss_fn, which can take parts
+            agree=topology.batch_max,
+            counts_allowed=self.plan.cp == 1,
         )
         splits = topology.batch_parts > 1 or topology.grad_average_size > 1
         self.sample_sum.on = bool(self.model_loss and self.model_loss.sums_samples and splits)

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -228,11 +228,21 @@ class SampleSum:
     where the probe does not run, from the loss function alone on the last stage's first
     micro-batch (`decide_from_halves`)."""
 
-    def __init__(self, loss_fn: Any, decide_from_halves: bool = False) -> None:
+    def __init__(
+        self,
+        loss_fn: Any,
+        decide_from_halves: bool = False,
+        agree: Any = None,
+        counts_allowed: bool = True,
+    ) -> None:
         self.loss_fn = loss_fn
         self.on = False
         self.global_rows = 1
         self.undecided = decide_from_halves
+        # under pp: the batch ranks' distances agreed (their largest), so that every rank
+        # of the last stage decides alike; and whether a mean over the real targets may
+        # be trained as a pair there (not under cp: its own probe asks about the cut)
+        self.agree, self.counts_allowed = agree, counts_allowed
         # a mean over the real (not -100) targets, known from the coupling probe: each
         # call returns (mean x its real targets, its real targets), which the runners sum
         # over ranks and micro-batches and divide by the global count, as one process
@@ -255,7 +265,10 @@ class SampleSum:
         value = self.loss_fn(outputs, targets)
         if self.undecided:
             self.undecided = False
-            self.on = _adds_up_over_samples(self.loss_fn, outputs, targets, value)
+            self.on, counted = _decided_from_halves(
+                self.loss_fn, outputs, targets, value, self.agree
+            )
+            self.token_mean = counted and self.counts_allowed
         if self.token_mean and not self.on:
             return _times_real_targets(value, targets)
         if not self.on:
@@ -281,22 +294,50 @@ def _times_real_targets(value: Any, targets: Any) -> Any:
     return total, real
 
 
-def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) -> bool:
-    """Whether `loss_fn` sums over the samples: its values on the two halves of the
-    samples add up to `value` (a mean: their row-weighted mean is `value`); a single
-    sample is given twice over, where a sum doubles. The loss function alone, on
-    outputs already computed (what a pipeline's last stage can ask); the halves cost
-    less memory than the call before them."""
+def _decided_from_halves(
+    loss_fn: Any, outputs: Any, targets: Any, value: Any, agree: Any = None
+) -> tuple[bool, bool]:
+    """(a sum over the samples, a mean over the real targets) for `loss_fn`, from its
+    values on the two halves of the samples: a sum's halves add up to `value`, a mean
+    over the real (not -100) targets is their mean weighted by each half's count of
+    them, a plain mean (neither) the row-weighted one; a single sample is given twice
+    over, where a sum doubles. The loss function alone, on outputs already computed
+    (what a pipeline's last stage can ask); the halves cost less memory than the call
+    before them. `agree` takes the distances (relative to `value`) and makes them every
+    batch rank's largest, so the ranks that split the batch decide alike."""
     from meshfit.coupling.probe import ROUNDING
 
     rows = batch_rows(targets)
+    # as far as nothing is known: no sum, no count, a plain mean
+    unknown = torch.tensor([1e9, 1e9, 0.0, 0.0], dtype=torch.float64)
+    off = _halves_distances(loss_fn, outputs, targets, value, rows)
+    distances = unknown if off is None else off
+    if agree is not None:  # on the loss's device: NCCL takes no CPU tensors
+        device = next((t.device for t in tensors_in(value)), torch.device("cpu"))
+        distances = distances.to(device)
+        agree(distances)
+    summed_off, counted_off, plain_off, uneven = (float(d) for d in distances)
+    limit = ROUNDING.get(value.dtype, 2e-2) if isinstance(value, torch.Tensor) else 2e-2
+    summed = summed_off <= limit < plain_off
+    return summed, not summed and uneven > 0 and counted_off <= limit < plain_off
+
+
+def _halves_distances(
+    loss_fn: Any, outputs: Any, targets: Any, value: Any, rows: int
+) -> torch.Tensor | None:
+    """[sum's, count-weighted mean's, plain mean's distance from `value`, 1.0 where the
+    halves hold unequal counts of real targets]; None where the loss cannot be asked."""
     if rows < 1 or not isinstance(value, torch.Tensor) or value.ndim != 0:
-        return False
+        return None
 
     def twice(tree: Any) -> Any:
-        return map_tensors(
+        doubled = map_tensors(
             tree, lambda t: torch.cat([t, t]) if t.ndim >= 1 and t.shape[0] == rows else t
         )
+        return _as_kind_of(tree, doubled)
+
+    def part(tree: Any, a: int, b: int) -> Any:
+        return _as_kind_of(tree, slice_rows(tree, a, b, rows))
 
     half = rows // 2
     try:
@@ -305,25 +346,43 @@ def _adds_up_over_samples(loss_fn: Any, outputs: Any, targets: Any, value: Any) 
                 parts = [loss_fn(twice(outputs), twice(targets))]
             else:
                 parts = [
-                    loss_fn(slice_rows(outputs, a, b, rows), slice_rows(targets, a, b, rows))
+                    loss_fn(part(outputs, a, b), part(targets, a, b))
                     for a, b in ((0, half), (half, rows))
                 ]
     except Exception:  # noqa: BLE001 - a loss that cannot take parts stays a mean
-        return False
+        return None
     if not all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in parts):
-        return False
+        return None
     whole = float(value.detach().double())
-    limit = ROUNDING.get(value.dtype, 2e-2)
     scale = max(abs(whole), 1e-12)
-
-    def close(x: float, y: float) -> bool:
-        return abs(x - y) / scale <= limit
-
-    if rows == 1:
+    if rows == 1:  # a sum doubles; no count to weigh by
         doubled = float(parts[0].double())
-        return close(doubled, 2 * whole) and not close(doubled, whole)
+        sample = [abs(doubled - 2 * whole) / scale, 1e9, abs(doubled - whole) / scale, 0.0]
+        return torch.tensor(sample, dtype=torch.float64)
     a, b = (float(v.double()) for v in parts)
-    return close(a + b, whole) and not close((half * a + (rows - half) * b) / rows, whole)
+    plain = abs((half * a + (rows - half) * b) / rows - whole) / scale
+    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
+    counts = None
+    if found and bool((found[0] == -100).any()):
+        real = found[0] != -100
+        counts = float(real[:half].sum()), float(real[half:].sum())
+    if counts is None or sum(counts) == 0:  # no count to weigh by: the plain mean's
+        counted, uneven = plain, 0.0
+    else:
+        counted = abs((a * counts[0] + b * counts[1]) / sum(counts) - whole) / scale
+        uneven = float(counts[0] != counts[1])
+    return torch.tensor([abs(a + b - whole) / scale, counted, plain, uneven], dtype=torch.float64)
+
+
+def _as_kind_of(original: Any, part: Any) -> Any:
+    """`part` (a slice of `original` that trees made a dict) as the mapping type it was: a
+    model's output object (Hugging Face's CausalLMOutputWithPast), whose `.logits` the
+    user's loss reads. Before, every half failed there, so a pipeline's last stage never
+    found a sum or a mean over the real targets of such a loss."""
+    if isinstance(original, Mapping) and type(original) is not dict and isinstance(part, dict):
+        with contextlib.suppress(Exception):
+            return type(original)(**part)
+    return part
 
 
 def _token_loss_kind(model: Any) -> str | None:

@@ -324,6 +324,12 @@ class Topology:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total
 
+    def batch_max(self, local: torch.Tensor) -> None:
+        """`local` made, in place, its largest value over the ranks the batch is split
+        over (a question every one of them must answer alike)."""
+        for group in self.batch_groups:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+
     def batch_mean(self, local_mean: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank mean over the loss ranks (the same on every rank)."""
         ranks = self.grad_average_size
