@@ -968,13 +968,19 @@ def sft_batch(kind: str, batch: int, step: int) -> object:
     raise ValueError(kind)
 
 
-def lm_loss(kind: str, mean: bool = False):
+def lm_loss(kind: str, mean: bool = False, summed: bool = False):
     """How each family is trained: the token-weighted pair, or the model's own loss.
-    `mean=True`: a per-micro-batch mean instead (the negative control)."""
+    `mean=True`: the mean over the real targets instead; `summed=True`: their sum."""
     if kind.startswith("gpt2") or kind in ("bert", "neox", "olmo2", "recurrent_gemma"):
         return "model"
     shifted = ("llama", "qwen3", "qwen3_moe", "llama_mqa", "qwen3_mqa")
     loss = mf.losses.cross_entropy(shift=kind in shifted)
+    if summed:
+
+        def token_sum(outputs, targets):  # reads .logits, as a user's loss does
+            return loss(outputs.logits, targets)[0]
+
+        return token_sum
     if not mean:
         return loss
 
@@ -999,7 +1005,7 @@ def lm_run(spec: dict) -> dict:
         engine = mf.parallelize(
             model,
             spec.get("plan"),
-            loss_fn=lm_loss(spec["model"], spec.get("mean", False)),
+            loss_fn=lm_loss(spec["model"], spec.get("mean", False), spec.get("sum", False)),
             optimizer=optimizer_factory("sgd"),
             **options,
         )
