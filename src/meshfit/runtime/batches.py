@@ -88,6 +88,13 @@ def split_batch(batch: Any, model_loss: bool = False) -> tuple[Any, Any]:
 
 
 def unpack_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, Mapping):  # a collator's dict, given to a loss_fn of the user's
+        raise MeshfitError(
+            f"a batch must be a pair (inputs, targets) for a loss_fn of your own, not "
+            f"{type(batch).__name__} (keys {', '.join(map(str, list(batch)[:6]))}): meshfit "
+            f"calls loss_fn(model(**inputs), targets). Yield (batch, batch['labels']) from "
+            f"your data, or pass loss_fn='model' to train the model's own loss on this dict"
+        )
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise MeshfitError(
             f"a batch must be a pair (inputs, targets), not {type(batch).__name__}"
