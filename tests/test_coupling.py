@@ -194,6 +194,62 @@ def _doubled(batch: dict) -> dict:
     return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
 
 
+def test_a_loss_is_told_from_its_halves_a_sum_a_token_mean_or_neither() -> None:
+    """coupling/halves.py on the loss function alone (a pipeline's last stage asks it so):
+    a sum adds up, a mean over the real targets is the halves' count-weighted mean (counted
+    after each row's first where the loss shifts the labels itself), a plain mean is
+    neither; where no split of the rows holds shares of the real targets other than its
+    shares of the rows the two means cannot be told apart (warned of), and a pair or a
+    loss that cannot take halves is left as it is."""
+    from meshfit.coupling.halves import Kind, kind
+    from meshfit.losses import _decided_from_halves
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (4, 6))
+    uneven = labels.clone()
+    uneven[0, :4] = -100  # the first half holds 8 real targets, the second 12
+    even = labels.clone()
+    even[0, :4], even[2, :4] = -100, -100  # 8 and 8 in the halves, 2 and 14 after row 0
+    padded = labels.clone()  # a collator's labels: the ids, -100 at the padding only
+    padded[0, 3:], padded[1, 5:] = -100, -100
+
+    def ce(reduction: str):
+        return lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction=reduction)
+
+    def shifting(out, y):  # the loss most causal-LM scripts write
+        return F.cross_entropy(out[:, :-1].flatten(0, 1), y[:, 1:].flatten())
+
+    def asked(loss_fn, targets, rows=slice(None)):
+        out, y = logits[rows], targets[rows]
+        return _decided_from_halves(loss_fn, out, y, loss_fn(out, y))
+
+    assert asked(ce("sum"), uneven) == Kind(summed=True)
+    assert asked(ce("mean"), uneven) == Kind(counted=True)
+    assert asked(ce("mean"), padded) == Kind(counted=True)
+    assert asked(shifting, padded) == Kind(counted=True, shifted=True)
+    assert asked(ce("mean"), even) == Kind(counted=True)
+    assert asked(ce("mean"), even, [0, 2]) == Kind()  # 2 and 2: no split tells
+    assert asked(lambda out, y: out.square().mean(), uneven) == Kind(per_sample=True)
+    assert asked(lambda out, y: (out.sum(), torch.tensor(4.0)), uneven) == Kind()
+    assert asked(lambda out, y: out.view(4, 66).sum(), uneven) == Kind()  # 4 rows only
+    assert asked(ce("sum"), uneven, [0]) == Kind(summed=True)  # one sample, given twice
+    # a model near uniform (every token's loss about log(vocabulary)): the distances a
+    # small Llama's first 2 and 4 samples gave, the shifting loss on a collator's labels;
+    # the nearer count wins where both are within float32's limit, and the plain mean
+    # within it too loses where it is clearly farther; in low precision (no noise given)
+    # the plain mean must be beyond the limit, else neither (warned of)
+    near_uniform = [
+        (1.0, 1.8e-5, 1.8e-4, 1.0, 2.3e-8, 1.0),
+        (1.0, 1.9e-6, 1.8e-5, 1.0, 6.3e-8, 1.0),
+    ]
+    for off in near_uniform:
+        assert kind(off, 2e-5, 1e-6) == Kind(counted=True, shifted=True)
+    assert kind(near_uniform[1], 2e-2) == Kind()
+    assert kind((1.0, 3e-3, 3e-8, 1.0, 3e-3, 1.0), 2e-5, 1e-6) == Kind(per_sample=True)
+    assert kind((1.0, 5e-7, 8e-7, 1.0, 5e-7, 1.0), 2e-5, 1e-6) == Kind()  # no telling
+
+
 def test_the_first_mixing_module_is_found_where_a_later_write_changes_an_output() -> None:
     """The probe's search for the module where samples start to mix compared outputs it
     kept as views until the comparison; wav2vec2's encoder zeroes the padded frames of

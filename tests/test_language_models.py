@@ -95,6 +95,29 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # Under pp the last stage asks the loss alone on its first micro-batch's halves.
     means = [("seq_lm", "dp=2"), ("llama", "dp=2"), ("llama", "pp=2,microbatches=2,schedule=gpipe")]
     specs += [{"model": m, "plan": p, "mean": True, "said": True} for m, p in means]
+    # The same mean shifting the labels itself (Llama's loss here shifts), given a
+    # collator's labels (the ids, -100 at the padding: each row's first label real, so
+    # the counts of real targets as they stand are one a row off the loss's): refused
+    # before as coupling the samples ("the loss function mixes them"); counted shifted now
+    collated = ("dp=2", "pp=2,microbatches=2,schedule=gpipe")
+    specs += [
+        {"model": "llama", "plan": p, "mean": True, "said": True, "collated": True}
+        for p in collated
+    ]
+    # A loss_fn returning the model's own `outputs.loss` under pp: the last stage's
+    # halves of an output already reduced are the whole, so it could not tell; pp's
+    # question before the cut, the model run on each half, can (warned of and another
+    # run before: 3.44575 where one process has 3.44331 at the second step)
+    specs.append(
+        {
+            "model": "llama",
+            "plan": "pp=2,microbatches=2,schedule=gpipe",
+            "said": True,
+            "collated": True,
+            "reads_loss": True,
+            "mean": True,
+        }
+    )
     # A sum over the real targets of an HF model's output object under pp: its halves
     # were made dicts, the loss (reading .logits) failed on them, and pp divided the sum
     # by its micro-batch count with no word (measured: 86.89 where one process has 173.79)
@@ -128,7 +151,7 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # the undecided mean says so; the others have nothing to warn of
     assert any("Return a pair" in w for w in results[len(specs)]["warned"]), results[len(specs)]
     means = [got for spec, got in zip(specs, results, strict=False) if spec.get("mean")]
-    assert len(means) == 3 and not any("-100" in w for got in means for w in got["warned"])
+    assert len(means) == 6 and not any("-100" in w for got in means for w in got["warned"])
 
 
 @pytest.mark.slow

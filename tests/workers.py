@@ -991,6 +991,26 @@ def lm_loss(kind: str, mean: bool = False, summed: bool = False):
     return per_part_mean
 
 
+def _reads_the_models_loss(outputs, targets):
+    """A user's loss_fn that returns the model's own (labels in its inputs): its mean over
+    the labels it shifts, already reduced when the loss_fn sees it."""
+    return outputs.loss
+
+
+def _lm_batch(spec: dict, step: int) -> object:
+    """sft_batch for `spec`; "collated": the labels DataCollatorForLanguageModeling
+    (mlm=False) yields instead, the ids with -100 at the padding only (each row's first
+    label real), for a model given its labels beside the batch (Llama's kinds)."""
+    batch = sft_batch(spec["model"], spec.get("batch", 8), step)
+    if not spec.get("collated"):
+        return batch
+    inputs, _ = batch
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    if spec.get("reads_loss"):  # the labels in the inputs too: the model computes its loss
+        return {**inputs, "labels": labels}, labels
+    return inputs, labels
+
+
 def lm_run(spec: dict) -> dict:
     """engine.step on SFT-like batches of a language model; losses and final weights."""
     model = build_lm(spec["model"])
@@ -1005,7 +1025,9 @@ def lm_run(spec: dict) -> dict:
         engine = mf.parallelize(
             model,
             spec.get("plan"),
-            loss_fn=lm_loss(spec["model"], spec.get("mean", False), spec.get("sum", False)),
+            loss_fn=_reads_the_models_loss
+            if spec.get("reads_loss")
+            else lm_loss(spec["model"], spec.get("mean", False), spec.get("sum", False)),
             optimizer=optimizer_factory("sgd"),
             **options,
         )
@@ -1023,11 +1045,8 @@ def lm_run(spec: dict) -> dict:
         if spec.get("said"):  # what the steps warned of, returned
             warned = stack.enter_context(warnings.catch_warnings(record=True))
             warnings.simplefilter("always")
-        losses = [
-            float(engine.step(sft_batch(spec["model"], spec.get("batch", 8), step)))
-            for step in range(spec.get("steps", 3))
-        ]
-    eval_loss = float(engine.evaluate(sft_batch(spec["model"], spec.get("batch", 8), 999)))
+        losses = [float(engine.step(_lm_batch(spec, step))) for step in range(spec.get("steps", 3))]
+    eval_loss = float(engine.evaluate(_lm_batch(spec, 999)))
     if spec.get("save"):  # a sharded checkpoint, loaded back by the test in one process
         engine.save(spec["save"])
     result = {"losses": losses, "eval": eval_loss, "state": engine.full_state_dict()}

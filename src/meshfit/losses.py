@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from meshfit.coupling import halves
 from meshfit.trees import batch_rows, map_tensors, slice_rows, tensors_in
 
 if TYPE_CHECKING:
@@ -249,6 +250,7 @@ class SampleSum:
         # takes the mean over the whole batch's real targets. Before, each part's mean
         # weighed its own count and the run differed from one process (warned of only)
         self.token_mean = False
+        self.shifted = False  # that mean counted after each row's first target
 
     def take(self, verdict: Any) -> None:
         """What the coupling probe found (coupling/probe.py's Verdict, or None)."""
@@ -257,6 +259,19 @@ class SampleSum:
             # the model's own loss is counted by ModelOwnLoss (read on its forward's code)
             own = isinstance(self.loss_fn, ModelOwnLoss)
             self.token_mean = verdict.token_mean and not own
+            self.shifted = verdict.shifted
+
+    def take_before_the_cut(self, verdict: Any) -> None:
+        """pp's coupling question on the whole model before the cut, of the user's loss
+        on the first micro-batch's halves, the model run on each (coupling/batch.py): a
+        sum or a mean over the real targets found there is trained so, and the last
+        stage does not ask the loss alone, which cannot take halves of what the model
+        reduced itself (a loss returning `outputs.loss`: before, its halves were the
+        whole, and the run was warned of and differed). Agreed over every rank."""
+        if verdict.summed or verdict.token_mean:
+            self.take(verdict)
+            self.token_mean = self.token_mean and self.counts_allowed
+            self.undecided = False
 
     def __getattr__(self, name: str) -> Any:  # the wrapped loss's own attributes
         return getattr(self.__dict__["loss_fn"], name)
@@ -265,12 +280,11 @@ class SampleSum:
         value = self.loss_fn(outputs, targets)
         if self.undecided:
             self.undecided = False
-            self.on, counted = _decided_from_halves(
-                self.loss_fn, outputs, targets, value, self.agree
-            )
-            self.token_mean = counted and self.counts_allowed
+            found = _decided_from_halves(self.loss_fn, outputs, targets, value, self.agree)
+            self.on, self.shifted = found.summed, found.shifted
+            self.token_mean = found.counted and self.counts_allowed
         if self.token_mean and not self.on:
-            return _times_real_targets(value, targets)
+            return _times_real_targets(value, targets, self.shifted)
         if not self.on:
             return value
         loss, count = split_loss(value)
@@ -280,53 +294,43 @@ class SampleSum:
         return loss * self.global_rows, torch.tensor(float(rows), device=loss.device)
 
 
-def _times_real_targets(value: Any, targets: Any) -> Any:
-    """A mean over the real (not -100) entries of the first integer targets as the pair
-    (mean x count, count); a part with none counts 0 (its mean, 0/0, is left out)."""
+def _times_real_targets(value: Any, targets: Any, shifted: bool = False) -> Any:
+    """A mean over the real (not -100) entries of the first integer targets (after each
+    row's first where `shifted`) as the pair (mean x count, count); a part with none
+    counts 0 (its mean, 0/0, is left out)."""
     loss, count = split_loss(value)
-    if count is not None:
+    real = halves.real_targets(targets, shifted)
+    if count is not None or real is None:
         return value
-    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
-    real = (found[0] != -100).sum().to(loss.device) if found else None
-    if real is None:
-        return value
+    real = real.sum().to(loss.device)
     total = torch.where(real > 0, loss * real, torch.zeros_like(loss))
     return total, real
 
 
 def _decided_from_halves(
     loss_fn: Any, outputs: Any, targets: Any, value: Any, agree: Any = None
-) -> tuple[bool, bool]:
-    """(a sum over the samples, a mean over the real targets) for `loss_fn`, from its
-    values on the two halves of the samples: a sum's halves add up to `value`, a mean
-    over the real (not -100) targets is their mean weighted by each half's count of
-    them, a plain mean (neither) the row-weighted one; a single sample is given twice
-    over, where a sum doubles. The loss function alone, on outputs already computed
-    (what a pipeline's last stage can ask); the halves cost less memory than the call
-    before them. `agree` takes the distances (relative to `value`) and makes them every
-    batch rank's largest, so the ranks that split the batch decide alike."""
-    from meshfit.coupling.probe import ROUNDING
-
-    rows = batch_rows(targets)
-    # as far as nothing is known: no sum, no count, a plain mean
-    unknown = torch.tensor([1e9, 1e9, 0.0, 0.0], dtype=torch.float64)
-    off = _halves_distances(loss_fn, outputs, targets, value, rows)
-    distances = unknown if off is None else off
+) -> halves.Kind:
+    """A sum over the samples, a mean over the real targets or neither for `loss_fn`, from its
+    values on the two halves of the samples (coupling/halves.py); a single sample is
+    given twice over, where a sum doubles. The loss function alone, on outputs already
+    computed (what a pipeline's last stage can ask); the halves cost less memory than
+    the call before them. `agree` takes the distances (relative to `value`) and makes
+    them every batch rank's largest, so the ranks that split the batch decide alike."""
+    off = _halves_distances(loss_fn, outputs, targets, value, batch_rows(targets))
+    distances = torch.tensor(halves.UNKNOWN, dtype=torch.float64) if off is None else off
     if agree is not None:  # on the loss's device: NCCL takes no CPU tensors
         device = next((t.device for t in tensors_in(value)), torch.device("cpu"))
         distances = distances.to(device)
         agree(distances)
-    summed_off, counted_off, plain_off, uneven = (float(d) for d in distances)
-    limit = ROUNDING.get(value.dtype, 2e-2) if isinstance(value, torch.Tensor) else 2e-2
-    summed = summed_off <= limit < plain_off
-    return summed, not summed and uneven > 0 and counted_off <= limit < plain_off
+    dtype = value.dtype if isinstance(value, torch.Tensor) else None
+    return halves.kind(distances, halves.rounding(dtype), halves.noise(dtype))
 
 
 def _halves_distances(
     loss_fn: Any, outputs: Any, targets: Any, value: Any, rows: int
 ) -> torch.Tensor | None:
-    """[sum's, count-weighted mean's, plain mean's distance from `value`, 1.0 where the
-    halves hold unequal counts of real targets]; None where the loss cannot be asked."""
+    """halves.distances for `loss_fn` on the halves of `outputs` and `targets`; None
+    where the loss cannot be asked."""
     if rows < 1 or not isinstance(value, torch.Tensor) or value.ndim != 0:
         return None
 
@@ -339,7 +343,7 @@ def _halves_distances(
     def part(tree: Any, a: int, b: int) -> Any:
         return _as_kind_of(tree, slice_rows(tree, a, b, rows))
 
-    half = rows // 2
+    half = halves.telling_split(targets, rows)
     try:
         with torch.no_grad():
             if rows == 1:
@@ -354,24 +358,13 @@ def _halves_distances(
     if not all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in parts):
         return None
     whole = float(value.detach().double())
-    scale = max(abs(whole), 1e-12)
     if rows == 1:  # a sum doubles; no count to weigh by
-        doubled = float(parts[0].double())
-        sample = [abs(doubled - 2 * whole) / scale, 1e9, abs(doubled - whole) / scale, 0.0]
+        doubled, scale = float(parts[0].double()), max(abs(whole), 1e-12)
+        plain = abs(doubled - whole) / scale
+        sample = [abs(doubled - 2 * whole) / scale, 1e9, plain, 0.0, 1e9, 0.0]
         return torch.tensor(sample, dtype=torch.float64)
     a, b = (float(v.double()) for v in parts)
-    plain = abs((half * a + (rows - half) * b) / rows - whole) / scale
-    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
-    counts = None
-    if found and bool((found[0] == -100).any()):
-        real = found[0] != -100
-        counts = float(real[:half].sum()), float(real[half:].sum())
-    if counts is None or sum(counts) == 0:  # no count to weigh by: the plain mean's
-        counted, uneven = plain, 0.0
-    else:
-        counted = abs((a * counts[0] + b * counts[1]) / sum(counts) - whole) / scale
-        uneven = float(counts[0] != counts[1])
-    return torch.tensor([abs(a + b - whole) / scale, counted, plain, uneven], dtype=torch.float64)
+    return halves.distances(whole, a, b, half, rows, targets)
 
 
 def _as_kind_of(original: Any, part: Any) -> Any:

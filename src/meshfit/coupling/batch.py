@@ -335,7 +335,7 @@ def pipeline_coupling_refusal(
     parts: str,
     low_precision: bool,
     world: dist.ProcessGroup | None,
-) -> str | None:
+) -> tuple[str | None, Verdict | None]:
     """Pipeline parallel's coupling question, asked on the whole model before its cut
     (the probe cannot run under a pipeline schedule, whose stages run whole micro-batches:
     before, a module that mixed the samples, or a loss of the batch's worst sample,
@@ -345,15 +345,21 @@ def pipeline_coupling_refusal(
     forward alone, each sample's output standing for its loss: `per_sample_output`). The
     one line refusing a coupling meshfit cannot make global (in-batch products are
     gathered under pp too), or None; compose raises it once the cut's own checks have
-    passed (their refusals name the model's structure, the first thing to fix)."""
-    if loss_fn is not None and targets is not None:
+    passed (their refusals name the model's structure, the first thing to fix). And the
+    verdict on the user's loss, where it was asked (None for the forward alone): a sum
+    or a mean over the real targets found here, with the model run on each half, is
+    trained so (losses.SampleSum.take_before_the_cut), where the last stage's question
+    of the loss alone cannot tell (a loss that reads the model's own `outputs.loss`)."""
+    of_a_loss = loss_fn is not None and targets is not None
+    if of_a_loss:
         run_loss = _loss_of(model, loss_fn)
     else:
         run_loss, targets = per_sample_output(model), inputs
     verdict = probed_whole(model, run_loss, inputs, targets, world, low_precision)
+    of_the_loss = verdict if of_a_loss else None
     if verdict is None or not verdict.coupled:
-        return None
-    return pipeline_refusal_line(verdict, plan, parts)
+        return None, of_the_loss
+    return pipeline_refusal_line(verdict, plan, parts), of_the_loss
 
 
 def pipeline_refusal_line(verdict: Verdict, plan: Any, parts: str) -> str:

@@ -34,19 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfit.coupling import own_loss
+from meshfit.coupling import halves, own_loss
 from meshfit.coupling.buffers import SavedBuffers
 from meshfit.coupling.draws import HeldDraws
 from meshfit.trees import batch_rows, slice_rows, tensors_in
 
 LossPair = tuple[torch.Tensor, "torch.Tensor | None"]
-
-# The largest relative difference between the loss together and the combination of its
-# halves that is rounding: the same computation in another order (a smaller batch runs
-# other kernel blockings). float64: measured 1e-16; float32: measured 4e-8 on the
-# zoo's models; low precision (bf16/fp16 weights or autocast): 1e-3.
-ROUNDING = {torch.float64: 1e-10, torch.float32: 2e-5}
-_LOW_PRECISION = 2e-2
 
 
 class Inconclusive(Exception):  # noqa: N818 - a verdict, not an error
@@ -74,6 +67,9 @@ class Verdict:
     # halves combined by their counts of real targets give the whole, their plain mean
     # does not. Trained as (mean x count, count) pairs (losses.SampleSum): exact
     token_mean: bool = False
+    # that mean counted over each row's targets after its first: a loss that shifts the
+    # labels itself (logits[:, :-1] against labels[:, 1:])
+    shifted: bool = False
     met: frozenset[str] = frozenset()
     where: str | None = None
     # the model's own loss function gathered over the batch (coupling/own_loss.py):
@@ -291,78 +287,51 @@ def _compare(
         # the user's batch (which the passes before ran) to blame
         failed[0] = 1
         together, parts = (torch.zeros(()), None), []
-    difference, value_together, value_apart = _difference(together, parts, y, half)
-    summed, plain, uneven = _as_a_mean(together, parts, y, half, value_together, value_apart)
-    by_count = _off_by_count(together, parts, y, half, value_together, plain)
-    verdict = torch.tensor(
-        [difference, float(failed[0]), summed, plain, uneven, by_count], dtype=torch.float64
-    )
+    difference, value_together, value_apart = _difference(together, parts)
+    off = _mean_distances(together, parts, y, half)
+    if together[1] is None and parts:
+        # a mean over targets with ignored (-100) entries: the halves weigh their real
+        # targets by their own counts. That the plan combines them unequally is a known
+        # difference, warned of at the first step (batch_errors.warn_on_ignored_targets),
+        # not a coupling: the combination weighted by the real targets is what counts
+        # (without ignored targets it is the plain mean, the difference as it stands).
+        difference = min(difference, float(off[1]), float(off[4]))
+    verdict = torch.cat([torch.tensor([difference, float(failed[0])], dtype=torch.float64), off])
     if world is not None:  # agreed: every rank takes the same path
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=world)
     if verdict[1] > 0:
         return None
     dtype = together[0].dtype
-    limit = _LOW_PRECISION if low_precision else ROUNDING.get(dtype, _LOW_PRECISION)
+    limit = halves.rounding(dtype, low_precision)
     # a sum over the samples (reduction="sum") is no coupling: SampleSum trains it
-    adds_up = bool(verdict[0] > limit) and bool(verdict[2] <= limit)
+    found = halves.kind(verdict[2:], limit, halves.noise(dtype, low_precision))
     return Verdict(
         samples=samples,
         together=value_together,
         apart=value_apart,
         difference=float(verdict[0]),
-        coupled=bool(verdict[0] > limit) and not adds_up,
+        coupled=bool(verdict[0] > limit) and not found.summed,
         met=frozenset(met),
-        summed=adds_up,
-        per_sample=bool(verdict[3] <= limit) and bool(verdict[4] > 0),
-        token_mean=bool(verdict[4] > 0)
-        and bool(verdict[5] <= limit)
-        and bool(verdict[3] > limit)
-        and not adds_up,
+        summed=found.summed,
+        per_sample=found.per_sample,
+        token_mean=found.counted,
+        shifted=found.shifted,
     )
 
 
-def _as_a_mean(
-    together: LossPair,
-    parts: list[LossPair],
-    targets: Any,
-    half: int,
-    whole: float,
-    apart: float,
-) -> tuple[float, float, float]:
-    """For a loss returned as a mean (no count), from the loss together (`whole`) and
-    the halves' plain mean (`apart`, both from _difference): how far the halves' sum is
-    from the whole (0 for a sum over the samples), how far their plain mean is (0 for a
-    mean over the samples), both relative, and 1.0 when the halves hold unequal numbers
-    of real (not -100) targets, else 0.0 (a plain mean then weighs samples, not tokens).
-    A pair is neither a sum nor a plain mean: (1.0, 1.0, 0.0)."""
-    if not parts or together[1] is not None:
-        return 1.0, 1.0, 0.0
-    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
-    real = found[0] != -100 if found else None
-    uneven = float(real is not None and bool(real[:half].sum() != real[half:].sum()))
-    scale = max(abs(whole), 1e-12)
-    return abs(2 * apart - whole) / scale, abs(apart - whole) / scale, uneven
-
-
-def _off_by_count(
-    together: LossPair, parts: list[LossPair], targets: Any, half: int, whole: float, plain: float
-) -> float:
-    """How far (relative) the halves' means combined by their counts of real (not -100)
-    targets are from the whole: 0 for a mean over the real targets. Where this rank's
-    targets hold no -100 the counts are even and the plain mean's distance stands (the
-    ranks agree on the largest)."""
-    if not parts or together[1] is not None:
-        return 1.0
-    (a, _), (b, _) = parts
-    weighted = _weighted_by_real_targets(a, b, targets, half)
-    if weighted is None:
-        return plain
-    return abs(float(weighted) - whole) / max(abs(whole), 1e-12)
-
-
-def _difference(
+def _mean_distances(
     together: LossPair, parts: list[LossPair], targets: Any, half: int
-) -> tuple[float, float, float]:
+) -> torch.Tensor:
+    """halves.distances for a loss returned as a mean (no count); a pair, or no halves,
+    is neither a sum nor a mean over the real targets."""
+    if not parts or together[1] is not None:
+        return torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    (loss, _), [(a, _), (b, _)] = together, parts
+    whole, a, b = (float(v.double()) for v in (loss, a, b))
+    return halves.distances(whole, a, b, half, 2 * half, targets)
+
+
+def _difference(together: LossPair, parts: list[LossPair]) -> tuple[float, float, float]:
     """(relative difference, loss together, the plan's combination of the halves')."""
     if not parts:
         return 0.0, 0.0, 0.0
@@ -370,33 +339,11 @@ def _difference(
     if count is None:  # means: the plan averages equal parts' means
         whole = loss.double()
         apart = (a.double() + b.double()) / 2
-        weighted = _weighted_by_real_targets(a, b, targets, half)
     else:  # (sum, count): sums over counts
         whole = loss.double() / count.double().clamp_min(1)
         apart = (a.double() + b.double()) / (count_a + count_b).double().clamp_min(1)
-        weighted = None
     scale = max(abs(float(whole)), 1e-12)
-    difference = abs(float(apart - whole)) / scale
-    if weighted is not None:
-        # a mean over targets with ignored (-100) entries: the halves weigh their real
-        # targets by their own counts. That the plan combines them unequally is a known
-        # difference, warned of at the first step (batch_errors.warn_on_ignored_targets),
-        # not a coupling: the combination weighted by the real targets is what counts.
-        difference = min(difference, abs(float(weighted - whole)) / scale)
-    return difference, float(whole), float(apart)
-
-
-def _weighted_by_real_targets(
-    a: torch.Tensor, b: torch.Tensor, targets: Any, half: int
-) -> torch.Tensor | None:
-    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
-    if not found or not bool((found[0] == -100).any()):
-        return None
-    real = found[0] != -100
-    count_a, count_b = real[:half].sum().double(), real[half:].sum().double()
-    if count_a + count_b == 0:
-        return None
-    return (a.double() * count_a + b.double() * count_b) / (count_a + count_b)
+    return abs(float(apart - whole)) / scale, float(whole), float(apart)
 
 
 @contextlib.contextmanager

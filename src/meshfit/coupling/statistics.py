@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit.coupling.halves import rounding
 from meshfit.coupling.probe import (
-    _LOW_PRECISION,
-    ROUNDING,
     OpenScope,
     Replay,
     RunLoss,
@@ -136,7 +135,7 @@ def _statistics(
             return [], False
         buffers.restore({name: after[name] for name in names})
         again = loss_of(0, samples, 1, None)
-    limit = _LOW_PRECISION if low_precision else ROUNDING.get(together.dtype, _LOW_PRECISION)
+    limit = rounding(together.dtype, low_precision)
     moved = abs(float(again) - float(together)) / max(abs(float(together)), 1e-30)
     return names, moved > limit
 
@@ -159,7 +158,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     finite = b[torch.isfinite(b)]
     scale = float(finite.abs().max()) if finite.numel() else 0.0
-    limit = ROUNDING.get(a.dtype, _LOW_PRECISION) * max(scale, 1e-30)
+    limit = rounding(a.dtype) * max(scale, 1e-30)
     return bool(torch.allclose(a, b, rtol=0.0, atol=limit, equal_nan=True))
 
 

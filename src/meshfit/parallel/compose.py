@@ -314,7 +314,9 @@ def _ask_before_the_cut(b: Build, example: Any) -> str | None:
     }
     targets = map_tensors(b.options.example_targets, lambda t: t.to(topology.device))
     loss_fn = _users_loss(b.options.loss_fn)
-    refused = pipeline_coupling_refusal(b.model, example, targets, loss_fn, **asked)
+    refused, verdict = pipeline_coupling_refusal(b.model, example, targets, loss_fn, **asked)
+    if verdict is not None and (sample_sum := _sample_sum(b.options.loss_fn)) is not None:
+        sample_sum.take_before_the_cut(verdict)
     own = not b.options.sync_batchnorm
     line = before_pipeline_cut(b.model, example, own_statistics=own, **asked)
     if line and topology.rank == 0:
@@ -352,6 +354,16 @@ def _questions_of_the_first_pass(b: Build) -> Any:
         low_precision=True if b.plan.precision != "fp32" else None,  # None: the dtype's
         own_statistics=not b.options.sync_batchnorm,
     )
+
+
+def _sample_sum(loss_fn: Any) -> Any:
+    """The engine's SampleSum under the wrappers the runner calls (MetricTap), or None."""
+    from meshfit.losses import SampleSum
+    from meshfit.metrics import MetricTap
+
+    while isinstance(loss_fn, MetricTap):
+        loss_fn = loss_fn.loss_fn
+    return loss_fn if isinstance(loss_fn, SampleSum) else None
 
 
 def _users_loss(loss_fn: Any) -> Any:
