@@ -270,7 +270,8 @@ def sum_loss_run(spec: dict) -> dict:
 
     engine = mf.parallelize(model, spec.get("plan"), loss_fn=loss_fn, optimizer=zoo_optimizer)
     if spec.get("undecided"):  # the control: the sum left as a mean, as before
-        engine.sample_sum.undecided = False
+        engine.sample_sum.undecided = False  # neither the last stage's question
+        engine.sample_sum.take_before_the_cut = lambda verdict: None  # nor the cut's
     try:
         losses = [float(engine.step(batch(step))) for step in range(3)]
     except mf.MeshfitError as refusal:

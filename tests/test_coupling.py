@@ -201,7 +201,7 @@ def test_a_loss_is_told_from_its_halves_a_sum_a_token_mean_or_neither() -> None:
     neither; where no split of the rows holds shares of the real targets other than its
     shares of the rows the two means cannot be told apart (warned of), and a pair or a
     loss that cannot take halves is left as it is."""
-    from meshfit.coupling.halves import Kind, kind
+    from meshfit.coupling.halves import NO_PADDING, Kind, explained, kind
     from meshfit.losses import _decided_from_halves
 
     torch.manual_seed(0)
@@ -234,20 +234,48 @@ def test_a_loss_is_told_from_its_halves_a_sum_a_token_mean_or_neither() -> None:
     assert asked(lambda out, y: (out.sum(), torch.tensor(4.0)), uneven) == Kind()
     assert asked(lambda out, y: out.view(4, 66).sum(), uneven) == Kind()  # 4 rows only
     assert asked(ce("sum"), uneven, [0]) == Kind(summed=True)  # one sample, given twice
+    # a script's own padding: labels padded with the pad id (0), ignore_index=0
+    ids = torch.randint(1, 11, (4, 6))
+    ids[0, 3:], ids[1, 4:] = 0, 0
+
+    def ignoring_pad(out, y):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=0)
+
+    def shifting_pad(out, y):
+        return F.cross_entropy(out[:, :-1].flatten(0, 1), y[:, 1:].flatten(), ignore_index=0)
+
+    assert asked(ignoring_pad, ids) == Kind(counted=True, ignored=0)
+    assert asked(shifting_pad, ids) == Kind(counted=True, shifted=True, ignored=0)
+
+    def laid(summed, plain, counted, shifted, padding=None, padded=None):
+        """distances' layout: a padding's countings as given, else the plain mean's."""
+        value = NO_PADDING if padding is None else float(padding)
+        padded = padded or ((plain, 0.0), (plain, 0.0))
+        return (summed, plain, value, -value, *counted, *shifted, *padded[0], *padded[1])
+
     # a model near uniform (every token's loss about log(vocabulary)): the distances a
     # small Llama's first 2 and 4 samples gave, the shifting loss on a collator's labels;
     # the nearer count wins where both are within float32's limit, and the plain mean
-    # within it too loses where it is clearly farther; in low precision (no noise given)
+    # within it too loses where it is clearly farther; in low precision (no floor given)
     # the plain mean must be beyond the limit, else neither (warned of)
     near_uniform = [
-        (1.0, 1.8e-5, 1.8e-4, 1.0, 2.3e-8, 1.0),
-        (1.0, 1.9e-6, 1.8e-5, 1.0, 6.3e-8, 1.0),
+        laid(1.0, 1.8e-4, (1.8e-5, 1.0), (2.3e-8, 1.0)),
+        laid(1.0, 1.8e-5, (1.9e-6, 1.0), (6.3e-8, 1.0)),
     ]
     for off in near_uniform:
         assert kind(off, 2e-5, 1e-6) == Kind(counted=True, shifted=True)
     assert kind(near_uniform[1], 2e-2) == Kind()
-    assert kind((1.0, 3e-3, 3e-8, 1.0, 3e-3, 1.0), 2e-5, 1e-6) == Kind(per_sample=True)
-    assert kind((1.0, 5e-7, 8e-7, 1.0, 5e-7, 1.0), 2e-5, 1e-6) == Kind()  # no telling
+    assert kind(laid(1.0, 3e-8, (3e-3, 1.0), (3e-3, 1.0)), 2e-5, 1e-6) == Kind(per_sample=True)
+    assert kind(laid(1.0, 8e-7, (5e-7, 1.0), (5e-7, 1.0)), 2e-5, 1e-6) == Kind()  # no telling
+    # the padding counted only where every rank found the same (largest of it and its
+    # negation one value): else a mean over it is not told, and the probe's difference
+    # keeps the plain mean's
+    padded = ((1e-8, 1.0), (3e-3, 1.0))
+    agreed = laid(1.0, 3e-3, (3e-3, 0.0), (3e-3, 0.0), padding=0, padded=padded)
+    assert kind(agreed, 2e-5, 1e-6) == Kind(counted=True, ignored=0)
+    apart = list(agreed)
+    apart[2] = NO_PADDING  # another rank found none
+    assert kind(apart, 2e-5, 1e-6) == Kind() and explained(apart) == 1e9
 
 
 def test_the_first_mixing_module_is_found_where_a_later_write_changes_an_output() -> None:

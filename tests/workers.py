@@ -997,11 +997,20 @@ def _reads_the_models_loss(outputs, targets):
     return outputs.loss
 
 
+def _mean_ignoring_the_pad_id(outputs, targets):
+    """A script's causal-LM loss over labels padded with the pad id (0): shifted, and
+    ignore_index=0, a mean over the tokens that are not padding."""
+    logits = outputs.logits[:, :-1].flatten(0, 1)
+    return F.cross_entropy(logits, targets[:, 1:].flatten(), ignore_index=0)
+
+
 def _lm_batch(spec: dict, step: int) -> object:
     """sft_batch for `spec`; "collated": the labels DataCollatorForLanguageModeling
     (mlm=False) yields instead, the ids with -100 at the padding only (each row's first
     label real), for a model given its labels beside the batch (Llama's kinds)."""
     batch = sft_batch(spec["model"], spec.get("batch", 8), step)
+    if spec.get("pad_id"):  # the ids as labels, padded with the pad id (0), not -100
+        return batch[0], batch[0]["input_ids"]
     if not spec.get("collated"):
         return batch
     inputs, _ = batch
@@ -1027,6 +1036,8 @@ def lm_run(spec: dict) -> dict:
             spec.get("plan"),
             loss_fn=_reads_the_models_loss
             if spec.get("reads_loss")
+            else _mean_ignoring_the_pad_id
+            if spec.get("pad_id")
             else lm_loss(spec["model"], spec.get("mean", False), spec.get("sum", False)),
             optimizer=optimizer_factory("sgd"),
             **options,

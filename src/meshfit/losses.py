@@ -250,7 +250,8 @@ class SampleSum:
         # takes the mean over the whole batch's real targets. Before, each part's mean
         # weighed its own count and the run differed from one process (warned of only)
         self.token_mean = False
-        self.shifted = False  # that mean counted after each row's first target
+        # that mean counted after each row's first target, over targets not `ignored`
+        self.shifted, self.ignored = False, halves.IGNORED
 
     def take(self, verdict: Any) -> None:
         """What the coupling probe found (coupling/probe.py's Verdict, or None)."""
@@ -259,7 +260,7 @@ class SampleSum:
             # the model's own loss is counted by ModelOwnLoss (read on its forward's code)
             own = isinstance(self.loss_fn, ModelOwnLoss)
             self.token_mean = verdict.token_mean and not own
-            self.shifted = verdict.shifted
+            self.shifted, self.ignored = verdict.shifted, verdict.ignored
 
     def take_before_the_cut(self, verdict: Any) -> None:
         """pp's coupling question on the whole model before the cut, of the user's loss
@@ -281,10 +282,10 @@ class SampleSum:
         if self.undecided:
             self.undecided = False
             found = _decided_from_halves(self.loss_fn, outputs, targets, value, self.agree)
-            self.on, self.shifted = found.summed, found.shifted
+            self.on, self.shifted, self.ignored = found.summed, found.shifted, found.ignored
             self.token_mean = found.counted and self.counts_allowed
         if self.token_mean and not self.on:
-            return _times_real_targets(value, targets, self.shifted)
+            return _times_real_targets(value, targets, self.shifted, self.ignored)
         if not self.on:
             return value
         loss, count = split_loss(value)
@@ -294,12 +295,14 @@ class SampleSum:
         return loss * self.global_rows, torch.tensor(float(rows), device=loss.device)
 
 
-def _times_real_targets(value: Any, targets: Any, shifted: bool = False) -> Any:
-    """A mean over the real (not -100) entries of the first integer targets (after each
-    row's first where `shifted`) as the pair (mean x count, count); a part with none
+def _times_real_targets(
+    value: Any, targets: Any, shifted: bool = False, ignored: int = halves.IGNORED
+) -> Any:
+    """A mean over the real (not `ignored`) entries of the first integer targets (after
+    each row's first where `shifted`) as the pair (mean x count, count); a part with none
     counts 0 (its mean, 0/0, is left out)."""
     loss, count = split_loss(value)
-    real = halves.real_targets(targets, shifted)
+    real = halves.real_targets(targets, shifted, ignored)
     if count is not None or real is None:
         return value
     real = real.sum().to(loss.device)
@@ -360,9 +363,8 @@ def _halves_distances(
     whole = float(value.detach().double())
     if rows == 1:  # a sum doubles; no count to weigh by
         doubled, scale = float(parts[0].double()), max(abs(whole), 1e-12)
-        plain = abs(doubled - whole) / scale
-        sample = [abs(doubled - 2 * whole) / scale, 1e9, plain, 0.0, 1e9, 0.0]
-        return torch.tensor(sample, dtype=torch.float64)
+        sample = [abs(doubled - 2 * whole) / scale, abs(doubled - whole) / scale]
+        return torch.tensor(sample + list(halves.UNKNOWN[2:]), dtype=torch.float64)
     a, b = (float(v.double()) for v in parts)
     return halves.distances(whole, a, b, half, rows, targets)
 

@@ -43,21 +43,28 @@ LOW_PRECISION = 2e-2
 NOISE = {torch.float64: 1e-13, torch.float32: 1e-6}
 CLEARLY = 10.0
 
-# As far as nothing is known: no sum, no count, a plain mean (a pair (sum, count), a loss
-# that cannot take halves). The order of `distances`.
-UNKNOWN = (1e9, 1e9, 0.0, 0.0, 1e9, 0.0)
+# The ways a mean over the real targets may count them: (shifted: after each row's
+# first, padded: the padding's own value ignored, not -100). The order of `distances`.
+COUNTINGS = ((False, False), (True, False), (False, True), (True, True))
+NO_PADDING = 1e18  # `distances`' padding value where the targets show none
+
+# In the order of `distances`: as far as nothing is known, no sum, no count, a plain
+# mean (a loss that cannot take halves); and neither a sum nor any mean (a pair).
+UNKNOWN = (1e9, 0.0, NO_PADDING, -NO_PADDING) + (1e9, 0.0) * len(COUNTINGS)
+NEITHER = (1e9, 1e9, NO_PADDING, -NO_PADDING) + (1e9, 0.0) * len(COUNTINGS)
 
 
 @dataclass(frozen=True)
 class Kind:
     """What `kind` found: a sum over the samples; a mean over the real targets
-    (`counted`), over each row's targets after its first where `shifted`; or a plain
-    mean although the halves' counts of real targets differ (`per_sample`: a mean of
-    each sample's own mean, CTC's, exact as it stands)."""
+    (`counted`): those that are not `ignored`, after each row's first where `shifted`;
+    or a plain mean although the halves' counts of real targets differ (`per_sample`: a
+    mean of each sample's own mean, CTC's, exact as it stands)."""
 
     summed: bool = False
     counted: bool = False
     shifted: bool = False
+    ignored: int = IGNORED
     per_sample: bool = False
 
 
@@ -71,39 +78,69 @@ def noise(dtype: torch.dtype | None, low_precision: bool = False) -> float | Non
     return None if low_precision else NOISE.get(dtype)
 
 
-def real_targets(targets: Any, shifted: bool = False) -> torch.Tensor | None:
-    """Where the first integer tensor of `targets` holds a real target (not -100), as
-    booleans, without each row's first where `shifted`; None where `targets` holds no
+def _first_integer(targets: Any) -> torch.Tensor | None:
+    return next((t for t in tensors_in(targets) if not t.is_floating_point()), None)
+
+
+def real_targets(
+    targets: Any, shifted: bool = False, ignored: int = IGNORED
+) -> torch.Tensor | None:
+    """Where the first integer tensor of `targets` holds a real target (not `ignored`),
+    as booleans, without each row's first where `shifted`; None where `targets` holds no
     integer tensor (or, shifted, none with a sequence)."""
-    found = [t for t in tensors_in(targets) if not t.is_floating_point()]
-    if not found or (shifted and found[0].ndim < 2):
+    found = _first_integer(targets)
+    if found is None or (shifted and found.ndim < 2):
         return None
-    return (found[0][:, 1:] if shifted else found[0]) != IGNORED
+    return (found[:, 1:] if shifted else found) != ignored
 
 
-def real_counts(targets: Any, half: int, shifted: bool = False) -> tuple[float, float] | None:
+def padding_value(targets: Any) -> int | None:
+    """The value the targets pad their rows with where it is not -100 (a script that
+    labels with the ids, pads with the pad id and passes ignore_index=pad_id): the value
+    most rows that end, or begin, with a run of two or more of one value (not -100) end
+    or begin with; None where no row does."""
+    found = _first_integer(targets)
+    if found is None or found.ndim != 2 or found.shape[1] < 2:
+        return None
+    runs = [
+        found[:, end][(found[:, end] == found[:, beside]) & (found[:, end] != IGNORED)]
+        for end, beside in ((-1, -2), (0, 1))
+    ]
+    values = torch.cat(runs)
+    return int(values.mode().values) if values.numel() else None
+
+
+def real_counts(
+    targets: Any, half: int, shifted: bool = False, ignored: int = IGNORED
+) -> tuple[float, float] | None:
     """The counts of real targets in rows [:half] and [half:] of `targets` where some of
-    its targets are ignored (-100) and some are real; else None (the halves then weigh
-    by their rows)."""
-    real = real_targets(targets, shifted)
+    its targets are `ignored` and some are real; else None (the halves then weigh by
+    their rows)."""
+    real = real_targets(targets, shifted, ignored)
     if real is None or bool(real.all()):
         return None
     counts = float(real[:half].sum()), float(real[half:].sum())
     return counts if sum(counts) > 0 else None
 
 
+def _countings(targets: Any) -> list[tuple[bool, int | None]]:
+    """(shifted, the value ignored) for each of COUNTINGS; None where there is no padding."""
+    padding = padding_value(targets)
+    return [(shifted, padding if padded else IGNORED) for shifted, padded in COUNTINGS]
+
+
 def telling_split(targets: Any, rows: int) -> int:
     """The row, nearest the middle, that splits `targets` into halves whose shares of the
-    real targets (counted either way) are not their shares of the rows: there a mean over
-    the real targets and a plain mean differ. The middle where no row does. A pipeline's
-    micro-batch of four whose middle split holds 6 and 6 real targets may hold 2 and 10
-    after its first row."""
+    real targets (counted any of the ways) are not their shares of the rows: there a mean
+    over the real targets and a plain mean differ. The middle where no row does. A
+    pipeline's micro-batch of four whose middle split holds 6 and 6 real targets may hold
+    2 and 10 after its first row."""
     middle = rows // 2
     if rows < 3:
         return middle
     per_row = []
-    for shifted in (False, True):
-        real = real_targets(targets, shifted)
+    for shifted, ignored in _countings(targets):
+        real = None if ignored is None else real_targets(targets, shifted, ignored)
         if real is not None and not bool(real.all()) and real.shape[:1] == (rows,):
             per_row.append(real.reshape(rows, -1).sum(1).double())
     for k in sorted(range(1, rows), key=lambda k: (abs(k - middle), k)):
@@ -113,27 +150,50 @@ def telling_split(targets: Any, rows: int) -> int:
 
 
 def distances(whole: float, a: float, b: float, half: int, rows: int, targets: Any) -> torch.Tensor:
-    """[sum's, count-weighted mean's, plain mean's distance, uneven, count-weighted
-    mean's distance counted shifted, uneven shifted] for a loss of `whole` over `rows`
-    samples and of `a` and `b` over rows [:half] and [half:] of `targets`: each distance
-    relative to `whole`; `uneven` 1.0 where the halves' shares of the real targets are
-    not their shares of the rows (else a mean over the real targets and a plain one
-    agree here, and the halves cannot tell them apart). Without ignored targets a
-    count-weighted mean is the plain one. float64, for an all_reduce(MAX) over ranks."""
+    """[sum's distance, plain mean's distance, the padding value, its negation, then for
+    each of COUNTINGS: the count-weighted mean's distance, uneven] for a loss of `whole`
+    over `rows` samples and of `a` and `b` over rows [:half] and [half:] of `targets`:
+    each distance relative to `whole`; `uneven` 1.0 where the halves' shares of the real
+    targets are not their shares of the rows (else a mean over the real targets and a
+    plain one agree here, and the halves cannot tell them apart). Without such targets a
+    count-weighted mean is the plain one. float64, for an all_reduce(MAX) over ranks (the
+    padding and its negation: every rank's largest of both is one value only where every
+    rank found the same)."""
     scale = max(abs(whole), 1e-12)
     plain = abs((half * a + (rows - half) * b) / rows - whole) / scale
-    found = [abs(a + b - whole) / scale]
-    for shifted in (False, True):
-        counts = real_counts(targets, half, shifted)
+    padding = padding_value(targets)
+    padding_off = NO_PADDING if padding is None else float(padding)
+    found = [abs(a + b - whole) / scale, plain, padding_off, -padding_off]
+    for shifted, ignored in _countings(targets):
+        counts = None if ignored is None else real_counts(targets, half, shifted, ignored)
         if counts is None:
             found += [plain, 0.0]
         else:
             counted = abs((a * counts[0] + b * counts[1]) / sum(counts) - whole) / scale
             found += [counted, float(counts[0] * (rows - half) != counts[1] * half)]
-    summed, counted, uneven, counted_shifted, uneven_shifted = found
-    return torch.tensor(
-        [summed, counted, plain, uneven, counted_shifted, uneven_shifted], dtype=torch.float64
-    )
+    return torch.tensor(found, dtype=torch.float64)
+
+
+def _told(off: Sequence[float] | torch.Tensor) -> tuple[list[float], list[tuple[float, int]], int]:
+    """(sum's and plain mean's distances, [(a count-weighted mean's distance, its index
+    in COUNTINGS)] for those that may stand: uneven, and counting the padding only where
+    every rank found the same, the padding value) from `distances`."""
+    summed_off, plain, padding, negated, *counted = (float(d) for d in off)
+    agreed = padding == -negated and padding != NO_PADDING  # every rank found this padding
+    found = [
+        (counted[2 * i], i)
+        for i, (_, padded) in enumerate(COUNTINGS)
+        if counted[2 * i + 1] > 0 and (agreed or not padded)
+    ]
+    return [summed_off, plain], found, int(padding) if agreed else IGNORED
+
+
+def explained(off: Sequence[float] | torch.Tensor) -> float:
+    """The nearest distance of a count-weighted mean that may stand (`distances`, every
+    rank's largest): a mean over targets with ignored entries, whose halves weigh their
+    real targets by their own counts, combines so, not as the plan's plain mean."""
+    _, found, _ = _told(off)
+    return min((d for d, _ in found), default=1e9)
 
 
 def kind(off: Sequence[float] | torch.Tensor, limit: float, floor: float | None = None) -> Kind:
@@ -142,25 +202,25 @@ def kind(off: Sequence[float] | torch.Tensor, limit: float, floor: float | None 
     combines them and the plain mean clearly does not, a plain mean where the reverse
     holds; neither where the two cannot be told apart (the step warns). Clearly: within
     `limit` against beyond it, or, where `floor` (the dtype's NOISE, far below `limit`)
-    is given, beyond both it and CLEARLY times the other's distance. Counted as
-    they stand or shifted, whichever is nearer (as they stand where both are the same)."""
-    summed_off, counted, plain, uneven, counted_shifted, uneven_shifted = (float(d) for d in off)
-    if summed_off <= limit < min(counted, plain, counted_shifted):
+    is given, beyond both it and CLEARLY times the other's distance. Of the countings
+    the nearest (the earlier of COUNTINGS where two are the same)."""
+    (summed_off, plain), found, padding = _told(off)
+    counted = [float(d) for d in off][4::2]
+    if summed_off <= limit < min([plain, *counted]):
         return Kind(summed=True)
-    found = [(counted, False)] if uneven > 0 else []
-    found += [(counted_shifted, True)] if uneven_shifted > 0 else []
     if not found:  # even counts: the two means agree here, nothing to tell
         return Kind()
     # a loss that shifts its labels itself is off from the counts as they stand by one
     # label a row, which on a model still near uniform (every token's loss about
     # log(vocabulary)) is within float32's limit (measured: 1.8e-5 as they stand, 2.3e-8
     # shifted, 1.8e-4 the plain mean, on a small Llama's first two samples)
-    off_by, shifted = min(found)
+    off_by, i = min(found)
 
     def clearly(near: float, far: float) -> bool:
         beyond = limit if floor is None else max(floor, CLEARLY * near)
         return near <= limit and far > beyond
 
     if clearly(off_by, plain):
-        return Kind(counted=True, shifted=shifted)
+        shifted, padded = COUNTINGS[i]
+        return Kind(counted=True, shifted=shifted, ignored=padding if padded else IGNORED)
     return Kind(per_sample=clearly(plain, off_by))

@@ -70,6 +70,9 @@ class Verdict:
     # that mean counted over each row's targets after its first: a loss that shifts the
     # labels itself (logits[:, :-1] against labels[:, 1:])
     shifted: bool = False
+    # and counted over the targets that are not this (the padding's own value, where a
+    # script pads its labels with the pad id and ignores that)
+    ignored: int = -100
     met: frozenset[str] = frozenset()
     where: str | None = None
     # the model's own loss function gathered over the batch (coupling/own_loss.py):
@@ -289,18 +292,19 @@ def _compare(
         together, parts = (torch.zeros(()), None), []
     difference, value_together, value_apart = _difference(together, parts)
     off = _mean_distances(together, parts, y, half)
-    if together[1] is None and parts:
-        # a mean over targets with ignored (-100) entries: the halves weigh their real
-        # targets by their own counts. That the plan combines them unequally is a known
-        # difference, warned of at the first step (batch_errors.warn_on_ignored_targets),
-        # not a coupling: the combination weighted by the real targets is what counts
-        # (without ignored targets it is the plain mean, the difference as it stands).
-        difference = min(difference, float(off[1]), float(off[4]))
     verdict = torch.cat([torch.tensor([difference, float(failed[0])], dtype=torch.float64), off])
     if world is not None:  # agreed: every rank takes the same path
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=world)
     if verdict[1] > 0:
         return None
+    if together[1] is None and parts:
+        # a mean over targets with ignored (-100) entries: the halves weigh their real
+        # targets by their own counts. That the plan combines them unequally is a known
+        # difference, warned of at the first step (batch_errors.warn_on_ignored_targets),
+        # not a coupling: the combination weighted by the real targets is what counts,
+        # one way of counting them for every rank (without ignored targets it is the
+        # plain mean, the difference as it stands)
+        verdict[0] = min(float(verdict[0]), halves.explained(verdict[2:]))
     dtype = together[0].dtype
     limit = halves.rounding(dtype, low_precision)
     # a sum over the samples (reduction="sum") is no coupling: SampleSum trains it
@@ -316,6 +320,7 @@ def _compare(
         per_sample=found.per_sample,
         token_mean=found.counted,
         shifted=found.shifted,
+        ignored=found.ignored,
     )
 
 
@@ -325,7 +330,7 @@ def _mean_distances(
     """halves.distances for a loss returned as a mean (no count); a pair, or no halves,
     is neither a sum nor a mean over the real targets."""
     if not parts or together[1] is not None:
-        return torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+        return torch.tensor(halves.NEITHER, dtype=torch.float64)
     (loss, _), [(a, _), (b, _)] = together, parts
     whole, a, b = (float(v.double()) for v in (loss, a, b))
     return halves.distances(whole, a, b, half, 2 * half, targets)
