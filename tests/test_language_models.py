@@ -15,6 +15,7 @@ from helpers import assert_same_run, tolerance
 from workers import build_lm, lm_loss, lm_run, many_lm_runs, optimizer_factory, sft_batch
 
 import meshfit as mf
+from meshfit.trees import slice_rows
 
 pytest.importorskip("transformers")
 
@@ -123,17 +124,31 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     specs += [
         {"model": "llama", "plan": p, "mean": True, "said": True, "pad_id": True} for p in collated
     ]
+    # pp with micro-batches of one sample: no halves on the last stage, so pp's question
+    # before the cut asks the first batch's first four samples (warned of and another
+    # run before: 3.39039921 where one process has 3.42305234 at the second step)
+    specs.append({"model": "llama", "plan": "pp=2,microbatches=8", "mean": True, "said": True})
+    # and of two samples, whose halves (one sample each) hold 7 real targets each here:
+    # the four samples' halves hold 14 and 13 (the negative control before)
+    specs.append({"model": "llama", "plan": "pp=2,microbatches=4", "mean": True, "said": True})
     # A sum over the real targets of an HF model's output object under pp: its halves
     # were made dicts, the loss (reading .logits) failed on them, and pp divided the sum
     # by its micro-batch count with no word (measured: 86.89 where one process has 173.79)
     specs.append({"model": "llama", "plan": "pp=2,microbatches=2,schedule=gpipe", "sum": True})
-    # Negative controls in the same launch: the mean under pp with 4 micro-batches, whose
-    # first one's halves (one sample each) hold 7 real targets each, so a mean over them
-    # cannot be told from a plain mean (warned of: the run differs), and the model's own
-    # loss without the global count (num_items_in_batch not passed: its per-rank mean),
-    # must train a different run.
+    # Negative controls in the same launch: the mean under pp with 4 micro-batches given
+    # example_inputs without targets (the build at parallelize: no loss question before
+    # the cut), whose first micro-batch's halves (one sample each) hold 7 real targets
+    # each, so a mean over them cannot be told from a plain mean (warned of: the run
+    # differs), and the model's own loss without the global count (num_items_in_batch
+    # not passed: its per-rank mean), must train a different run.
     controls = [
-        {"model": "llama", "plan": "pp=2,microbatches=4", "mean": True, "said": True},
+        {
+            "model": "llama",
+            "plan": "pp=2,microbatches=4",
+            "mean": True,
+            "said": True,
+            "options": {"example_inputs": slice_rows(sft_batch("llama", 8, 0)[0], 0, 2)},
+        },
         {"model": "gpt2", "plan": "dp=2", "model_mean": True},
         # the tied embedding's two copies under pp, without their gradients summed
         {"model": "gpt2", "plan": "pp=2,microbatches=4", "tied_unsummed": True},
@@ -156,7 +171,7 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # the undecided mean says so; the others have nothing to warn of
     assert any("Return a pair" in w for w in results[len(specs)]["warned"]), results[len(specs)]
     means = [got for spec, got in zip(specs, results, strict=False) if spec.get("mean")]
-    assert len(means) == 8 and not any("-100" in w for got in means for w in got["warned"])
+    assert len(means) == 10 and not any("-100" in w for got in means for w in got["warned"])
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from meshfit.runtime.batches import (
     split_batch,
     to_device,
 )
-from meshfit.runtime.examples import Examples, forms_example
+from meshfit.runtime.examples import of_the_first_batch
 from meshfit.runtime.precision import Precision
 from meshfit.runtime.prediction import predict_global_batch
 from meshfit.state.checkpoint import (
@@ -53,7 +53,6 @@ from meshfit.state.checkpoint import (
     save_checkpoint,
 )
 from meshfit.topology import Topology
-from meshfit.trees import batch_rows, slice_rows
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -148,9 +147,10 @@ class Engine:
         self._measure_gradients = False
 
     # ---- the split model, built on the example or the first batch ---------------------
-    def _build(self, inputs: Any, targets: Any = None) -> _Built:
+    def _build(self, inputs: Any, targets: Any = None, asked: Any = None) -> _Built:
         if self._built is None:
             forms = replace(self._forms, example_inputs=inputs, example_targets=targets)
+            forms = replace(forms, question_batch=asked)  # pp's questions: of_the_first_batch
             with watchdog.phase("setup", "setup (the model's split, on the first batch)"):
                 parts = apply_plan(
                     self.user_model, self.topology, self.precision, forms, self.coupling
@@ -164,12 +164,8 @@ class Engine:
         """Build on the first global batch (every rank holds it): the micro-batch pp
         times its blocks on, two samples for tp's trace (prepare.forms_example), and
         their targets where known (pp's coupling question: parallel/compose.py)."""
-        if self._built is not None:
-            return
-        first = lambda n: (slice_rows(inputs, 0, n), None)  # noqa: E731
-        example = forms_example(self.topology, Examples(first, batch_size(inputs, "inputs")))
-        kept = None if example is None or targets is None else batch_rows(example)
-        self._build(example, None if kept is None else slice_rows(targets, 0, kept))
+        if self._built is None:
+            self._build(*of_the_first_batch(self.topology, inputs, targets))
 
     @property
     def parallel_model(self) -> nn.Module:

@@ -368,7 +368,7 @@ def pipeline_refusal_line(verdict: Verdict, plan: Any, parts: str) -> str:
     together, apart = distinct(verdict.together, verdict.apart)
     return (
         f"the loss couples the samples of a batch and meshfit cannot make it global: on "
-        f"{verdict.samples} samples of the first micro-batch it is {together} together but "
+        f"{verdict.samples} samples of the first batch it is {together} together but "
         f"{apart} as their halves combine (relative difference {verdict.difference:.1e}); "
         f"{mixing_named(verdict)}. Plan {plan} splits the batch over {parts}, so it would train "
         f"another run than one process. Use a plan that keeps the batch whole "

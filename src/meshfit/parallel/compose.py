@@ -79,6 +79,9 @@ class FormOptions:
     pp_split: list[int] | None = None
     example_inputs: Any = None
     example_targets: Any = None  # beside them where known (pp's coupling question)
+    # (inputs, targets) of the first batch's first four samples where a micro-batch holds
+    # fewer: pp's questions before the cut ask them (runtime/examples.py says why)
+    question_batch: Any = None
     sync_batchnorm: bool = True
     compile: bool = False
     init: Any = None
@@ -306,13 +309,17 @@ def _ask_before_the_cut(b: Build, example: Any) -> str | None:
     from meshfit.coupling.statistics import before_pipeline_cut, parts_named
 
     topology = b.topology
+    targets = b.options.example_targets
+    if b.options.question_batch is not None:  # small micro-batches: four samples
+        example, targets = b.options.question_batch
+        example = map_tensors(example, lambda t: t.to(topology.device))
     asked = {
         "plan": b.plan,
         "parts": parts_named(topology.dp_size, b.plan.num_microbatches),
         "low_precision": b.plan.precision != "fp32",
         "world": dist.group.WORLD if dist.is_initialized() else None,
     }
-    targets = map_tensors(b.options.example_targets, lambda t: t.to(topology.device))
+    targets = map_tensors(targets, lambda t: t.to(topology.device))
     loss_fn = _users_loss(b.options.loss_fn)
     refused, verdict = pipeline_coupling_refusal(b.model, example, targets, loss_fn, **asked)
     if verdict is not None and (sample_sum := _sample_sum(b.options.loss_fn)) is not None:

@@ -8,6 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshfit.runtime.batches import batch_size
+from meshfit.trees import batch_rows, slice_rows
+
 if TYPE_CHECKING:
     from meshfit.topology import Topology
 
@@ -36,3 +39,23 @@ def forms_example(topology: Topology, examples: Examples) -> Any:
     size = topology.microbatch_size(examples.batch_size)
     batch = examples.first(size if plan.pp > 1 else min(size, 2))
     return None if batch is None else batch[0]
+
+
+def of_the_first_batch(topology: Topology, inputs: Any, targets: Any) -> tuple[Any, Any, Any]:
+    """What the engine builds on from the first global batch (every rank holds it): the
+    forms' example (forms_example), its targets where known (pp's coupling question:
+    parallel/compose.py), and, where that example is fewer than four samples (pp with
+    small micro-batches), the first four samples' (inputs, targets) for pp's questions
+    before the cut (the probe's most; a forward without gradients, far below a step's
+    peak): one sample has no halves to compare, and two halves of one sample each often
+    hold the same count of real targets. Before, a mean over the real targets was then
+    warned of and trained another run, and with one sample a loss coupling the samples
+    went unasked."""
+    first = lambda n: (slice_rows(inputs, 0, n), None)  # noqa: E731
+    rows = batch_size(inputs, "inputs")
+    example = forms_example(topology, Examples(first, rows))
+    kept = None if example is None or targets is None else batch_rows(example)
+    four = min(rows, 4)
+    more = kept is not None and kept < four
+    asked = (first(four)[0], slice_rows(targets, 0, four)) if more else None
+    return example, None if kept is None else slice_rows(targets, 0, kept), asked
