@@ -226,8 +226,10 @@ class SampleSum:
 
     It is known from the model (ModelOwnLoss.sums_samples, set by the engine), from the
     coupling probe (its halves add up to the whole: coupling/probe.py), or, under pp
-    where the probe does not run, from the loss function alone on the last stage's first
-    micro-batch (`decide_from_halves`)."""
+    where the probe does not run in the schedule, from pp's question before the cut
+    (`take_before_the_cut`) or else the loss function alone on the last stage's first
+    micro-batch (`decide_from_halves`). Which kind, and how a mean over the real targets
+    counts them, coupling/halves.py decides for all three."""
 
     def __init__(
         self,
@@ -264,7 +266,8 @@ class SampleSum:
 
     def take_before_the_cut(self, verdict: Any) -> None:
         """pp's coupling question on the whole model before the cut, of the user's loss
-        on the first micro-batch's halves, the model run on each (coupling/batch.py): a
+        on the halves of the first batch's first micro-batch (or of its first four
+        samples where a micro-batch holds fewer), the model run on each (coupling/batch.py): a
         sum or a mean over the real targets found there is trained so, and the last
         stage does not ask the loss alone, which cannot take halves of what the model
         reduced itself (a loss returning `outputs.loss`: before, its halves were the
