@@ -5,12 +5,12 @@ whole: `F.cross_entropy(ignore_index=-100)` over a collator's labels) or a plain
 (weighted by the halves' rows). A plan that splits the batch trains the one-process run
 of the first two only if it knows which it is (losses.SampleSum).
 
-A mean over the real targets is counted two ways: over the targets as they stand, and
-over each row's targets after its first (a loss that shifts the labels itself,
+A mean over the real targets is counted four ways (COUNTINGS): over the targets as they
+stand, or over each row's targets after its first (a loss that shifts the labels itself,
 `logits[:, :-1]` against `labels[:, 1:]`, as most causal-LM scripts write it, given a
-collator's labels that are the ids with -100 at the padding). Before, only the first
-was asked, and such a loss, off from both by the rows' first real labels, was refused
-as coupling the samples under dp and pp.
+collator's labels that are the ids with -100 at the padding); ignoring -100, or the
+labels' own padding value (`ignore_index=pad_id`). Before, only the first was asked, and
+such losses were refused as coupling the samples under dp and pp.
 
 Two places ask, and both decide here: the coupling probe (probe.py), over a rank's first
 samples before a plan that splits the batch trains, and a pipeline's last stage on its
@@ -123,9 +123,9 @@ def real_counts(
     return counts if sum(counts) > 0 else None
 
 
-def _countings(targets: Any) -> list[tuple[bool, int | None]]:
-    """(shifted, the value ignored) for each of COUNTINGS; None where there is no padding."""
-    padding = padding_value(targets)
+def _countings(padding: int | None) -> list[tuple[bool, int | None]]:
+    """(shifted, the value ignored) for each of COUNTINGS, given the targets' padding
+    value (padding_value); None where there is no padding."""
     return [(shifted, padding if padded else IGNORED) for shifted, padded in COUNTINGS]
 
 
@@ -139,7 +139,7 @@ def telling_split(targets: Any, rows: int) -> int:
     if rows < 3:
         return middle
     per_row = []
-    for shifted, ignored in _countings(targets):
+    for shifted, ignored in _countings(padding_value(targets)):
         real = None if ignored is None else real_targets(targets, shifted, ignored)
         if real is not None and not bool(real.all()) and real.shape[:1] == (rows,):
             per_row.append(real.reshape(rows, -1).sum(1).double())
@@ -164,7 +164,7 @@ def distances(whole: float, a: float, b: float, half: int, rows: int, targets: A
     padding = padding_value(targets)
     padding_off = NO_PADDING if padding is None else float(padding)
     found = [abs(a + b - whole) / scale, plain, padding_off, -padding_off]
-    for shifted, ignored in _countings(targets):
+    for shifted, ignored in _countings(padding):
         counts = None if ignored is None else real_counts(targets, half, shifted, ignored)
         if counts is None:
             found += [plain, 0.0]

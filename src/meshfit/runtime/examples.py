@@ -56,6 +56,6 @@ def of_the_first_batch(topology: Topology, inputs: Any, targets: Any) -> tuple[A
     example = forms_example(topology, Examples(first, rows))
     kept = None if example is None or targets is None else batch_rows(example)
     four = min(rows, 4)
-    more = kept is not None and kept < four
+    more = topology.plan.pp > 1 and kept is not None and kept < four  # tp's needs none
     asked = (first(four)[0], slice_rows(targets, 0, four)) if more else None
     return example, None if kept is None else slice_rows(targets, 0, kept), asked
