@@ -1020,8 +1020,53 @@ def _lm_batch(spec: dict, step: int) -> object:
     return inputs, labels
 
 
+def _lm_loss_fn(spec: dict):
+    if spec.get("reads_loss"):
+        return _reads_the_models_loss
+    if spec.get("pad_id"):
+        return _mean_ignoring_the_pad_id
+    return lm_loss(spec["model"], spec.get("mean", False), spec.get("sum", False))
+
+
+def _lm_fit_run(spec: dict) -> dict:
+    """lm_run through mf.fit: the same batches as a dataset of one dict a sample (the
+    labels a column), in order; fit builds the split on the dataset's first samples."""
+    batches = [_lm_batch(spec, step) for step in range(spec.get("steps", 3))]
+    data = [
+        {**{k: v[i] for k, v in inputs.items()}, "labels": labels[i]}
+        for inputs, labels in batches
+        for i in range(len(labels))
+    ]
+    columns = [*batches[0][0]]  # the model's inputs (with "labels" where it reads them)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        history = mf.fit(
+            build_lm(spec["model"]),
+            data,
+            plan=spec.get("plan"),
+            loss_fn=_lm_loss_fn(spec),
+            optimizer=optimizer_factory("sgd"),
+            batch_size=spec.get("batch", 8),
+            max_steps=len(batches),
+            inputs=columns,
+            targets="labels",
+            shuffle=False,
+            progress=False,
+        )
+    engine = history.engine
+    return {
+        "losses": history.losses,
+        "eval": float(engine.evaluate(_lm_batch(spec, 999))),
+        "state": engine.full_state_dict(),
+        "warned": [str(w.message) for w in warned],
+    }
+
+
 def lm_run(spec: dict) -> dict:
-    """engine.step on SFT-like batches of a language model; losses and final weights."""
+    """engine.step on SFT-like batches of a language model; losses and final weights.
+    "fit": through mf.fit instead (_lm_fit_run)."""
+    if spec.get("fit"):
+        return _lm_fit_run(spec)
     model = build_lm(spec["model"])
     options = dict(spec.get("options", {}))
     if spec.get("plan") is None:  # the one-process reference: no form to split for
@@ -1034,11 +1079,7 @@ def lm_run(spec: dict) -> dict:
         engine = mf.parallelize(
             model,
             spec.get("plan"),
-            loss_fn=_reads_the_models_loss
-            if spec.get("reads_loss")
-            else _mean_ignoring_the_pad_id
-            if spec.get("pad_id")
-            else lm_loss(spec["model"], spec.get("mean", False), spec.get("sum", False)),
+            loss_fn=_lm_loss_fn(spec),
             optimizer=optimizer_factory("sgd"),
             **options,
         )

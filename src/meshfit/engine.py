@@ -42,7 +42,7 @@ from meshfit.runtime.batches import (
     split_batch,
     to_device,
 )
-from meshfit.runtime.examples import of_the_first_batch
+from meshfit.runtime.examples import BuildExample, of_the_first_batch
 from meshfit.runtime.precision import Precision
 from meshfit.runtime.prediction import predict_global_batch
 from meshfit.state.checkpoint import (
@@ -73,7 +73,13 @@ class _Built:
 class Engine:
     """A model parallelized by a Plan, with its optimizer. Build one with `parallelize`."""
 
-    def __init__(self, model: nn.Module, topology: Topology, options: EngineOptions) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        topology: Topology,
+        options: EngineOptions,
+        build_on: BuildExample | None = None,
+    ) -> None:
         self.user_model = model  # the user's model (its parameters may be sharded)
         self.model_class = type(model).__name__  # before FSDP2 renames the class
         self.topology = topology
@@ -127,12 +133,12 @@ class Engine:
             fp8_head=options.fp8_head,
         )
         self._built: _Built | None = None
-        # tp traces its split and pp times its blocks on an example micro-batch. Without
-        # example_inputs, the first batch the engine is given is that example: the forms,
-        # optimizer and scheduler are built then (a made-up input guessed wrong for
-        # vision models, a UNet's timestep, OPT's cut). What reads them before builds
-        # them on the made-up input, as before.
-        if options.example_inputs is not None or (self.plan.tp == 1 and self.plan.pp == 1):
+        # tp and pp are shown an example: fit's data (`build_on`), example_inputs, or the
+        # first batch given (the forms, optimizer, scheduler built then: made-up inputs
+        # fail vision models, a UNet's timestep, OPT's cut; what reads them before does)
+        if build_on is not None and build_on[0] is not None:
+            self._build(*build_on)
+        elif options.example_inputs is not None or (self.plan.tp == 1 and self.plan.pp == 1):
             self._build(options.example_inputs)
         self.step_count = 0  # optimizer steps taken (restored by load)
         self.last_grad_norm: torch.Tensor | None = None
@@ -150,7 +156,7 @@ class Engine:
     def _build(self, inputs: Any, targets: Any = None, asked: Any = None) -> _Built:
         if self._built is None:
             forms = replace(self._forms, example_inputs=inputs, example_targets=targets)
-            forms = replace(forms, question_batch=asked)  # pp's questions: of_the_first_batch
+            forms = replace(forms, question_batch=asked)  # pp's questions: to_build_on
             with watchdog.phase("setup", "setup (the model's split, on the first batch)"):
                 parts = apply_plan(
                     self.user_model, self.topology, self.precision, forms, self.coupling
@@ -161,9 +167,7 @@ class Engine:
         return self._built
 
     def _build_on(self, inputs: Any, targets: Any = None) -> None:
-        """Build on the first global batch (every rank holds it): the micro-batch pp
-        times its blocks on, two samples for tp's trace (prepare.forms_example), and
-        their targets where known (pp's coupling question: parallel/compose.py)."""
+        """Build on the first global batch (every rank holds it): runtime/examples.py."""
         if self._built is None:
             self._build(*of_the_first_batch(self.topology, inputs, targets))
 

@@ -18,7 +18,7 @@ from meshfit.errors import MeshfitError
 from meshfit.launch import watchdog
 from meshfit.options import EngineOptions, LossFn, OptimizerFactory, SchedulerFactory
 from meshfit.plan import Plan, is_auto
-from meshfit.runtime.examples import Examples, forms_example
+from meshfit.runtime.examples import BuildExample, Examples, to_build_on
 from meshfit.topology import Topology
 from meshfit.trees import tensors_in
 
@@ -154,14 +154,17 @@ def parallelize(
 @dataclass(frozen=True)
 class Job:
     """A plan resolved on this job: its Topology, the planner's choice for an "auto"
-    plan (or None) and the options with the example batch the forms use."""
+    plan (or None), the options with the example batch the forms use, and what the
+    engine builds on from the user's data (fit, predict: runtime/examples.to_build_on;
+    None where it waits for its first batch)."""
 
     topology: Topology
     auto: Any
     options: EngineOptions
+    build_on: BuildExample | None = None
 
     def engine(self, model: nn.Module) -> Engine:
-        engine = Engine(model, self.topology, self.options)
+        engine = Engine(model, self.topology, self.options, self.build_on)
         engine.planned = self.auto
         return engine
 
@@ -193,9 +196,12 @@ def prepare(
     if note:
         topology.notes.append(note)
     options_fit(options, topology.plan)
+    build_on = None
     if options.example_inputs is None and examples is not None:
-        options = replace(options, example_inputs=forms_example(topology, examples))
-    return Job(topology, auto, options)
+        # the targets too: pp's questions before the cut run the user's loss on them
+        build_on = to_build_on(topology, examples)
+        options = replace(options, example_inputs=build_on[0])
+    return Job(topology, auto, options, build_on)
 
 
 def options_fit(options: EngineOptions, plan: Plan) -> None:

@@ -341,7 +341,7 @@ def pipeline_coupling_refusal(
     before, a module that mixed the samples, or a loss of the batch's worst sample,
     trained each micro-batch on its own with no word): on `inputs` (the first
     micro-batch, or the first batch's first four samples where it holds fewer:
-    runtime/examples.of_the_first_batch) with the loss where it can run here (`loss_fn`, the user's, given the
+    runtime/examples.to_build_on) with the loss where it can run here (`loss_fn`, the user's, given the
     targets; None for the model's own loss: for that, or a build before any batch, the
     forward alone, each sample's output standing for its loss: `per_sample_output`). The
     one line refusing a coupling meshfit cannot make global (in-batch products are

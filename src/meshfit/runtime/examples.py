@@ -27,35 +27,49 @@ class Examples:
     batch_size: int
 
 
-def forms_example(topology: Topology, examples: Examples) -> Any:
-    """The inputs the forms are shown: under a pipeline plan one micro-batch (its blocks'
-    FLOPs, counted on it, balance the stages; the cut is checked on it); under tensor
-    parallel two samples (the split is traced and checked on them: the user's batch, not
-    one meshfit makes up, since a vision or speech model takes no token ids); None for
-    the other plans, which use none."""
+def _forms_batch(topology: Topology, examples: Examples) -> tuple[Any, Any] | None:
+    """The (inputs, targets) the forms are shown: under a pipeline plan one micro-batch
+    (its blocks' FLOPs, counted on it, balance the stages; the cut is checked on it);
+    under tensor parallel two samples (the split is traced and checked on them: the
+    user's batch, not one meshfit makes up, since a vision or speech model takes no token
+    ids); None for the other plans, which use none."""
     plan = topology.plan
     if plan.pp == 1 and plan.tp == 1:
         return None
     size = topology.microbatch_size(examples.batch_size)
-    batch = examples.first(size if plan.pp > 1 else min(size, 2))
-    return None if batch is None else batch[0]
+    return examples.first(size if plan.pp > 1 else min(size, 2))
 
 
-def of_the_first_batch(topology: Topology, inputs: Any, targets: Any) -> tuple[Any, Any, Any]:
-    """What the engine builds on from the first global batch (every rank holds it): the
-    forms' example (forms_example), its targets where known (pp's coupling question:
+# what the engine builds on: (the forms' example inputs, their targets where known, the
+# first four samples' (inputs, targets) for pp's questions before the cut, or None)
+BuildExample = tuple[Any, Any, Any]
+
+
+def to_build_on(topology: Topology, examples: Examples) -> BuildExample:
+    """What the engine builds on from the user's data: the forms' example
+    (_forms_batch's inputs), its targets where known (pp's coupling question:
     parallel/compose.py), and, where that example is fewer than four samples (pp with
     small micro-batches), the first four samples' (inputs, targets) for pp's questions
     before the cut (the probe's most; a forward without gradients, far below a step's
     peak): one sample has no halves to compare, and two halves of one sample each often
     hold the same count of real targets. Before, a mean over the real targets was then
     warned of and trained another run, and with one sample a loss coupling the samples
-    went unasked."""
-    first = lambda n: (slice_rows(inputs, 0, n), None)  # noqa: E731
-    rows = batch_size(inputs, "inputs")
-    example = forms_example(topology, Examples(first, rows))
-    kept = None if example is None or targets is None else batch_rows(example)
-    four = min(rows, 4)
-    more = topology.plan.pp > 1 and kept is not None and kept < four  # tp's needs none
-    asked = (first(four)[0], slice_rows(targets, 0, four)) if more else None
-    return example, None if kept is None else slice_rows(targets, 0, kept), asked
+    went unasked. fit and predict take it from their dataset (prepare.py), the engine
+    otherwise from the first batch it is given (of_the_first_batch)."""
+    batch = _forms_batch(topology, examples)
+    if batch is None:
+        return None, None, None
+    example, targets = batch
+    four = min(examples.batch_size, 4)
+    if topology.plan.pp == 1 or targets is None or batch_rows(example) >= four:
+        return example, targets, None  # tp's needs no more
+    return example, targets, examples.first(four)
+
+
+def of_the_first_batch(topology: Topology, inputs: Any, targets: Any) -> BuildExample:
+    """to_build_on the first global batch the engine is given (every rank holds it)."""
+
+    def first(n: int) -> tuple[Any, Any]:
+        return slice_rows(inputs, 0, n), None if targets is None else slice_rows(targets, 0, n)
+
+    return to_build_on(topology, Examples(first, batch_size(inputs, "inputs")))
