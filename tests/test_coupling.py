@@ -194,6 +194,35 @@ def _doubled(batch: dict) -> dict:
     return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
 
 
+def test_a_mean_left_undecided_is_warned_of_over_minus_100_and_over_the_pad_id() -> None:
+    """Where the probe tells no mean over the real targets (a model near uniform: every
+    weighting gives nearly one loss), the first step warns that a mean over ignored
+    targets differs once the batch is split. Labels padded with the pad id (a script's
+    ignore_index=pad_id) went unwarned: only -100 was looked for."""
+    from types import SimpleNamespace
+
+    from meshfit.runtime.batch_errors import warn_on_ignored_targets
+
+    def warned(targets: torch.Tensor, parts: int = 2) -> list[str]:
+        plan = SimpleNamespace(num_microbatches=parts)
+        topology = SimpleNamespace(batch_parts=parts, dp_size=1, plan=plan)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_on_ignored_targets(targets, topology)
+        return [str(w.message) for w in caught]
+
+    ids = torch.tensor([[5, 7, 9, 0, 0], [4, 8, 0, 0, 0], [3, 6, 2, 8, 1]])
+    (said,) = warned(ids)  # the pad id 0
+    assert "padded with 0" in said and "cross_entropy(ignore_index=0)" in said, said
+    (said,) = warned(ids.masked_fill(ids == 0, -100))
+    assert "hold -100" in said and "cross_entropy(ignore_index=-100)" in said, said
+    assert warned(ids, parts=1) == []  # one part: nothing is weighed apart
+    assert warned(torch.tensor([[5, 7, 9], [4, 8, 1]])) == []  # no padding
+    assert warned(torch.tensor([1, 1, 1, 0])) == []  # class labels
+    # one row of three ending in a repeated token: a coincidence of the text, not padding
+    assert warned(torch.tensor([[5, 7, 9, 9], [4, 8, 1, 2], [3, 6, 2, 8]])) == []
+
+
 def test_a_loss_is_told_from_its_halves_a_sum_a_token_mean_or_neither() -> None:
     """coupling/halves.py on the loss function alone (a pipeline's last stage asks it so):
     a sum adds up, a mean over the real targets is the halves' count-weighted mean (counted
@@ -201,7 +230,7 @@ def test_a_loss_is_told_from_its_halves_a_sum_a_token_mean_or_neither() -> None:
     neither; where no split of the rows holds shares of the real targets other than its
     shares of the rows the two means cannot be told apart (warned of), and a pair or a
     loss that cannot take halves is left as it is."""
-    from meshfit.coupling.halves import NO_PADDING, Kind, explained, kind
+    from meshfit.coupling.halves import Kind, explained, kind, padding_fields
     from meshfit.losses import _decided_from_halves
 
     torch.manual_seed(0)
@@ -249,9 +278,9 @@ def test_a_loss_is_told_from_its_halves_a_sum_a_token_mean_or_neither() -> None:
 
     def laid(summed, plain, counted, shifted, padding=None, padded=None):
         """distances' layout: a padding's countings as given, else the plain mean's."""
-        value = NO_PADDING if padding is None else float(padding)
         padded = padded or ((plain, 0.0), (plain, 0.0))
-        return (summed, plain, value, -value, *counted, *shifted, *padded[0], *padded[1])
+        fields = padding_fields(padding)
+        return (summed, plain, *fields, *counted, *shifted, *padded[0], *padded[1])
 
     # a model near uniform (every token's loss about log(vocabulary)): the distances a
     # small Llama's first 2 and 4 samples gave, the shifting loss on a collator's labels;
@@ -267,15 +296,23 @@ def test_a_loss_is_told_from_its_halves_a_sum_a_token_mean_or_neither() -> None:
     assert kind(near_uniform[1], 2e-2) == Kind()
     assert kind(laid(1.0, 3e-8, (3e-3, 1.0), (3e-3, 1.0)), 2e-5, 1e-6) == Kind(per_sample=True)
     assert kind(laid(1.0, 8e-7, (5e-7, 1.0), (5e-7, 1.0)), 2e-5, 1e-6) == Kind()  # no telling
-    # the padding counted only where every rank found the same (largest of it and its
-    # negation one value): else a mean over it is not told, and the probe's difference
-    # keeps the plain mean's
+    # the padding counted only where every rank that found padding found the same (the
+    # largest of it and of its negation one value): else a mean over it is not told, and
+    # the probe's difference keeps the plain mean's
     padded = ((1e-8, 1.0), (3e-3, 1.0))
     agreed = laid(1.0, 3e-3, (3e-3, 0.0), (3e-3, 0.0), padding=0, padded=padded)
     assert kind(agreed, 2e-5, 1e-6) == Kind(counted=True, ignored=0)
-    apart = list(agreed)
-    apart[2] = NO_PADDING  # another rank found none
+
+    def with_a_rank_that_found(padding: int | None) -> list[float]:
+        fields = padding_fields(padding)
+        return [*agreed[:2], max(agreed[2], fields[0]), max(agreed[3], fields[1]), *agreed[4:]]
+
+    apart = with_a_rank_that_found(5)
     assert kind(apart, 2e-5, 1e-6) == Kind() and explained(apart) == 1e9
+    # a rank that found none (its rows all full) agrees with any: it was refused as
+    # coupled before, the plain mean's difference kept
+    assert kind(with_a_rank_that_found(None), 2e-5, 1e-6) == Kind(counted=True, ignored=0)
+    assert kind(laid(1.0, 3e-3, (3e-3, 0.0), (3e-3, 0.0), padded=padded), 2e-5, 1e-6) == Kind()
 
 
 def test_the_first_mixing_module_is_found_where_a_later_write_changes_an_output() -> None:

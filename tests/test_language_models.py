@@ -124,6 +124,18 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     specs += [
         {"model": "llama", "plan": p, "mean": True, "said": True, "pad_id": True} for p in collated
     ]
+    # and where one rank's rows are all unpadded (it finds no padding, so it cannot
+    # disagree on it): refused before as coupling the samples
+    specs.append(
+        {
+            "model": "llama",
+            "plan": "dp=2",
+            "mean": True,
+            "said": True,
+            "pad_id": True,
+            "full_rows": True,
+        }
+    )
     # pp with micro-batches of one sample: no halves on the last stage, so pp's question
     # before the cut asks the first batch's first four samples (warned of and another
     # run before: 3.39039921 where one process has 3.42305234 at the second step)
@@ -187,7 +199,7 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # the undecided mean says so; the others have nothing to warn of
     assert any("Return a pair" in w for w in results[len(specs)]["warned"]), results[len(specs)]
     means = [got for spec, got in zip(specs, results, strict=False) if spec.get("mean")]
-    assert len(means) == 12 and not any("-100" in w for got in means for w in got["warned"])
+    assert len(means) == 13 and not any("-100" in w for got in means for w in got["warned"])
 
 
 @pytest.mark.slow

@@ -1010,7 +1010,15 @@ def _lm_batch(spec: dict, step: int) -> object:
     label real), for a model given its labels beside the batch (Llama's kinds)."""
     batch = sft_batch(spec["model"], spec.get("batch", 8), step)
     if spec.get("pad_id"):  # the ids as labels, padded with the pad id (0), not -100
-        return batch[0], batch[0]["input_ids"]
+        inputs = batch[0]
+        if spec.get("full_rows"):  # the second half's rows unpadded: dp's rank 1 sees none
+            rows = slice(len(inputs["input_ids"]) // 2, None)
+            ids = inputs["input_ids"].clone()
+            g = torch.Generator().manual_seed(30_000 + step)
+            ids[rows] = torch.randint(1, LM_VOCAB, ids[rows].shape, generator=g)
+            mask = torch.ones_like(inputs["attention_mask"])
+            inputs = {"input_ids": ids, "attention_mask": mask.masked_fill(ids == 0, 0)}
+        return inputs, inputs["input_ids"]
     if not spec.get("collated"):
         return batch
     inputs, _ = batch

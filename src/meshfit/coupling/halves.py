@@ -46,12 +46,21 @@ CLEARLY = 10.0
 # The ways a mean over the real targets may count them: (shifted: after each row's
 # first, padded: the padding's own value ignored, not -100). The order of `distances`.
 COUNTINGS = ((False, False), (True, False), (False, True), (True, True))
-NO_PADDING = 1e18  # `distances`' padding value where the targets show none
+NO_PADDING = -1e18  # `distances`' padding value and its negation where none is found
+
+
+def padding_fields(padding: int | None) -> tuple[float, float]:
+    """`distances`' padding value and its negation: every rank's largest of both is one
+    value only where every rank that found padding found the same. A rank that found
+    none (its rows all full, say) gives the least of both, so it disagrees with nobody:
+    its counts of the real targets are its rows' whatever the padding is."""
+    return (NO_PADDING, NO_PADDING) if padding is None else (float(padding), -float(padding))
+
 
 # In the order of `distances`: as far as nothing is known, no sum, no count, a plain
 # mean (a loss that cannot take halves); and neither a sum nor any mean (a pair).
-UNKNOWN = (1e9, 0.0, NO_PADDING, -NO_PADDING) + (1e9, 0.0) * len(COUNTINGS)
-NEITHER = (1e9, 1e9, NO_PADDING, -NO_PADDING) + (1e9, 0.0) * len(COUNTINGS)
+UNKNOWN = (1e9, 0.0, *padding_fields(None)) + (1e9, 0.0) * len(COUNTINGS)
+NEITHER = (1e9, 1e9, *padding_fields(None)) + (1e9, 0.0) * len(COUNTINGS)
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,22 @@ def padding_value(targets: Any) -> int | None:
     return int(values.mode().values) if values.numel() else None
 
 
+def clearly_padded(targets: Any) -> int | None:
+    """padding_value where at least half the rows, and two or more, are padded with it
+    (end or begin with a run of it): what a warning may name with no loss to tell it by.
+    One row ending in a repeated token is a coincidence of the text, not padding."""
+    value = padding_value(targets)
+    if value is None:
+        return None
+    found = _first_integer(targets)
+    padded = sum(
+        ((found[:, end] == value) & (found[:, beside] == value)).long()
+        for end, beside in ((-1, -2), (0, 1))
+    )
+    rows = int((padded > 0).sum())
+    return value if rows >= 2 and 2 * rows >= found.shape[0] else None
+
+
 def real_counts(
     targets: Any, half: int, shifted: bool = False, ignored: int = IGNORED
 ) -> tuple[float, float] | None:
@@ -157,13 +182,11 @@ def distances(whole: float, a: float, b: float, half: int, rows: int, targets: A
     targets are not their shares of the rows (else a mean over the real targets and a
     plain one agree here, and the halves cannot tell them apart). Without such targets a
     count-weighted mean is the plain one. float64, for an all_reduce(MAX) over ranks (the
-    padding and its negation: every rank's largest of both is one value only where every
-    rank found the same)."""
+    padding and its negation: padding_fields)."""
     scale = max(abs(whole), 1e-12)
     plain = abs((half * a + (rows - half) * b) / rows - whole) / scale
     padding = padding_value(targets)
-    padding_off = NO_PADDING if padding is None else float(padding)
-    found = [abs(a + b - whole) / scale, plain, padding_off, -padding_off]
+    found = [abs(a + b - whole) / scale, plain, *padding_fields(padding)]
     for shifted, ignored in _countings(padding):
         counts = None if ignored is None else real_counts(targets, half, shifted, ignored)
         if counts is None:
@@ -177,9 +200,9 @@ def distances(whole: float, a: float, b: float, half: int, rows: int, targets: A
 def _told(off: Sequence[float] | torch.Tensor) -> tuple[list[float], list[tuple[float, int]], int]:
     """(sum's and plain mean's distances, [(a count-weighted mean's distance, its index
     in COUNTINGS)] for those that may stand: uneven, and counting the padding only where
-    every rank found the same, the padding value) from `distances`."""
+    every rank that found padding found the same, the padding value) from `distances`."""
     summed_off, plain, padding, negated, *counted = (float(d) for d in off)
-    agreed = padding == -negated and padding != NO_PADDING  # every rank found this padding
+    agreed = padding == -negated  # every rank that found padding found this (padding_fields)
     found = [
         (counted[2 * i], i)
         for i, (_, padded) in enumerate(COUNTINGS)

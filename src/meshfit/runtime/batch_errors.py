@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfit.coupling import halves
 from meshfit.errors import MeshfitError
 from meshfit.launch.elastic import peer_failure_word
 from meshfit.trees import tensors_in
@@ -230,17 +231,30 @@ def check_gradients_reached_the_optimizer(
 
 
 def warn_on_ignored_targets(targets: Any, topology: Any) -> None:
-    """A mean loss over targets with -100 (ignored) entries weighs tokens unequally once
-    the batch is split into ranks or micro-batches: say so once, with the fix."""
-    if topology.batch_parts > 1 and any(
-        not t.is_floating_point() and bool((t == -100).any()) for t in tensors_in(targets)
+    """A mean loss over targets with ignored entries (-100, or the pad id a script's
+    labels are padded with and its loss given as ignore_index) weighs tokens unequally
+    once the batch is split into ranks or micro-batches: say so once, with the fix.
+    Called where the coupling probe told no mean over the real targets (nor a plain one
+    over uneven counts)."""
+    if topology.batch_parts == 1:
+        return
+    split = (
+        f"the batch is split over {topology.dp_size} rank(s) x "
+        f"{topology.plan.num_microbatches} micro-batch(es)"
+    )
+    if any(
+        not t.is_floating_point() and bool((t == halves.IGNORED).any()) for t in tensors_in(targets)
     ):
-        warnings.warn(
-            "the targets hold -100 (ignored) entries and the batch is split over "
-            f"{topology.dp_size} rank(s) x {topology.plan.num_microbatches} micro-batch(es): "
-            "a loss_fn that returns a mean weighs the real tokens of each part by that "
-            "part's count, not the global one, so the run differs from one process. "
-            "Return a pair (loss_sum, count) instead, e.g. "
-            "loss_fn=mf.losses.cross_entropy(ignore_index=-100)",
-            stacklevel=5,
-        )
+        ignored, held = halves.IGNORED, f"the targets hold {halves.IGNORED} (ignored) entries"
+    elif (padding := halves.clearly_padded(targets)) is not None:
+        # a pad-id mean the probe could not tell from a plain one (a model near uniform)
+        ignored, held = padding, f"the targets' rows are padded with {padding}"
+    else:
+        return
+    warnings.warn(
+        f"{held} and {split}: a loss_fn that returns a mean over the targets that are not "
+        f"{ignored} weighs the real tokens of each part by that part's count, not the "
+        "global one, so the run differs from one process. Return a pair (loss_sum, count) "
+        f"instead, e.g. loss_fn=mf.losses.cross_entropy(ignore_index={ignored})",
+        stacklevel=5,
+    )
