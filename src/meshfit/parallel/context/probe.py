@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfit.coupling.halves import IGNORED
 from meshfit.coupling.probe import held_still
 from meshfit.errors import MeshfitError
 from meshfit.losses import split_loss
@@ -312,13 +313,13 @@ def _named(model: nn.Module, where: str | None) -> str | None:
 
 def _masked_mean(whole: tuple[torch.Tensor, torch.Tensor | None], row: tuple[Any, Any]) -> bool:
     """Whether the loss is a mean (no count) over targets some of which are ignored
-    (-100: padding, prompts), in the targets or in the inputs' labels."""
+    (IGNORED, -100: padding, prompts), in the targets or in the inputs' labels."""
     if whole[1] is not None:
         return False
     inputs, targets = row
     labels = [targets, inputs.get("labels") if isinstance(inputs, Mapping) else None]
     return any(
-        isinstance(t, torch.Tensor) and not t.is_floating_point() and bool((t == -100).any())
+        isinstance(t, torch.Tensor) and not t.is_floating_point() and bool((t == IGNORED).any())
         for t in labels
     )
 
