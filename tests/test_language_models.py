@@ -109,16 +109,15 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # halves of an output already reduced are the whole, so it could not tell; pp's
     # question before the cut, the model run on each half, can (warned of and another
     # run before: 3.44575 where one process has 3.44331 at the second step)
-    specs.append(
-        {
-            "model": "llama",
-            "plan": "pp=2,microbatches=2,schedule=gpipe",
-            "said": True,
-            "collated": True,
-            "reads_loss": True,
-            "mean": True,
-        }
-    )
+    reads_loss = {
+        "model": "llama",
+        "plan": "pp=2,microbatches=2,schedule=gpipe",
+        "said": True,
+        "collated": True,
+        "reads_loss": True,
+        "mean": True,
+    }
+    specs.append(reads_loss)
     # A mean ignoring the pad id (labels the ids, padded with 0, ignore_index=0), as
     # scripts that predate -100 write it: refused before as coupling the samples
     specs += [
@@ -139,7 +138,8 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # pp with micro-batches of one sample: no halves on the last stage, so pp's question
     # before the cut asks the first batch's first four samples (warned of and another
     # run before: 3.39039921 where one process has 3.42305234 at the second step)
-    specs.append({"model": "llama", "plan": "pp=2,microbatches=8", "mean": True, "said": True})
+    one_sample = {"model": "llama", "plan": "pp=2,microbatches=8", "mean": True, "said": True}
+    specs.append(one_sample)
     # and of two samples, whose halves (one sample each) hold 7 real targets each here:
     # the four samples' halves hold 14 and 13 (the negative control before)
     specs.append({"model": "llama", "plan": "pp=2,microbatches=4", "mean": True, "said": True})
@@ -147,18 +147,7 @@ def test_language_models_match_one_process_on_two_workers() -> None:
     # before any step: its example had no targets, so pp's questions before the cut ran
     # the forward alone (warned of and another run before: 3.39040 and 3.42435 where one
     # process has 3.42305 at the second step)
-    specs += [
-        {"model": "llama", "plan": "pp=2,microbatches=8", "mean": True, "said": True, "fit": True},
-        {
-            "model": "llama",
-            "plan": "pp=2,microbatches=2,schedule=gpipe",
-            "said": True,
-            "collated": True,
-            "reads_loss": True,
-            "mean": True,
-            "fit": True,
-        },
-    ]
+    specs += [{**one_sample, "fit": True}, {**reads_loss, "fit": True}]
     # A sum over the real targets of an HF model's output object under pp: its halves
     # were made dicts, the loss (reading .logits) failed on them, and pp divided the sum
     # by its micro-batch count with no word (measured: 86.89 where one process has 173.79)

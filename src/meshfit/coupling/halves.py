@@ -108,15 +108,24 @@ def padding_value(targets: Any) -> int | None:
     labels with the ids, pads with the pad id and passes ignore_index=pad_id): the value
     most rows that end, or begin, with a run of two or more of one value (not -100) end
     or begin with; None where no row does."""
+    ends = _runs_at_the_ends(targets)
+    if ends is None:
+        return None
+    values = torch.cat([value[run] for value, run in ends])
+    return int(values.mode().values) if values.numel() else None
+
+
+def _runs_at_the_ends(targets: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """For each end of the rows (last, first) of the first integer tensor of `targets`:
+    each row's value there and whether a run of two or more of it (not -100) is there;
+    None where `targets` holds no [batch, sequence] integer tensor."""
     found = _first_integer(targets)
     if found is None or found.ndim != 2 or found.shape[1] < 2:
         return None
-    runs = [
-        found[:, end][(found[:, end] == found[:, beside]) & (found[:, end] != IGNORED)]
+    return [
+        (found[:, end], (found[:, end] == found[:, beside]) & (found[:, end] != IGNORED))
         for end, beside in ((-1, -2), (0, 1))
     ]
-    values = torch.cat(runs)
-    return int(values.mode().values) if values.numel() else None
 
 
 def clearly_padded(targets: Any) -> int | None:
@@ -126,13 +135,9 @@ def clearly_padded(targets: Any) -> int | None:
     value = padding_value(targets)
     if value is None:
         return None
-    found = _first_integer(targets)
-    padded = sum(
-        ((found[:, end] == value) & (found[:, beside] == value)).long()
-        for end, beside in ((-1, -2), (0, 1))
-    )
-    rows = int((padded > 0).sum())
-    return value if rows >= 2 and 2 * rows >= found.shape[0] else None
+    (last, run_last), (first, run_first) = _runs_at_the_ends(targets)
+    rows = int(((run_last & (last == value)) | (run_first & (first == value))).sum())
+    return value if rows >= 2 and 2 * rows >= len(last) else None
 
 
 def real_counts(
