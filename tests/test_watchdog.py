@@ -326,6 +326,40 @@ def test_a_rank_is_computing_while_its_main_thread_runs_python_not_while_it_bloc
     assert not sampled(lambda: time.sleep(0.7))
 
 
+def test_a_rank_left_alone_waits_only_while_its_main_thread_is_blocked() -> None:
+    """Every peer has ended its script: a rank blocked in a phase is told at once, but one
+    that still computes (building its part, its last optimizer step, on a busy machine)
+    is not waiting for anybody (it was told "rank 1 waits for it in shard_part" while it
+    ran fully_shard, in one suite run)."""
+    dog = watchdog._Watchdog(None, rank=0, world_size=1, timeout=1.0)  # heartbeats 0.2 s
+    dog._alone = True
+    waiting = _state(0, stalled_s=10.0)
+
+    def alone_waiting(hold) -> bool:  # noqa: ANN001
+        seen = []
+
+        def sample() -> None:
+            time.sleep(0.1)
+            dog._own_state()
+            time.sleep(0.4)
+            dog._own_state()
+            seen.append(dog._alone_waiting(waiting))
+
+        thread = threading.Thread(target=sample)
+        thread.start()
+        hold()
+        thread.join()
+        return seen[0]
+
+    def spin() -> None:
+        end = time.monotonic() + 0.7
+        while time.monotonic() < end:
+            pass
+
+    assert not alone_waiting(spin)
+    assert alone_waiting(lambda: time.sleep(0.7))
+
+
 @pytest.mark.slow
 def test_a_save_under_a_rank_guard_is_named_within_seconds(tmp_path) -> None:
     """`if engine.rank == 0: engine.save_model(...)`, a habit from other trainers: rank 1
