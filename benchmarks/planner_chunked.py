@@ -11,6 +11,9 @@ half of the words) and pp=2 (the head and its chunks on the last stage) on 2 CPU
 row's second step is measured (eager: `memory_probe.measure_peak`, live tensor bytes at
 the peak; compiled: `profiled_peak`, torch.profiler's memory profile, which sees
 Inductor's allocations) beside `mf.estimate(..., chunked_loss=..., compiled=...)` for the same plan.
+On a CPU where torch has no bf16 matrix products (no AVX-512) the bf16 rows' products are
+zeros of their shape, not computed (zero_products.py: the same peaks, in minutes not an
+hour); the JSON says which.
 
     python benchmarks/planner_chunked.py           # 12 rows, about 3 minutes on 2 cores
     python benchmarks/planner_chunked.py --quick   # a 4,096-word vocabulary, 2 rows
@@ -22,6 +25,7 @@ Writes benchmarks/results/planner-chunked-cpu.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -29,6 +33,9 @@ import os
 
 import torch
 from head_memory import BATCH, SEQ, llama_config  # the same model and batch
+from zero_products import products_as_zeros
+
+from meshfit.runtime.precision import bf16_products_are_native
 
 
 def _batch(vocab: int, seq: int) -> dict:
@@ -37,10 +44,17 @@ def _batch(vocab: int, seq: int) -> dict:
 
 
 def measured_step(
-    vocab: int, plan: str, chunked: bool, compiled: bool = False, seq: int = SEQ
+    vocab: int,
+    plan: str,
+    chunked: bool,
+    compiled: bool = False,
+    seq: int = SEQ,
+    zeros: bool | None = None,
 ) -> int:
     """This rank's peak bytes in the second step of the Llama under `plan` (the first
-    makes AdamW's state and the compiled graphs), as planner_memory.py measures."""
+    makes AdamW's state and the compiled graphs), as planner_memory.py measures. `zeros`:
+    the bf16 products left uncomputed (zero_products.py; by default where this CPU has
+    no bf16 products of its own)."""
     from transformers import LlamaForCausalLM
 
     import meshfit as mf
@@ -59,11 +73,15 @@ def measured_step(
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
         **options,
     )
-    engine.step(batch)  # AdamW's state, the compiled graphs
-    gc.collect()
-    if compiled:
-        return profiled_peak(lambda: engine.step(batch))
-    return measure_peak(lambda: engine.step(batch), engine=engine).total
+    if zeros is None:
+        zeros = "precision=bf16" in plan and not bf16_products_are_native()
+    products = products_as_zeros(compiled) if zeros else contextlib.nullcontext()
+    with products:
+        engine.step(batch)  # AdamW's state, the compiled graphs
+        gc.collect()
+        if compiled:
+            return profiled_peak(lambda: engine.step(batch))
+        return measure_peak(lambda: engine.step(batch), engine=engine).total
 
 
 def predicted_peak(
@@ -195,6 +213,7 @@ def main() -> None:
                 "date": datetime.date.today().isoformat(),
                 "batch": BATCH,
                 "seq": SEQ,
+                "bf16_products": "computed" if bf16_products_are_native() else "zeros",
                 "rows": rows,
             },
             f,

@@ -65,6 +65,28 @@ def test_predicted_peak_with_the_loss_in_chunks_is_within_10_percent_of_the_meas
 
 
 @pytest.mark.slow
+def test_bf16_products_left_as_zeros_measure_the_peak_of_the_computed_step() -> None:
+    """benchmarks/zero_products.py: where torch has no bf16 products of its own (no
+    AVX-512: the chunked check above took 58 minutes), its bf16 rows are measured with
+    the products as zeros of their shape. Where both run, the peaks are the same bytes:
+    eager (a dispatch mode) at 32k words whole, and compiled (Inductor's extern kernels)
+    at 4,096 words in two chunks."""
+    import planner_chunked as chunked
+    from zero_products import replaced
+
+    for vocab, chunked_loss, compiled in ((32000, False, False), (4096, True, True)):
+        before = replaced["compiled" if compiled else "eager"]
+        computed, zeros = (
+            chunked.measured_step(
+                vocab, "dp=1,precision=bf16", chunked_loss, compiled, seq=256, zeros=z
+            )
+            for z in (False, True)
+        )
+        assert zeros == computed, (vocab, compiled)
+        assert replaced["compiled" if compiled else "eager"] > before  # the stand-in ran
+
+
+@pytest.mark.slow
 def test_the_last_stage_and_the_split_head_are_counted_within_10_percent() -> None:
     """benchmarks/planner_chunked.py --plans at 256 tokens and 32k words, on 2 workers:
     tp=2 with the chunks over each rank's half of the vocabulary (where the step peaks

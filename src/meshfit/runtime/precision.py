@@ -23,6 +23,36 @@ if TYPE_CHECKING:
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
+_said_slow = False  # once per process
+
+
+def bf16_products_are_native() -> bool:
+    """Whether torch multiplies bf16 matrices with oneDNN on this CPU."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _say_if_bf16_is_slow_here(name: str, device: torch.device) -> None:
+    """Say once (rank 0) that bf16 runs on a scalar fallback on this CPU: where oneDNN has
+    no bf16 kernels (no AVX-512), torch multiplies bf16 matrices in a loop: an LM head's
+    input gradient at 128k words took 94 s against 0.09 s (benchmarks/zero_products.py),
+    and a user testing a GPU plan on such a CPU would see a step hang for minutes."""
+    global _said_slow
+    if _said_slow or device.type != "cpu" or _AUTOCAST_DTYPES.get(name) is not torch.bfloat16:
+        return
+    if bf16_products_are_native():
+        return
+    _said_slow = True
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    print(
+        f"meshfit: precision={name} on this CPU: torch has no bf16 matrix products here "
+        f"(oneDNN's need AVX-512) and multiplies bf16 matrices in a scalar loop, 10-1000x "
+        f"slower than float32; the results are bf16's either way, only slower: "
+        f"precision='fp32' trains faster on this CPU",
+        flush=True,
+    )
+
+
 @dataclass
 class Precision:
     """Autocast, the FSDP2 mixed-precision policy and the gradient scaler of one run."""
@@ -33,6 +63,7 @@ class Precision:
     fp8_emulate: bool = field(init=False, default=False)  # MESHFIT_FP8_EMULATE (tests)
 
     def __post_init__(self) -> None:
+        _say_if_bf16_is_slow_here(self.name, self.device)
         if self.name == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
         if self.name == "fp8":
