@@ -27,8 +27,12 @@ _said_slow = False  # once per process
 
 
 def bf16_products_are_native() -> bool:
-    """Whether torch multiplies bf16 matrices with oneDNN on this CPU."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether torch multiplies bf16 matrices with oneDNN on this CPU (True where the
+    build cannot say: nothing is said then)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def _say_if_bf16_is_slow_here(name: str, device: torch.device) -> None:
@@ -46,7 +50,7 @@ def _say_if_bf16_is_slow_here(name: str, device: torch.device) -> None:
         return
     print(
         f"meshfit: precision={name} on this CPU: torch has no bf16 matrix products here "
-        f"(oneDNN's need AVX-512) and multiplies bf16 matrices in a scalar loop, 10-1000x "
+        f"(oneDNN has no bf16 kernels for it) and multiplies bf16 matrices in a scalar loop, 10-1000x "
         f"slower than float32; the results are bf16's either way, only slower: "
         f"precision='fp32' trains faster on this CPU",
         flush=True,
