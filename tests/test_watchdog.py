@@ -297,33 +297,42 @@ def test_the_verdict_follows_the_stacks_when_every_rank_is_held() -> None:
     assert "computing in f (m.py:4) inside training step 3" in line and "meshfit bug" not in line
 
 
-def test_a_rank_is_computing_while_its_main_thread_runs_python_not_while_it_blocks() -> None:
-    import threading
+def _seen_while(dog, hold, look):  # noqa: ANN001, ANN202
+    """`look()` in a thread 0.4 s after the watchdog's first look at the main thread's CPU
+    (`_own_state`; `look` takes the second), while the main thread runs `hold()`."""
+    seen = []
 
+    def sample() -> None:
+        time.sleep(0.1)
+        dog._own_state()
+        time.sleep(0.4)
+        seen.append(look())
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    hold()
+    thread.join()
+    return seen[0]
+
+
+def _spin() -> None:
+    end = time.monotonic() + 0.7
+    while time.monotonic() < end:
+        pass
+
+
+def _block() -> None:
+    time.sleep(0.7)
+
+
+def test_a_rank_is_computing_while_its_main_thread_runs_python_not_while_it_blocks() -> None:
     dog = watchdog._Watchdog(None, rank=0, world_size=1, timeout=1.0)
 
-    def sampled(hold) -> bool:  # noqa: ANN001
-        seen = []
+    def computing() -> bool:
+        return dog._own_state().computing
 
-        def sample() -> None:
-            time.sleep(0.1)
-            dog._own_state()
-            time.sleep(0.4)
-            seen.append(dog._own_state().computing)
-
-        thread = threading.Thread(target=sample)
-        thread.start()
-        hold()
-        thread.join()
-        return seen[0]
-
-    def spin() -> None:
-        end = time.monotonic() + 0.7
-        while time.monotonic() < end:
-            pass
-
-    assert sampled(spin)
-    assert not sampled(lambda: time.sleep(0.7))
+    assert _seen_while(dog, _spin, computing)
+    assert not _seen_while(dog, _block, computing)
 
 
 def test_a_rank_left_alone_waits_only_while_its_main_thread_is_blocked() -> None:
@@ -335,29 +344,12 @@ def test_a_rank_left_alone_waits_only_while_its_main_thread_is_blocked() -> None
     dog._alone = True
     waiting = _state(0, stalled_s=10.0)
 
-    def alone_waiting(hold) -> bool:  # noqa: ANN001
-        seen = []
+    def alone_waiting() -> bool:
+        dog._own_state()
+        return dog._alone_waiting(waiting)
 
-        def sample() -> None:
-            time.sleep(0.1)
-            dog._own_state()
-            time.sleep(0.4)
-            dog._own_state()
-            seen.append(dog._alone_waiting(waiting))
-
-        thread = threading.Thread(target=sample)
-        thread.start()
-        hold()
-        thread.join()
-        return seen[0]
-
-    def spin() -> None:
-        end = time.monotonic() + 0.7
-        while time.monotonic() < end:
-            pass
-
-    assert not alone_waiting(spin)
-    assert alone_waiting(lambda: time.sleep(0.7))
+    assert not _seen_while(dog, _spin, alone_waiting)
+    assert _seen_while(dog, _block, alone_waiting)
 
 
 @pytest.mark.slow
