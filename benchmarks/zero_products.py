@@ -24,15 +24,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
-# Each product's output shape from its matrix operands (a bias or input first for the
-# add- forms: it broadcasts, the shape is the product's).
+# Each product's output shape from its positional arguments (a bias or input first for
+# the add- forms: it broadcasts, the shape is the product's; beta and alpha are keywords).
 _SHAPES = {
     _aten.mm: lambda a, b: (a.shape[0], b.shape[1]),
     _aten.addmm: lambda _, a, b: (a.shape[0], b.shape[1]),
     _aten.bmm: lambda a, b: (a.shape[0], a.shape[1], b.shape[2]),
     _aten.baddbmm: lambda _, a, b: (a.shape[0], a.shape[1], b.shape[2]),
 }
-_OPERANDS = {_aten.mm: 2, _aten.addmm: 3, _aten.bmm: 2, _aten.baddbmm: 3}
 # How many products each way left uncomputed (a stand-in that never took effect would
 # measure the computed step's peak too: the test counts these).
 replaced = {"eager": 0, "compiled": 0}
@@ -51,8 +50,7 @@ class _Zeros(TorchDispatchMode):
         replaced["eager"] += 1
         if kwargs.get("out") is not None:
             return kwargs["out"].zero_()
-        shape = _SHAPES[packet](*args[: _OPERANDS[packet]])
-        return torch.zeros(shape, dtype=torch.bfloat16, device=args[0].device)
+        return torch.zeros(_SHAPES[packet](*args), dtype=torch.bfloat16, device=args[0].device)
 
 
 def _zeroed(real):  # noqa: ANN001, ANN202

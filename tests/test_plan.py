@@ -129,9 +129,9 @@ def test_bf16_on_a_cpu_without_bf16_products_is_said_once(monkeypatch, capsys) -
     said = [line for line in capsys.readouterr().out.splitlines() if "precision=bf16" in line]
     assert said == [
         "meshfit: precision=bf16 on this CPU: torch has no bf16 matrix products here "
-        "(oneDNN has no bf16 kernels for it) and multiplies bf16 matrices in a scalar loop, 10-1000x "
-        "slower than float32; the results are bf16's either way, only slower: "
-        "precision='fp32' trains faster on this CPU"
+        "(oneDNN has no bf16 kernels for it) and multiplies bf16 matrices in a scalar "
+        "loop, 10-1000x slower than float32; the results are bf16's either way, only "
+        "slower: precision='fp32' trains faster on this CPU"
     ]
     monkeypatch.setattr(precision, "_said_slow", False)
     monkeypatch.setattr(precision, "bf16_products_are_native", lambda: True)

@@ -50,9 +50,9 @@ def _say_if_bf16_is_slow_here(name: str, device: torch.device) -> None:
         return
     print(
         f"meshfit: precision={name} on this CPU: torch has no bf16 matrix products here "
-        f"(oneDNN has no bf16 kernels for it) and multiplies bf16 matrices in a scalar loop, 10-1000x "
-        f"slower than float32; the results are bf16's either way, only slower: "
-        f"precision='fp32' trains faster on this CPU",
+        "(oneDNN has no bf16 kernels for it) and multiplies bf16 matrices in a scalar "
+        "loop, 10-1000x slower than float32; the results are bf16's either way, only "
+        "slower: precision='fp32' trains faster on this CPU",
         flush=True,
     )
 
